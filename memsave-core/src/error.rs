@@ -1,0 +1,35 @@
+use std::path::PathBuf;
+
+/// The one error type of memsave. Every message names the file, field or value at fault.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// A configuration value is out of its valid range or of the wrong type.
+    #[error("invalid value for `{field}`: {message}")]
+    InvalidValue {
+        /// The field, as a dotted path (`fp16.loss_scale`).
+        field: String,
+        /// What is wrong and what is expected.
+        message: String,
+    },
+    /// A file could not be read or written.
+    #[error("{}: {source}", path.display())]
+    Io {
+        /// The file at fault.
+        path: PathBuf,
+        /// The underlying error.
+        source: std::io::Error,
+    },
+}
+
+/// `Result` with memsave's [`Error`].
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+impl Error {
+    /// An [`Error::InvalidValue`] for `field`.
+    pub fn invalid(field: impl Into<String>, message: impl Into<String>) -> Self {
+        Error::InvalidValue {
+            field: field.into(),
+            message: message.into(),
+        }
+    }
+}

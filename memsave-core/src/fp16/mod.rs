@@ -1,0 +1,246 @@
+//! Mixed precision: the `fp16_enabled` flag, [`Fp16Module`] and [`wrap_fp16_model`].
+//!
+//! MMCV 1.x semantics: a module carries an `fp16_enabled` flag, off by default; its methods
+//! marked `#[auto_fp16]` cast their fp32 tensor arguments to half when the flag is on, and those
+//! marked `#[force_fp32]` cast half arguments back to fp32. [`wrap_fp16_model`] switches the
+//! flag on in the model and every submodule, casts the float parameters to half, and keeps the
+//! normalisation layers ([`crate::nn::BatchNorm`], [`crate::nn::GroupNorm`]) in fp32.
+//!
+//! memsave goes further than MMCV in two ways: the half type is chosen per model
+//! ([`Precision::F16`] or [`Precision::Bf16`]), and a module that cannot take part (Burn's own
+//! BatchNorm, whose fp32 weights would meet half inputs) is a compile error, not a run-time
+//! dtype mismatch.
+
+mod impls;
+
+use std::fmt;
+
+use burn::module::{
+    AutodiffModule, Content, Devices, EmptyRecord, Module, ModuleDisplay, ModuleDisplayDefault,
+    ModuleMapper, ModuleVisitor, Param,
+};
+use burn::prelude::Backend;
+use burn::tensor::backend::AutodiffBackend;
+use burn::tensor::{DType, Tensor};
+use serde::{Deserialize, Serialize};
+
+use crate::cast::{cast_tensor_type, CastFloat};
+
+/// The half-precision type a model runs in once wrapped.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Precision {
+    /// IEEE half (`torch.half`): MMCV's only choice; needs loss scaling.
+    #[default]
+    F16,
+    /// bfloat16: fp32's range with 8 bits of mantissa.
+    Bf16,
+}
+
+impl Precision {
+    /// The tensor dtype of this precision.
+    pub fn dtype(self) -> DType {
+        match self {
+            Precision::F16 => DType::F16,
+            Precision::Bf16 => DType::BF16,
+        }
+    }
+}
+
+impl fmt::Display for Precision {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Precision::F16 => "f16",
+            Precision::Bf16 => "bf16",
+        })
+    }
+}
+
+/// The `fp16_enabled` flag of a module: off, or on with the half type to run in.
+///
+/// A field `fp16_enabled: Fp16` in a `#[memsave::model]` struct makes its `#[auto_fp16]` and
+/// `#[force_fp32]` methods work. To Burn it is a constant, like a `bool` field: it is not saved in
+/// records and survives `valid()`, `fork()` and `map()`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum Fp16 {
+    /// Methods run exactly as written (MMCV's `fp16_enabled = False`).
+    #[default]
+    Off,
+    /// Set by [`wrap_fp16_model`]: `#[auto_fp16]` casts fp32 to this precision.
+    On(Precision),
+}
+
+impl Fp16 {
+    /// The half precision when the flag is on.
+    pub fn precision(self) -> Option<Precision> {
+        match self {
+            Fp16::Off => None,
+            Fp16::On(precision) => Some(precision),
+        }
+    }
+
+    /// Whether the flag is on.
+    pub fn is_on(self) -> bool {
+        matches!(self, Fp16::On(_))
+    }
+
+    /// Flag on: every fp32 float tensor in `value` cast to half. Flag off: `value` unchanged.
+    pub fn to_half<T: CastFloat>(self, value: T) -> T {
+        match self {
+            Fp16::Off => value,
+            Fp16::On(precision) => cast_tensor_type(value, DType::F32, precision.dtype()),
+        }
+    }
+
+    /// Flag on: every half float tensor in `value` cast to fp32. Flag off: `value` unchanged.
+    pub fn to_fp32<T: CastFloat>(self, value: T) -> T {
+        match self {
+            Fp16::Off => value,
+            Fp16::On(precision) => cast_tensor_type(value, precision.dtype(), DType::F32),
+        }
+    }
+}
+
+impl fmt::Display for Fp16 {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Fp16::Off => f.write_str("off"),
+            Fp16::On(precision) => write!(f, "on ({precision})"),
+        }
+    }
+}
+
+impl<B: Backend> Module<B> for Fp16 {
+    type Record = EmptyRecord;
+
+    fn collect_devices(&self, devices: Devices<B>) -> Devices<B> {
+        devices
+    }
+
+    fn fork(self, _device: &B::Device) -> Self {
+        self
+    }
+
+    fn to_device(self, _device: &B::Device) -> Self {
+        self
+    }
+
+    fn visit<V: ModuleVisitor<B>>(&self, _visitor: &mut V) {}
+
+    fn map<M: ModuleMapper<B>>(self, _mapper: &mut M) -> Self {
+        self
+    }
+
+    fn load_record(self, _record: Self::Record) -> Self {
+        self
+    }
+
+    fn into_record(self) -> Self::Record {
+        EmptyRecord::new()
+    }
+}
+
+impl<B: AutodiffBackend> AutodiffModule<B> for Fp16 {
+    type InnerModule = Fp16;
+
+    fn valid(&self) -> Self::InnerModule {
+        *self
+    }
+
+    fn from_inner(module: Self::InnerModule) -> Self {
+        module
+    }
+}
+
+impl ModuleDisplayDefault for Fp16 {
+    fn content(&self, content: Content) -> Option<Content> {
+        content.add_formatted(self).optional()
+    }
+}
+
+impl ModuleDisplay for Fp16 {}
+
+/// A module that has an `fp16_enabled` flag, read by `#[auto_fp16]` and `#[force_fp32]`.
+///
+/// `#[memsave::model]` implements it for a struct with a field `fp16_enabled: Fp16`.
+#[diagnostic::on_unimplemented(
+    message = "`{Self}` has no fp16 flag, so `#[auto_fp16]` / `#[force_fp32]` cannot be used on its methods",
+    label = "this method reads `self.fp16_enabled`",
+    note = "put `#[memsave::model]` on the struct and give it a field `fp16_enabled: memsave::fp16::Fp16` \
+            (start it at `Fp16::Off`; `wrap_fp16_model` switches it on)"
+)]
+pub trait HasFp16Flag {
+    /// The module's own flag.
+    fn fp16_enabled(&self) -> Fp16;
+}
+
+/// A module that [`wrap_fp16_model`] can reach: it switches its flag on (if it has one), casts
+/// its float parameters to half (unless it is a normalisation layer that stays fp32), and
+/// recurses into its submodules.
+///
+/// Implemented by `#[memsave::model]` structs, by memsave's layers, by the layers of `burn::nn`
+/// that run in half precision, by containers of such modules, and (doing nothing) by plain
+/// values. Burn's `BatchNorm` and `GroupNorm` are left out on purpose: use
+/// [`crate::nn::BatchNorm`] and [`crate::nn::GroupNorm`], which stay fp32.
+#[diagnostic::on_unimplemented(
+    message = "`{Self}` cannot be part of a mixed-precision model: it does not implement `Fp16Module`",
+    label = "`wrap_fp16_model` must reach this field",
+    note = "for a module of yours, put `#[memsave::model]` on its struct",
+    note = "for burn's BatchNorm or GroupNorm, use `memsave::nn::BatchNorm` / `memsave::nn::GroupNorm`, \
+            which keep fp32 weights and cast their input to fp32 (burn's would fail on a half input)",
+    note = "for a field that must stay exactly as it is, mark it `#[fp16(skip)]`"
+)]
+pub trait Fp16Module: Sized {
+    /// Switches mixed precision on for this module and its submodules (MMCV's
+    /// `wrap_fp16_model` on this subtree).
+    fn wrap_fp16(self, precision: Precision) -> Self;
+}
+
+/// Prepares `model` for mixed-precision training (MMCV's `wrap_fp16_model`).
+///
+/// Sets `fp16_enabled` to `Fp16::On(precision)` on the model and every submodule that has the
+/// flag, casts every float parameter to `precision`, and keeps the parameters of normalisation
+/// layers in fp32. Parameter ids are kept, so optimizers and `GradientsParams` still match.
+pub fn wrap_fp16_model<M: Fp16Module>(model: M, precision: Precision) -> M {
+    model.wrap_fp16(precision)
+}
+
+/// Casts every fp32 float parameter of `module` to `precision`, keeping ids and `require_grad`
+/// (the half parameters are new leaves of the autodiff graph).
+pub fn cast_params<B: Backend, M: Module<B>>(module: M, precision: Precision) -> M {
+    module.map(&mut ParamCaster {
+        from: DType::F32,
+        to: precision.dtype(),
+    })
+}
+
+/// The [`ModuleMapper`] behind [`cast_params`].
+struct ParamCaster {
+    from: DType,
+    to: DType,
+}
+
+impl<B: Backend> ModuleMapper<B> for ParamCaster {
+    fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
+        let (from, to) = (self.from, self.to);
+        param.map(|tensor| cast_leaf(tensor, from, to))
+    }
+}
+
+/// Casts a parameter's value as a new leaf, so the cast itself is not recorded in the graph.
+pub(crate) fn cast_leaf<B: Backend, const D: usize>(
+    tensor: Tensor<B, D>,
+    from: DType,
+    to: DType,
+) -> Tensor<B, D> {
+    if tensor.dtype() != from {
+        return tensor;
+    }
+    let require_grad = tensor.is_require_grad();
+    let cast = tensor.cast(to).detach();
+    if require_grad {
+        cast.require_grad()
+    } else {
+        cast
+    }
+}

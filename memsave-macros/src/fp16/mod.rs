@@ -1,0 +1,39 @@
+//! `#[auto_fp16]` and `#[force_fp32]`: parse -> validate -> expand.
+
+mod attr;
+mod expand;
+pub mod valid;
+
+pub use attr::Kind;
+use proc_macro2::TokenStream;
+use quote::quote;
+use syn::ImplItemFn;
+
+use crate::ctxt::Ctxt;
+
+/// The whole macro: the rewritten method, or the method as written plus every error.
+pub fn cast_attribute(kind: Kind, args: TokenStream, item: TokenStream) -> TokenStream {
+    let mut method: ImplItemFn = match syn::parse2(item.clone()) {
+        Ok(method) => method,
+        Err(_) => {
+            let message = format!(
+                "`#[{}]` goes on a method with a body, in an `impl` block of a module",
+                kind.name()
+            );
+            let error = syn::Error::new_spanned(&item, message).to_compile_error();
+            return quote!(#item #error);
+        }
+    };
+
+    let mut cx = Ctxt::default();
+    let attr = attr::parse(&mut cx, kind, args);
+    let plan = valid::validate(&mut cx, kind, &attr, &method);
+    if let Some(errors) = cx.check() {
+        // The conflicting attribute is dropped so that the conflict is reported once.
+        method
+            .attrs
+            .retain(|attr| !valid::is_attr(attr, kind.other().name()));
+        return quote!(#method #errors);
+    }
+    expand::expand(&crate::crate_path::memsave(), kind, &plan, method)
+}

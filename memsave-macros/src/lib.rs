@@ -1,0 +1,45 @@
+//! Attribute macros of memsave. Each macro is parse -> validate -> expand in its own module;
+//! every mistake is reported with its span, several in one compile, and on error the item is
+//! emitted unchanged beside the errors so that the rest of the crate still type-checks.
+
+use proc_macro::TokenStream;
+
+mod crate_path;
+mod ctxt;
+mod fp16;
+mod model;
+mod suggest;
+
+#[cfg(test)]
+mod snapshots;
+
+/// Casts the method's fp32 tensor arguments to half when the module's `fp16_enabled` flag is
+/// on (MMCV's `auto_fp16`).
+///
+/// `#[auto_fp16]` casts every argument taken by value; `#[auto_fp16(apply_to = (x, y))]` (or
+/// `args = ...`) only the named ones, which may also be borrowed (`&Tensor`: a cast copy is
+/// borrowed). `out_fp32` casts the output back to fp32. Flag off: the method runs unchanged.
+#[proc_macro_attribute]
+pub fn auto_fp16(args: TokenStream, item: TokenStream) -> TokenStream {
+    fp16::cast_attribute(fp16::Kind::AutoFp16, args.into(), item.into()).into()
+}
+
+/// Casts the method's half tensor arguments to fp32 when the module's `fp16_enabled` flag is
+/// on, so that the body runs in fp32 (MMCV's `force_fp32`).
+///
+/// Options as [`macro@auto_fp16`]: `args = (x, y)` (or `apply_to`), and `out_fp16` to cast the
+/// output back to half.
+#[proc_macro_attribute]
+pub fn force_fp32(args: TokenStream, item: TokenStream) -> TokenStream {
+    fp16::cast_attribute(fp16::Kind::ForceFp32, args.into(), item.into()).into()
+}
+
+/// Makes a struct a memsave model: implements `Fp16Module` (so that `wrap_fp16_model` reaches
+/// every field) and, when the struct has a field `fp16_enabled: Fp16`, `HasFp16Flag`.
+///
+/// Put it above `#[derive(Module)]`. Field attributes: `#[fp16(skip)]` leaves a field exactly as
+/// it is under `wrap_fp16_model` (so does Burn's `#[module(skip)]`).
+#[proc_macro_attribute]
+pub fn model(args: TokenStream, item: TokenStream) -> TokenStream {
+    model::model_attribute(args.into(), item.into()).into()
+}

@@ -1,0 +1,116 @@
+//! The typed model of a `#[memsave::model]` struct.
+
+use proc_macro2::{Span, TokenStream};
+use syn::{Fields, Ident, ItemStruct, Type};
+
+use crate::ctxt::Ctxt;
+use crate::suggest;
+
+/// The name of the fp16 flag field.
+pub const FP16_FLAG: &str = "fp16_enabled";
+
+pub struct Model {
+    /// The struct as it is emitted: memsave's field attributes removed.
+    pub item: ItemStruct,
+    pub fields: Vec<Field>,
+}
+
+pub struct Field {
+    pub ident: Ident,
+    pub ty: Type,
+    /// `#[fp16(skip)]` or `#[module(skip)]`: left as it is by `wrap_fp16_model`.
+    pub fp16_skip: bool,
+}
+
+impl Model {
+    pub fn parse(cx: &mut Ctxt, tokens: TokenStream) -> Option<Model> {
+        let mut item: ItemStruct = match syn::parse2(tokens) {
+            Ok(item) => item,
+            Err(_) => {
+                cx.syn_error(syn::Error::new(
+                    Span::call_site(),
+                    "`#[memsave::model]` goes on a struct with named fields (a Burn module)",
+                ));
+                return None;
+            }
+        };
+        let Fields::Named(named) = &mut item.fields else {
+            cx.error_spanned_by(
+                &item.ident,
+                "`#[memsave::model]` needs named fields: the generated code reaches each \
+                 submodule by its name",
+            );
+            return None;
+        };
+
+        let mut fields = Vec::new();
+        for field in named.named.iter_mut() {
+            let ident = field.ident.clone().expect("named fields have names");
+            let mut fp16_skip = false;
+            field.attrs.retain(|attr| {
+                let path = attr.path();
+                if path.is_ident("fp16") {
+                    fp16_skip |= parse_fp16_attr(cx, attr);
+                    false
+                } else {
+                    if path.is_ident("module") && mentions_skip(attr) {
+                        fp16_skip = true;
+                    }
+                    true
+                }
+            });
+            fields.push(Field {
+                ident,
+                ty: field.ty.clone(),
+                fp16_skip,
+            });
+        }
+        Some(Model { item, fields })
+    }
+
+    /// The `fp16_enabled` field, if the struct has one.
+    pub fn flag(&self) -> Option<&Field> {
+        self.fields.iter().find(|field| field.ident == FP16_FLAG)
+    }
+}
+
+/// `#[fp16(skip)]`: true; anything else is an error.
+fn parse_fp16_attr(cx: &mut Ctxt, attr: &syn::Attribute) -> bool {
+    let mut skip = false;
+    let result = attr.parse_nested_meta(|meta| {
+        if meta.path.is_ident("skip") {
+            skip = true;
+            Ok(())
+        } else {
+            let name = meta
+                .path
+                .get_ident()
+                .map(ToString::to_string)
+                .unwrap_or_default();
+            let hint = match suggest::closest(&name, &["skip"]) {
+                Some(close) => format!("did you mean `{close}`?"),
+                None => "the only option is `skip`".to_string(),
+            };
+            Err(meta.error(format!("unknown option `{name}` in `#[fp16(...)]`; {hint}")))
+        }
+    });
+    if let Err(error) = result {
+        cx.syn_error(error);
+    }
+    skip
+}
+
+/// Whether `#[module(...)]` contains `skip`.
+fn mentions_skip(attr: &syn::Attribute) -> bool {
+    let mut skip = false;
+    let _ = attr.parse_nested_meta(|meta| {
+        if meta.path.is_ident("skip") {
+            skip = true;
+        }
+        if meta.input.peek(syn::Token![=]) {
+            let _: syn::Expr = meta.value()?.parse()?;
+        }
+        Ok(())
+    });
+    skip
+}

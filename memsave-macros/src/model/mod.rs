@@ -1,0 +1,36 @@
+//! `#[memsave::model]`: parse -> validate -> expand.
+
+mod ast;
+mod expand;
+mod valid;
+
+use proc_macro2::TokenStream;
+use quote::quote;
+
+use crate::ctxt::Ctxt;
+
+/// The whole macro: the struct (with memsave's field attributes removed) and its impls; on
+/// error, the struct, fallback impls that keep the rest of the crate quiet, and every error.
+pub fn model_attribute(args: TokenStream, item: TokenStream) -> TokenStream {
+    let mut cx = Ctxt::default();
+    if !args.is_empty() {
+        cx.error_spanned_by(
+            &args,
+            "`#[memsave::model]` takes no options: switch strategies on the fields \
+             (`#[with_cp]`, `#[fp16(skip)]`) or in the config",
+        );
+    }
+    let Some(model) = ast::Model::parse(&mut cx, item.clone()) else {
+        let errors = cx.check().unwrap_or_default();
+        return quote!(#item #errors);
+    };
+    valid::validate(&mut cx, &model);
+    let memsave = crate::crate_path::memsave();
+    match cx.check() {
+        None => expand::expand(&memsave, &model),
+        Some(errors) => {
+            let fallback = expand::fallback(&memsave, &model);
+            quote!(#fallback #errors)
+        }
+    }
+}
