@@ -1,0 +1,110 @@
+//! Expansion snapshots, one per macro form: any change to generated code shows up in review.
+//! Update with `cargo insta review` (or `INSTA_UPDATE=always cargo test -p memsave-macros`).
+
+use proc_macro2::TokenStream;
+use quote::quote;
+
+use crate::fp16::{cast_attribute, Kind};
+use crate::model::model_attribute;
+
+fn pretty(tokens: TokenStream) -> String {
+    let file = syn::parse2::<syn::File>(tokens).expect("the expansion is valid Rust");
+    prettyplease::unparse(&file)
+}
+
+/// A method expansion, shown inside its `impl` block.
+fn method(kind: Kind, args: TokenStream, item: TokenStream) -> String {
+    let expanded = cast_attribute(kind, args, item);
+    pretty(quote!(impl<B: Backend> Head<B> { #expanded }))
+}
+
+#[test]
+fn auto_fp16_every_argument() {
+    insta::assert_snapshot!(method(
+        Kind::AutoFp16,
+        quote!(),
+        quote! {
+            /// `[N, C, H, W]` -> `[N, C, H, W]`.
+            pub fn forward(&self, x: Tensor<B, 4>, mut scales: Vec<Tensor<B, 1>>, stride: usize) -> Tensor<B, 4> {
+                scales.push(x.clone().mean());
+                self.conv.forward(x)
+            }
+        }
+    ));
+}
+
+#[test]
+fn auto_fp16_apply_to_out_fp32() {
+    insta::assert_snapshot!(method(
+        Kind::AutoFp16,
+        quote!(apply_to = (x, anchors), out_fp32),
+        quote! {
+            fn forward(&self, x: Tensor<B, 4>, anchors: &Tensor<B, 2>, (a, b): (Tensor<B, 1>, Tensor<B, 1>)) -> Tensor<B, 4> {
+                if a.dims()[0] == 0 {
+                    return x;
+                }
+                self.head.forward(x, anchors, b)
+            }
+        }
+    ));
+}
+
+#[test]
+fn force_fp32_args_out_fp16() {
+    insta::assert_snapshot!(method(
+        Kind::ForceFp32,
+        quote!(args = (cls_scores, bbox_preds), out_fp16),
+        quote! {
+            fn loss(&self, cls_scores: Vec<Tensor<B, 4>>, bbox_preds: Vec<Tensor<B, 4>>, labels: Tensor<B, 1, Int>) -> Tensor<B, 1> {
+                focal_loss(cls_scores, labels) + l1_loss(bbox_preds)
+            }
+        }
+    ));
+}
+
+#[test]
+fn force_fp32_every_argument_by_value_self() {
+    insta::assert_snapshot!(method(
+        Kind::ForceFp32,
+        quote!(),
+        quote! {
+            fn into_loss(self, (scores, targets): (Tensor<B, 2>, Tensor<B, 2>)) -> Tensor<B, 1> {
+                (scores - targets).abs().sum()
+            }
+        }
+    ));
+}
+
+#[test]
+fn model_with_flag_and_skipped_field() {
+    insta::assert_snapshot!(pretty(model_attribute(
+        quote!(),
+        quote! {
+            #[derive(Module, Debug)]
+            pub struct ConvBn<B: Backend> {
+                conv: Conv2d<B>,
+                bn: BatchNorm<B>,
+                #[fp16(skip)]
+                stats: Linear<B>,
+                blocks: Vec<Block<B>>,
+                fp16_enabled: Fp16,
+            }
+        }
+    )));
+}
+
+#[test]
+fn model_without_flag() {
+    insta::assert_snapshot!(pretty(model_attribute(
+        quote!(),
+        quote! {
+            #[derive(Module, Debug)]
+            pub struct Backbone<B: Backend, const N: usize> where B::FloatElem: Copy {
+                stem: Stem<B>,
+                #[module(skip)]
+                depth: usize,
+                stages: [Stage<B>; N],
+            }
+        }
+    )));
+}

@@ -1,0 +1,20 @@
+use burn::prelude::*;
+use memsave::auto_fp16;
+use memsave::fp16::Fp16;
+
+#[memsave::model]
+#[derive(Module, Debug)]
+struct Head<B: Backend> {
+    weight: burn::module::Param<Tensor<B, 1>>,
+    fp16_enabled: Fp16,
+}
+
+impl<B: Backend> Head<B> {
+    // Three mistakes, all reported in one compile.
+    #[auto_fp16(apply_to = (q), out_fp16, out_fp32 = 1)]
+    fn forward(&self, x: Tensor<B, 1>) -> Tensor<B, 1> {
+        x
+    }
+}
+
+fn main() {}
