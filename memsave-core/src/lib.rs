@@ -4,11 +4,15 @@
 //! - [`cast`]: recursive fp32 <-> half casting over tensors and containers (MMCV's
 //!   `cast_tensor_type`).
 //! - [`fp16`]: the `fp16_enabled` flag, [`fp16::Fp16Module`] and [`fp16::wrap_fp16_model`].
+//! - [`checkpoint`]: recompute-in-backward segments (MMCV's `with_cp`).
+//! - [`memory`]: peak live bytes on the CPU (a counting global allocator).
 //! - [`nn`]: normalisation layers that stay in fp32 inside a half-precision model.
 
 pub mod cast;
+pub mod checkpoint;
 mod error;
 pub mod fp16;
+pub mod memory;
 pub mod nn;
 
 pub use error::{Error, Result};

@@ -39,7 +39,8 @@ impl BatchNormConfig {
 ///
 /// On an autodiff backend it normalises with the batch statistics and updates the running ones
 /// (running variance with the unbiased batch variance, as PyTorch); otherwise it normalises with
-/// the running statistics.
+/// the running statistics. Inside a checkpointed segment the running statistics are updated
+/// in the first forward only, not again in the recomputation.
 #[derive(Module, Debug)]
 pub struct BatchNorm<B: Backend> {
     /// Scale, `[channels]`.
@@ -93,16 +94,20 @@ impl<B: Backend> BatchNorm<B> {
         } else {
             1.0
         };
-        let running_mean = self.running_mean.value_sync().to_device(&input.device());
-        let running_var = self.running_var.value_sync().to_device(&input.device());
-        self.running_mean.update(
-            running_mean.mul_scalar(1.0 - self.momentum)
-                + mean.clone().detach().mul_scalar(self.momentum),
-        );
-        self.running_var.update(
-            running_var.mul_scalar(1.0 - self.momentum)
-                + var.clone().detach().mul_scalar(self.momentum * unbiased),
-        );
+        // A checkpointed segment runs twice per step; the statistics move in its first
+        // forward only (PyTorch updates them in both).
+        if !crate::checkpoint::is_recomputing() {
+            let running_mean = self.running_mean.value_sync().to_device(&input.device());
+            let running_var = self.running_var.value_sync().to_device(&input.device());
+            self.running_mean.update(
+                running_mean.mul_scalar(1.0 - self.momentum)
+                    + mean.clone().detach().mul_scalar(self.momentum),
+            );
+            self.running_var.update(
+                running_var.mul_scalar(1.0 - self.momentum)
+                    + var.clone().detach().mul_scalar(self.momentum * unbiased),
+            );
+        }
         self.normalise(input, mean, var)
     }
 

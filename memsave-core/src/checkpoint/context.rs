@@ -1,0 +1,99 @@
+//! What a thread is doing with respect to checkpointing: running a segment's first forward
+//! (recording its random draws) or recomputing it (replaying them, and leaving running
+//! statistics alone).
+//!
+//! Frames nest: a segment recomputed inside another segment's recomputation replays from the
+//! innermost replay frame and records for its own later recomputation.
+
+use std::any::Any;
+use std::cell::RefCell;
+use std::collections::VecDeque;
+
+/// Random values drawn inside a segment, in order (dropout masks).
+pub(crate) type Draws = Vec<Box<dyn Any + Send>>;
+
+enum Frame {
+    Record(Draws),
+    Replay(VecDeque<Box<dyn Any + Send>>),
+}
+
+thread_local! {
+    static FRAMES: RefCell<Vec<Frame>> = const { RefCell::new(Vec::new()) };
+}
+
+/// Whether this thread is recomputing a segment in backward. Layers with running statistics
+/// (memsave's `BatchNorm`) leave them alone then, so that they are updated once per step.
+pub fn is_recomputing() -> bool {
+    FRAMES.with(|frames| {
+        frames
+            .borrow()
+            .iter()
+            .any(|frame| matches!(frame, Frame::Replay(_)))
+    })
+}
+
+/// A random value for a layer inside a segment: drawn with `draw` in a first forward (and
+/// recorded), replayed in a recomputation, drawn plainly elsewhere.
+pub fn random<T: Clone + Send + 'static>(draw: impl FnOnce() -> T) -> T {
+    FRAMES.with(|frames| {
+        let mut frames = frames.borrow_mut();
+        let replay = frames
+            .iter()
+            .rposition(|frame| matches!(frame, Frame::Replay(_)));
+        let value = match replay {
+            Some(index) => {
+                let Frame::Replay(queue) = &mut frames[index] else {
+                    unreachable!("rposition found a replay frame")
+                };
+                let recorded = queue.pop_front().expect(
+                    "a checkpointed segment drew more random values in its recomputation than \
+                     in its first forward: its body must be deterministic given its input",
+                );
+                *recorded.downcast::<T>().expect(
+                    "a checkpointed segment drew random values of another type in its \
+                     recomputation: its body must be deterministic given its input",
+                )
+            }
+            None => draw(),
+        };
+        let above = replay.map_or(0, |index| index + 1);
+        for frame in &mut frames[above..] {
+            if let Frame::Record(draws) = frame {
+                draws.push(Box::new(value.clone()));
+            }
+        }
+        value
+    })
+}
+
+/// Runs `f` as a segment's first forward; returns its result and the random values it drew.
+pub(crate) fn recording<R>(f: impl FnOnce() -> R) -> (R, Draws) {
+    FRAMES.with(|frames| frames.borrow_mut().push(Frame::Record(Vec::new())));
+    let _pop = PopFrame;
+    let result = f();
+    let draws = FRAMES.with(|frames| match frames.borrow_mut().last_mut() {
+        Some(Frame::Record(draws)) => std::mem::take(draws),
+        _ => unreachable!("the record frame pushed above is on top"),
+    });
+    (result, draws)
+}
+
+/// Runs `f` as a recomputation that replays `draws`.
+pub(crate) fn replaying<R>(draws: Draws, f: impl FnOnce() -> R) -> R {
+    FRAMES.with(|frames| {
+        frames
+            .borrow_mut()
+            .push(Frame::Replay(draws.into_iter().collect()))
+    });
+    let _pop = PopFrame;
+    f()
+}
+
+/// Pops the frame pushed with it, also when the segment unwinds.
+struct PopFrame;
+
+impl Drop for PopFrame {
+    fn drop(&mut self) {
+        FRAMES.with(|frames| frames.borrow_mut().pop());
+    }
+}

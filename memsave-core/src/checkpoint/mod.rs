@@ -1,0 +1,157 @@
+//! Gradient checkpointing: run a segment of a model without keeping its activations, keep only
+//! its input, and recompute it during backward (MMCV's `with_cp`, `torch.utils.checkpoint`).
+//!
+//! [`checkpoint`] is the runtime under `#[with_cp]`; it works on any backend that implements
+//! [`CheckpointBackend`]: on Burn's `Autodiff` backend it records a recompute node, on a plain
+//! backend (inference) it just runs the segment. Gradients reach the optimizer through the
+//! ordinary path: `loss.backward()`, then `GradientsParams::from_grads(grads, &model)`.
+//!
+//! Beyond PyTorch: BatchNorm ([`crate::nn::BatchNorm`]) updates its running statistics once per
+//! step, not twice, and dropout ([`crate::nn::Dropout`]) reuses its masks in the recomputation
+//! without touching the global random stream.
+//!
+//! After a backward pass, call [`join_helpers`] (the training hooks do) so that no recompute
+//! thread outlives its step.
+
+mod autodiff;
+mod context;
+mod helpers;
+mod segment;
+
+use burn::backend::Flex;
+use burn::module::Module;
+use burn::prelude::Backend;
+use burn::tensor::ops::FloatTensor;
+
+pub use context::{is_recomputing, random};
+pub use helpers::{join_helpers, live_helpers, recomputations};
+pub use segment::{floats, Segment};
+
+/// A backend on which memsave can checkpoint segments. In generic model code, bound the backend
+/// with `B: memsave::Backend` (this trait) where a `#[with_cp]` method is defined or called.
+#[diagnostic::on_unimplemented(
+    message = "memsave cannot checkpoint segments on the backend `{Self}`",
+    label = "a `#[with_cp]` method needs a checkpointing backend",
+    note = "in generic code, bound the backend with `{Self}: memsave::Backend` (Burn's `Backend` \
+            plus checkpointing) instead of `{Self}: Backend`",
+    note = "memsave supports `Flex`, `Cuda` (feature `cuda`) and `Autodiff` over either"
+)]
+pub trait CheckpointBackend: Backend {
+    /// Whether `tensor` is recorded in an autodiff graph: a leaf that requires grad or a result
+    /// of one (PyTorch's `requires_grad`; Burn's `is_require_grad` is true for leaves only).
+    fn is_tracked(tensor: &FloatTensor<Self>) -> bool;
+
+    /// Runs `segment(module, input)`; on an autodiff backend, keeps only `input` and recomputes
+    /// the segment in backward. Use [`checkpoint`], which also applies MMCV's guard.
+    fn checkpoint_segment<M, I, O, F>(module: &M, input: I, segment: F) -> O
+    where
+        M: Module<Self> + 'static,
+        I: Segment<Self>,
+        O: Segment<Self>,
+        F: Fn(&M, I) -> O + Send + Sync + 'static;
+}
+
+/// Runs `segment(module, input)` as a checkpointed segment when `input` requires grad (MMCV's
+/// guard), else as written.
+///
+/// The segment must be deterministic given its input and the module: it runs twice. Random
+/// draws through [`random`] (memsave's `Dropout`) are replayed.
+pub fn checkpoint<B, M, I, O, F>(module: &M, input: I, segment: F) -> O
+where
+    B: CheckpointBackend,
+    M: Module<B> + 'static,
+    I: Segment<B>,
+    O: Segment<B>,
+    F: Fn(&M, I) -> O + Send + Sync + 'static,
+{
+    if floats(&input).iter().any(B::is_tracked) {
+        B::checkpoint_segment(module, input, segment)
+    } else {
+        segment(module, input)
+    }
+}
+
+/// Without autodiff there is nothing to keep: the segment just runs.
+macro_rules! plain_backend {
+    ($($backend:ty),* $(,)?) => {$(
+        impl CheckpointBackend for $backend {
+            fn is_tracked(_tensor: &FloatTensor<Self>) -> bool {
+                false
+            }
+
+            fn checkpoint_segment<M, I, O, F>(module: &M, input: I, segment: F) -> O
+            where
+                M: Module<Self> + 'static,
+                I: Segment<Self>,
+                O: Segment<Self>,
+                F: Fn(&M, I) -> O + Send + Sync + 'static,
+            {
+                segment(module, input)
+            }
+        }
+    )*};
+}
+
+plain_backend!(Flex);
+#[cfg(feature = "cuda")]
+plain_backend!(burn::backend::Cuda);
+
+/// A module with a `with_cp` flag, read by `#[with_cp]` methods.
+///
+/// `#[memsave::model]` implements it for a struct with a field `with_cp: bool`.
+#[diagnostic::on_unimplemented(
+    message = "`{Self}` has no `with_cp` flag, so `#[with_cp]` cannot be used on its methods",
+    label = "this method reads `self.with_cp`",
+    note = "put `#[memsave::model]` on the struct and give it a field `with_cp: bool` (start it \
+            at `false`; `set_with_cp` or the config switches it on)"
+)]
+pub trait HasWithCp {
+    /// The module's own flag.
+    fn with_cp(&self) -> bool;
+}
+
+/// A module in which checkpointing can be switched on: it has a `with_cp` flag, or fields
+/// marked `#[with_cp]` that lead to one.
+#[diagnostic::on_unimplemented(
+    message = "`{Self}` cannot be checkpointed: nothing in it has a `with_cp` switch",
+    label = "`#[with_cp]` on this field switches checkpointing on inside it",
+    note = "a checkpointable block is a `#[memsave::model]` struct with a field `with_cp: bool` \
+            and a `#[with_cp]` method (its forward); Burn's layers have no such switch: \
+            checkpoint the block that contains them"
+)]
+pub trait CheckpointModule: Sized {
+    /// Sets every `with_cp` flag of this module and of its `#[with_cp]` fields to `on`.
+    fn set_with_cp(self, on: bool) -> Self;
+}
+
+/// Switches checkpointing on (or off) in `model`: its `with_cp` flag and, through every field
+/// marked `#[with_cp]`, the flags of the blocks below (MMCV's `with_cp=True` on a backbone).
+pub fn set_with_cp<M: CheckpointModule>(model: M, on: bool) -> M {
+    model.set_with_cp(on)
+}
+
+impl<T: CheckpointModule> CheckpointModule for Vec<T> {
+    fn set_with_cp(self, on: bool) -> Self {
+        self.into_iter()
+            .map(|module| module.set_with_cp(on))
+            .collect()
+    }
+}
+
+impl<T: CheckpointModule> CheckpointModule for Option<T> {
+    fn set_with_cp(self, on: bool) -> Self {
+        self.map(|module| module.set_with_cp(on))
+    }
+}
+
+impl<T: CheckpointModule> CheckpointModule for Box<T> {
+    fn set_with_cp(self, on: bool) -> Self {
+        Box::new((*self).set_with_cp(on))
+    }
+}
+
+impl<T: CheckpointModule, const N: usize> CheckpointModule for [T; N] {
+    fn set_with_cp(self, on: bool) -> Self {
+        self.map(|module| module.set_with_cp(on))
+    }
+}
