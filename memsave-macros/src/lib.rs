@@ -9,6 +9,7 @@ mod ctxt;
 mod fp16;
 mod model;
 mod suggest;
+mod with_cp;
 
 #[cfg(test)]
 mod snapshots;
@@ -32,6 +33,17 @@ pub fn auto_fp16(args: TokenStream, item: TokenStream) -> TokenStream {
 #[proc_macro_attribute]
 pub fn force_fp32(args: TokenStream, item: TokenStream) -> TokenStream {
     fp16::cast_attribute(fp16::Kind::ForceFp32, args.into(), item.into()).into()
+}
+
+/// Recomputes the method's body in backward instead of keeping its activations, when the
+/// module's `with_cp` flag is on and the input requires grad (MMCV's `with_cp`); otherwise the
+/// method runs as written.
+///
+/// On a field of a `#[memsave::model]` struct, marks the block(s) that `set_with_cp` switches
+/// checkpointing on in. Not on the first layer: its input (the image) does not require grad.
+#[proc_macro_attribute]
+pub fn with_cp(args: TokenStream, item: TokenStream) -> TokenStream {
+    with_cp::with_cp_attribute(args.into(), item.into()).into()
 }
 
 /// Makes a struct a memsave model: implements `Fp16Module` (so that `wrap_fp16_model` reaches

@@ -108,3 +108,51 @@ fn model_without_flag() {
         }
     )));
 }
+
+fn with_cp_method(item: TokenStream) -> String {
+    let expanded = crate::with_cp::with_cp_attribute(quote!(), item);
+    pretty(quote!(impl<B: memsave::Backend> Bottleneck<B> { #expanded }))
+}
+
+#[test]
+fn with_cp_one_input() {
+    insta::assert_snapshot!(with_cp_method(quote! {
+        /// The residual branch and the skip, without the final ReLU.
+        #[auto_fp16]
+        pub fn residual(&self, x: Tensor<B, 4>) -> Tensor<B, 4> {
+            let identity = match &self.downsample {
+                Some(downsample) => downsample.forward(x.clone()),
+                None => x.clone(),
+            };
+            self.bn3.forward(self.conv3.forward(x)) + identity
+        }
+    }));
+}
+
+#[test]
+fn with_cp_several_inputs_and_outputs() {
+    insta::assert_snapshot!(with_cp_method(quote! {
+        fn forward(&self, mut c3: Tensor<B, 4>, (c4, c5): (Tensor<B, 4>, Tensor<B, 4>)) -> (Tensor<B, 4>, Tensor<B, 4>) {
+            c3 = self.lateral3.forward(c3);
+            (c3 + self.up.forward(c4), c5)
+        }
+    }));
+}
+
+#[test]
+fn model_with_checkpointed_fields() {
+    insta::assert_snapshot!(pretty(model_attribute(
+        quote!(),
+        quote! {
+            #[derive(Module, Debug)]
+            pub struct ResNet<B: Backend> {
+                stem: Stem<B>,
+                #[with_cp]
+                layer1: Vec<Bottleneck<B>>,
+                #[with_cp]
+                layer2: Vec<Bottleneck<B>>,
+                with_cp: bool,
+            }
+        }
+    )));
+}

@@ -8,6 +8,8 @@ use crate::suggest;
 
 /// The name of the fp16 flag field.
 pub const FP16_FLAG: &str = "fp16_enabled";
+/// The name of the checkpointing flag field.
+pub const CP_FLAG: &str = "with_cp";
 
 pub struct Model {
     /// The struct as it is emitted: memsave's field attributes removed.
@@ -20,6 +22,10 @@ pub struct Field {
     pub ty: Type,
     /// `#[fp16(skip)]` or `#[module(skip)]`: left as it is by `wrap_fp16_model`.
     pub fp16_skip: bool,
+    /// `#[module(skip)]`: not a module of Burn's.
+    pub module_skip: bool,
+    /// `#[with_cp]`: the attribute, when the field is marked for checkpointing.
+    pub with_cp: Option<syn::Attribute>,
 }
 
 impl Model {
@@ -47,14 +53,26 @@ impl Model {
         for field in named.named.iter_mut() {
             let ident = field.ident.clone().expect("named fields have names");
             let mut fp16_skip = false;
+            let mut module_skip = false;
+            let mut with_cp = None;
             field.attrs.retain(|attr| {
                 let path = attr.path();
                 if path.is_ident("fp16") {
                     fp16_skip |= parse_fp16_attr(cx, attr);
                     false
+                } else if is_with_cp(path) {
+                    if !matches!(attr.meta, syn::Meta::Path(_)) {
+                        cx.error_spanned_by(
+                            attr,
+                            "`#[with_cp]` on a field takes no options: it marks the block(s) \
+                             that `set_with_cp` switches checkpointing on in",
+                        );
+                    }
+                    with_cp = Some(attr.clone());
+                    false
                 } else {
                     if path.is_ident("module") && mentions_skip(attr) {
-                        fp16_skip = true;
+                        module_skip = true;
                     }
                     true
                 }
@@ -62,7 +80,9 @@ impl Model {
             fields.push(Field {
                 ident,
                 ty: field.ty.clone(),
-                fp16_skip,
+                fp16_skip: fp16_skip || module_skip,
+                module_skip,
+                with_cp,
             });
         }
         Some(Model { item, fields })
@@ -72,6 +92,43 @@ impl Model {
     pub fn flag(&self) -> Option<&Field> {
         self.fields.iter().find(|field| field.ident == FP16_FLAG)
     }
+
+    /// The `with_cp` field, if the struct has one.
+    pub fn cp_flag(&self) -> Option<&Field> {
+        self.fields.iter().find(|field| field.ident == CP_FLAG)
+    }
+
+    /// Whether checkpointing can be switched on in this struct.
+    pub fn checkpointable(&self) -> bool {
+        self.cp_flag().is_some() || self.fields.iter().any(|field| field.with_cp.is_some())
+    }
+
+    /// The first field that is a layer: not a flag, not skipped, not a plain value.
+    pub fn first_layer(&self) -> Option<&Field> {
+        self.fields.iter().find(|field| {
+            field.ident != FP16_FLAG
+                && field.ident != CP_FLAG
+                && !field.module_skip
+                && !is_plain_value(&field.ty)
+        })
+    }
+}
+
+/// `#[with_cp]` or `#[memsave::with_cp]`.
+fn is_with_cp(path: &syn::Path) -> bool {
+    path.segments
+        .last()
+        .is_some_and(|segment| segment.ident == "with_cp")
+        && (path.segments.len() == 1 || path.segments[0].ident == "memsave")
+}
+
+/// Numbers, `bool`, `String`: configuration kept in a module, not layers.
+fn is_plain_value(ty: &Type) -> bool {
+    const PLAIN: &[&str] = &[
+        "bool", "u8", "u16", "u32", "u64", "usize", "i8", "i16", "i32", "i64", "isize", "f32",
+        "f64", "String",
+    ];
+    matches!(ty, Type::Path(path) if path.path.get_ident().is_some_and(|ident| PLAIN.iter().any(|p| ident == p)))
 }
 
 /// `#[fp16(skip)]`: true; anything else is an error.

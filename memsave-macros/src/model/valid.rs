@@ -2,10 +2,47 @@
 
 use syn::Type;
 
-use super::ast::{Model, FP16_FLAG};
+use super::ast::{Model, CP_FLAG, FP16_FLAG};
 use crate::ctxt::Ctxt;
 
 pub fn validate(cx: &mut Ctxt, model: &Model) {
+    validate_fp16(cx, model);
+    validate_with_cp(cx, model);
+}
+
+fn validate_with_cp(cx: &mut Ctxt, model: &Model) {
+    if let Some(flag) = model.cp_flag() {
+        if !matches!(&flag.ty, Type::Path(path) if path.path.is_ident("bool")) {
+            cx.error_spanned_by(
+                &flag.ty,
+                format!("`{CP_FLAG}` is the checkpointing flag: give it type `bool`"),
+            );
+        }
+        if let Some(attr) = &flag.with_cp {
+            cx.error_spanned_by(
+                attr,
+                format!("`{CP_FLAG}` is the flag itself; mark the layers to checkpoint instead"),
+            );
+        }
+    }
+    if let Some(first) = model.first_layer() {
+        if let Some(attr) = &first.with_cp {
+            let name = &first.ident;
+            cx.error_spanned_by(
+                attr,
+                format!(
+                    "`#[with_cp]` cannot go on `{name}`, the first layer: its input is the \
+                     network's input (the image), which does not require grad, so the segment \
+                     would run unrecorded and no gradient would reach the parameters of `{name}` \
+                     (PyTorch only warns: \"None of the inputs have requires_grad=True\"); \
+                     checkpoint the layers after it"
+                ),
+            );
+        }
+    }
+}
+
+fn validate_fp16(cx: &mut Ctxt, model: &Model) {
     if let Some(flag) = model.flag() {
         if !is_fp16_type(&flag.ty) {
             let flag_ty = &flag.ty;
