@@ -1,0 +1,114 @@
+//! Helpers shared by the integration tests.
+#![allow(dead_code)]
+
+use std::collections::HashMap;
+use std::sync::mpsc;
+use std::time::Duration;
+
+use burn::backend::{Autodiff, Flex};
+use burn::module::{Module, ModuleMapper, ModuleVisitor, Param, ParamId};
+use burn::prelude::*;
+use burn::tensor::DType;
+
+pub type AB = Autodiff<Flex>;
+
+/// Runs `f` on its own thread and fails the test if it does not end within `seconds` (a hang
+/// in a backward pass must fail, not block CI). A panic in `f` is passed on.
+pub fn watchdog<T: Send + 'static>(seconds: u64, f: impl FnOnce() -> T + Send + 'static) -> T {
+    let (sender, receiver) = mpsc::channel();
+    let worker = std::thread::spawn(move || {
+        let result = f();
+        let _ = sender.send(());
+        result
+    });
+    match receiver.recv_timeout(Duration::from_secs(seconds)) {
+        Ok(()) | Err(mpsc::RecvTimeoutError::Disconnected) => match worker.join() {
+            Ok(result) => result,
+            Err(panic) => std::panic::resume_unwind(panic),
+        },
+        Err(mpsc::RecvTimeoutError::Timeout) => panic!("no result after {seconds} s: a hang"),
+    }
+}
+
+/// Forces every lazy parameter to initialise, so that clones share their values.
+pub struct Materialise;
+impl<B: Backend> ModuleMapper<B> for Materialise {}
+
+/// Every parameter's gradient, flattened to fp32, by parameter id (absent: no gradient).
+pub fn param_grads<M: Module<AB>>(
+    model: &M,
+    grads: &<AB as burn::tensor::backend::AutodiffBackend>::Gradients,
+) -> HashMap<ParamId, Vec<f32>> {
+    struct Collect<'a> {
+        grads: &'a <AB as burn::tensor::backend::AutodiffBackend>::Gradients,
+        out: HashMap<ParamId, Vec<f32>>,
+    }
+    impl ModuleVisitor<AB> for Collect<'_> {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<AB, D>>) {
+            if let Some(grad) = param.val().grad(self.grads) {
+                let values = grad.cast(DType::F32).into_data().to_vec::<f32>().unwrap();
+                self.out.insert(param.id, values);
+            }
+        }
+    }
+    let mut collect = Collect {
+        grads,
+        out: HashMap::new(),
+    };
+    model.visit(&mut collect);
+    collect.out
+}
+
+/// `max |a - b| / max |b|`.
+pub fn max_relative_difference(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len(), "gradients of different sizes");
+    let scale = b
+        .iter()
+        .fold(0.0_f32, |m, v| m.max(v.abs()))
+        .max(f32::MIN_POSITIVE);
+    let diff = a
+        .iter()
+        .zip(b)
+        .fold(0.0_f32, |m, (x, y)| m.max((x - y).abs()));
+    diff / scale
+}
+
+/// Asserts that two runs gave every parameter the same gradient (within `tolerance`,
+/// relative), and that they gave gradients to the same parameters. Returns the worst
+/// difference.
+pub fn assert_same_grads(
+    with: &HashMap<ParamId, Vec<f32>>,
+    without: &HashMap<ParamId, Vec<f32>>,
+    tolerance: f32,
+) -> f32 {
+    assert!(
+        !without.is_empty(),
+        "the reference run produced no gradient"
+    );
+    let mut ids: Vec<_> = without.keys().collect();
+    ids.sort_by_key(|id| id.to_string());
+    let mut worst = 0.0_f32;
+    for id in ids {
+        let reference = &without[id];
+        let got = with
+            .get(id)
+            .unwrap_or_else(|| panic!("parameter {id} has no gradient with the strategy on"));
+        let difference = max_relative_difference(got, reference);
+        assert!(
+            difference <= tolerance,
+            "parameter {id}: relative difference {difference} > {tolerance}"
+        );
+        worst = worst.max(difference);
+    }
+    assert_eq!(
+        with.len(),
+        without.len(),
+        "different sets of parameters got gradients"
+    );
+    worst
+}
+
+/// A tensor's values, flattened, as fp32.
+pub fn values<const D: usize>(tensor: Tensor<Flex, D>) -> Vec<f32> {
+    tensor.cast(DType::F32).into_data().to_vec::<f32>().unwrap()
+}

@@ -1,0 +1,24 @@
+use burn::nn::conv::Conv2d;
+use burn::prelude::*;
+use memsave::with_cp;
+
+#[memsave::model]
+#[derive(Module, Debug)]
+struct Block<B: Backend> {
+    conv: Conv2d<B>,
+    with_cp: bool,
+}
+
+impl<B: memsave::Backend> Block<B> {
+    #[with_cp]
+    fn nothing(&self) -> Tensor<B, 1> {
+        Tensor::zeros([1], &Default::default())
+    }
+
+    #[with_cp]
+    fn counts(&self, n: usize) -> Tensor<B, 1> {
+        Tensor::zeros([n], &Default::default())
+    }
+}
+
+fn main() {}
