@@ -11,6 +11,25 @@ pub enum Error {
         /// What is wrong and what is expected.
         message: String,
     },
+    /// A checkpoint that cannot be loaded: not one, corrupt, truncated, or of another model.
+    #[error("checkpoint {}: {message}", path.display())]
+    Checkpoint {
+        /// The checkpoint file.
+        path: PathBuf,
+        /// What is wrong with it.
+        message: String,
+    },
+    /// A configuration file that cannot be used; the message names the key at fault.
+    #[error("config {}: {message}", path.display())]
+    Config {
+        /// The configuration file.
+        path: PathBuf,
+        /// The key and what is wrong with it.
+        message: String,
+    },
+    /// Training data that cannot be read.
+    #[error("data: {0}")]
+    Data(String),
     /// A file could not be read or written.
     #[error("{}: {source}", path.display())]
     Io {

@@ -10,9 +10,13 @@
 
 pub mod cast;
 pub mod checkpoint;
+pub mod config;
 mod error;
 pub mod fp16;
+pub mod hooks;
 pub mod memory;
 pub mod nn;
+pub mod scaler;
+pub mod train;
 
 pub use error::{Error, Result};

@@ -1,0 +1,140 @@
+use std::fs::{File, OpenOptions};
+use std::io::Write;
+use std::time::Instant;
+
+use burn::tensor::backend::AutodiffBackend;
+use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+
+use crate::memory;
+use crate::train::{Hook, TrainModel, TrainState};
+use crate::{Error, Result};
+
+/// A log line every `interval` iterations (loss averaged over them, learning rate, gradient
+/// norm, loss scale, peak memory, time per iteration) to stderr and `train.log` in the work
+/// directory, and a progress bar on a terminal (MMCV's `TextLoggerHook`).
+pub struct LoggerHook {
+    /// Iterations between log lines.
+    pub interval: usize,
+    losses: Vec<f64>,
+    file: Option<File>,
+    bar: Option<ProgressBar>,
+    started: Option<Instant>,
+}
+
+impl LoggerHook {
+    /// Logs every `interval` iterations (at least 1).
+    pub fn new(interval: usize) -> Self {
+        LoggerHook {
+            interval: interval.max(1),
+            losses: Vec::new(),
+            file: None,
+            bar: None,
+            started: None,
+        }
+    }
+
+    fn emit(&mut self, line: &str) {
+        match &self.bar {
+            Some(bar) if !bar.is_hidden() => bar.println(line),
+            _ => eprintln!("{line}"),
+        }
+        if let Some(file) = &mut self.file {
+            let _ = writeln!(file, "{line}");
+        }
+    }
+}
+
+impl<B: AutodiffBackend, M: TrainModel<B>> Hook<B, M> for LoggerHook {
+    fn name(&self) -> &'static str {
+        "logger"
+    }
+
+    fn before_run(&mut self, state: &mut TrainState<B, M>) -> Result<()> {
+        std::fs::create_dir_all(&state.work_dir).map_err(|source| Error::Io {
+            path: state.work_dir.clone(),
+            source,
+        })?;
+        let path = state.work_dir.join("train.log");
+        self.file = Some(
+            OpenOptions::new()
+                .create(true)
+                .append(true)
+                .open(&path)
+                .map_err(|source| Error::Io { path, source })?,
+        );
+        let bar = ProgressBar::with_draw_target(
+            Some(state.max_iters as u64),
+            ProgressDrawTarget::stderr(),
+        );
+        bar.set_style(
+            ProgressStyle::with_template("{bar:40} {pos}/{len} iters  {elapsed} < {eta}")
+                .expect("a valid template"),
+        );
+        bar.set_position(state.iter as u64);
+        self.bar = Some(bar);
+        self.started = Some(Instant::now());
+        if memory::is_counting() {
+            memory::reset_peak();
+        }
+        Ok(())
+    }
+
+    fn after_iter(&mut self, state: &mut TrainState<B, M>) -> Result<()> {
+        if let Some(loss) = state.log.loss {
+            self.losses.push(loss);
+        }
+        if let Some(bar) = &self.bar {
+            bar.inc(1);
+        }
+        if !(state.every_n_iters(self.interval) || state.is_last_iter()) {
+            return Ok(());
+        }
+        let position = if state.by_epoch {
+            format!(
+                "Epoch [{}][{}/{}]",
+                state.epoch + 1,
+                state.inner_iter + 1,
+                state.iters_per_epoch
+            )
+        } else {
+            format!("Iter [{}/{}]", state.iter + 1, state.max_iters)
+        };
+        let mut line = format!("{position}  lr: {:.3e}", state.lr);
+        if !self.losses.is_empty() {
+            // `+ 0.0` turns a -0.0 into 0.0 for printing.
+            let mean = self.losses.iter().sum::<f64>() / self.losses.len() as f64 + 0.0;
+            line.push_str(&format!("  loss: {mean:.4}"));
+            self.losses.clear();
+        }
+        if let Some(norm) = state.log.grad_norm {
+            line.push_str(&format!("  grad_norm: {norm:.4}"));
+        }
+        if let Some(scale) = state.log.loss_scale {
+            line.push_str(&format!("  loss_scale: {scale}"));
+        }
+        if memory::is_counting() {
+            line.push_str(&format!(
+                "  memory: {:.1} MiB",
+                memory::mib(memory::peak_bytes())
+            ));
+            memory::reset_peak();
+        }
+        if let Some(started) = self.started {
+            line.push_str(&format!("  time: {:.1} s", started.elapsed().as_secs_f64()));
+        }
+        self.emit(&line);
+        Ok(())
+    }
+
+    fn after_run(&mut self, state: &mut TrainState<B, M>) -> Result<()> {
+        if let Some(bar) = self.bar.take() {
+            bar.finish_and_clear();
+        }
+        for warning in state.warnings().to_vec() {
+            if let Some(file) = &mut self.file {
+                let _ = writeln!(file, "warning: {warning}");
+            }
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,169 @@
+//! Loss scaling for mixed-precision training (MMCV's `LossScaler`).
+//!
+//! The loss is multiplied by `loss_scale()` before backward, so that small gradients do not
+//! underflow in half precision; the gradients are divided by it before the optimizer step. In
+//! dynamic mode the scale adapts: an overflow (an inf or NaN gradient) divides it by
+//! `scale_factor` (never below 1), and `scale_window` clean iterations counted from the last
+//! overflow multiply it by `scale_factor`.
+
+use serde::{Deserialize, Serialize};
+
+use crate::{Error, Result};
+
+/// Whether the scale adapts.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ScaleMode {
+    /// The scale never changes.
+    Static,
+    /// The scale backs off on overflow and grows after `scale_window` clean iterations.
+    Dynamic,
+}
+
+/// The loss scale and its update rule; its whole state is serialisable for checkpoints.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct LossScaler {
+    cur_scale: f64,
+    mode: ScaleMode,
+    scale_factor: f64,
+    /// On overflow the scale is multiplied by this (PyTorch's `backoff_factor`); `None`: divided
+    /// by `scale_factor` (MMCV).
+    #[serde(default)]
+    backoff_factor: Option<f64>,
+    scale_window: u64,
+    /// Updates so far (MMCV's `cur_iter`).
+    cur_iter: u64,
+    /// The update at which the last overflow happened, -1 before any.
+    last_overflow_iter: i64,
+}
+
+impl Default for LossScaler {
+    /// Dynamic, 2^32, factor 2, window 1000 (MMCV's defaults).
+    fn default() -> Self {
+        LossScaler {
+            cur_scale: 2f64.powi(32),
+            mode: ScaleMode::Dynamic,
+            scale_factor: 2.0,
+            backoff_factor: None,
+            scale_window: 1000,
+            cur_iter: 0,
+            last_overflow_iter: -1,
+        }
+    }
+}
+
+impl LossScaler {
+    /// A scaler starting at `init_scale`.
+    ///
+    /// Errors on a scale that is not a positive finite number, a factor that is not above 1
+    /// (dynamic mode), or a zero window (dynamic mode).
+    pub fn new(
+        init_scale: f64,
+        mode: ScaleMode,
+        scale_factor: f64,
+        scale_window: u64,
+    ) -> Result<Self> {
+        if !(init_scale.is_finite() && init_scale > 0.0) {
+            return Err(Error::invalid(
+                "fp16.loss_scale",
+                format!("the loss scale must be a positive number, got {init_scale}"),
+            ));
+        }
+        if mode == ScaleMode::Dynamic {
+            if !(scale_factor.is_finite() && scale_factor > 1.0) {
+                return Err(Error::invalid(
+                    "fp16.loss_scale.growth_factor",
+                    format!("the scale factor must be above 1, got {scale_factor}"),
+                ));
+            }
+            if scale_window == 0 {
+                return Err(Error::invalid(
+                    "fp16.loss_scale.growth_interval",
+                    "the scale window must be at least 1 iteration",
+                ));
+            }
+        }
+        Ok(LossScaler {
+            cur_scale: init_scale,
+            mode,
+            scale_factor,
+            backoff_factor: None,
+            scale_window,
+            cur_iter: 0,
+            last_overflow_iter: -1,
+        })
+    }
+
+    /// On overflow, multiply the scale by `backoff` (in `(0, 1)`) instead of dividing it by the
+    /// growth factor (PyTorch's `GradScaler` has both).
+    pub fn with_backoff_factor(mut self, backoff: f64) -> Result<Self> {
+        if !(backoff > 0.0 && backoff < 1.0) {
+            return Err(Error::invalid(
+                "fp16.loss_scale.backoff_factor",
+                format!("must be in (0, 1), got {backoff}"),
+            ));
+        }
+        self.backoff_factor = Some(backoff);
+        Ok(self)
+    }
+
+    /// A static scaler (MMCV's `loss_scale = 512.0`).
+    pub fn fixed(scale: f64) -> Result<Self> {
+        Self::new(scale, ScaleMode::Static, 2.0, 1000)
+    }
+
+    /// The current scale.
+    pub fn loss_scale(&self) -> f64 {
+        self.cur_scale
+    }
+
+    /// The mode.
+    pub fn mode(&self) -> ScaleMode {
+        self.mode
+    }
+
+    /// Updates the scale after an iteration (MMCV's rule). Static mode: nothing changes, not
+    /// even the count.
+    pub fn update_scale(&mut self, overflow: bool) {
+        if self.mode == ScaleMode::Static {
+            return;
+        }
+        if overflow {
+            let lowered = match self.backoff_factor {
+                Some(backoff) => self.cur_scale * backoff,
+                None => self.cur_scale / self.scale_factor,
+            };
+            self.cur_scale = lowered.max(1.0);
+            self.last_overflow_iter = self.cur_iter as i64;
+        } else if (self.cur_iter as i64 - self.last_overflow_iter) % self.scale_window as i64 == 0 {
+            self.cur_scale *= self.scale_factor;
+        }
+        self.cur_iter += 1;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn defaults_are_mmcv_s() {
+        let scaler = LossScaler::default();
+        assert_eq!(scaler.loss_scale(), 4294967296.0);
+        assert_eq!(scaler.mode(), ScaleMode::Dynamic);
+    }
+
+    #[test]
+    fn invalid_parameters_are_errors_naming_the_value() {
+        for bad in [0.0, -1.0, f64::NAN, f64::INFINITY] {
+            let error = LossScaler::new(bad, ScaleMode::Dynamic, 2.0, 1000).unwrap_err();
+            assert!(error.to_string().contains("fp16.loss_scale"), "{error}");
+        }
+        let error = LossScaler::new(512.0, ScaleMode::Dynamic, 1.0, 1000).unwrap_err();
+        assert!(error.to_string().contains("above 1"), "{error}");
+        let error = LossScaler::new(512.0, ScaleMode::Dynamic, 2.0, 0).unwrap_err();
+        assert!(error.to_string().contains("at least 1"), "{error}");
+        // A static scaler does not use the factor or the window.
+        assert!(LossScaler::new(512.0, ScaleMode::Static, 1.0, 0).is_ok());
+    }
+}

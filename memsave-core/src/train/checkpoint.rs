@@ -1,0 +1,176 @@
+//! Training checkpoints on disk: the model, the optimizer state, every hook's state (the loss
+//! scaler, the accumulation position) and the position in the run.
+//!
+//! Layout: the magic `MEMSAVE\0`, a format version (u32), then three length-prefixed (u64)
+//! sections: a JSON header, the model record, the optimizer record; then a CRC32 of everything
+//! before it. Little-endian. A file is written to a temporary sibling, synced, then renamed over
+//! the target, so a crash leaves the previous checkpoint whole; a truncated or corrupted file is
+//! an error that names it, never a panic.
+
+use std::collections::BTreeMap;
+use std::fs::File;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+
+use crate::{Error, Result};
+
+const MAGIC: &[u8; 8] = b"MEMSAVE\0";
+const FORMAT: u32 = 1;
+
+/// The header of a checkpoint.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct CheckpointMeta {
+    /// The memsave version that wrote it.
+    pub memsave_version: String,
+    /// Completed iterations: the run resumes at this one.
+    pub iter: usize,
+    /// The epoch of `iter`.
+    pub epoch: usize,
+    /// The shape of every parameter, in order: a checkpoint only loads into the same model.
+    pub param_shapes: Vec<Vec<usize>>,
+    /// Each hook's state, by hook name.
+    pub hooks: BTreeMap<String, serde_json::Value>,
+}
+
+/// A checkpoint in memory.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Checkpoint {
+    /// The header.
+    pub meta: CheckpointMeta,
+    /// The model record (full precision).
+    pub model: Vec<u8>,
+    /// The optimizer record.
+    pub optimizer: Vec<u8>,
+}
+
+impl Checkpoint {
+    /// The file's bytes.
+    pub fn to_bytes(&self) -> Result<Vec<u8>> {
+        let meta = serde_json::to_vec(&self.meta)
+            .map_err(|error| Error::invalid("checkpoint", format!("header: {error}")))?;
+        let mut out = Vec::with_capacity(32 + meta.len() + self.model.len() + self.optimizer.len());
+        out.extend_from_slice(MAGIC);
+        out.extend_from_slice(&FORMAT.to_le_bytes());
+        for section in [&meta, &self.model, &self.optimizer] {
+            out.extend_from_slice(&(section.len() as u64).to_le_bytes());
+            out.extend_from_slice(section);
+        }
+        let crc = crc32fast::hash(&out);
+        out.extend_from_slice(&crc.to_le_bytes());
+        Ok(out)
+    }
+
+    /// Parses a file's bytes; `path` names the file in errors.
+    pub fn from_bytes(bytes: &[u8], path: &Path) -> Result<Self> {
+        let bad = |why: String| Error::Checkpoint {
+            path: path.to_path_buf(),
+            message: why,
+        };
+        if bytes.len() < MAGIC.len() + 4 + 4 || &bytes[..MAGIC.len()] != MAGIC {
+            return Err(bad("not a memsave checkpoint (wrong magic bytes)".into()));
+        }
+        let (body, crc) = bytes.split_at(bytes.len() - 4);
+        let stored = u32::from_le_bytes(crc.try_into().expect("four bytes"));
+        if crc32fast::hash(body) != stored {
+            return Err(bad(
+                "corrupt or truncated (checksum mismatch); resume from an earlier checkpoint"
+                    .into(),
+            ));
+        }
+        let mut rest = &body[MAGIC.len()..];
+        let format = u32::from_le_bytes(
+            take(&mut rest, 4)
+                .ok_or_else(|| bad("truncated".into()))?
+                .try_into()
+                .expect("four bytes"),
+        );
+        if format != FORMAT {
+            return Err(bad(format!(
+                "format version {format}, this memsave reads version {FORMAT}"
+            )));
+        }
+        let mut sections = Vec::with_capacity(3);
+        for name in ["header", "model", "optimizer"] {
+            let length = take(&mut rest, 8)
+                .map(|b| u64::from_le_bytes(b.try_into().expect("eight bytes")) as usize)
+                .ok_or_else(|| bad(format!("truncated before the {name} section")))?;
+            let section =
+                take(&mut rest, length).ok_or_else(|| bad(format!("truncated {name} section")))?;
+            sections.push(section);
+        }
+        let meta: CheckpointMeta = serde_json::from_slice(sections[0])
+            .map_err(|error| bad(format!("unreadable header: {error}")))?;
+        Ok(Checkpoint {
+            meta,
+            model: sections[1].to_vec(),
+            optimizer: sections[2].to_vec(),
+        })
+    }
+
+    /// Writes the checkpoint to `path` atomically (temporary file, sync, rename).
+    pub fn save(&self, path: &Path) -> Result<()> {
+        write_atomically(path, &self.to_bytes()?)
+    }
+
+    /// Reads and checks the checkpoint at `path`.
+    pub fn load(path: &Path) -> Result<Self> {
+        let bytes = std::fs::read(path).map_err(|source| Error::Io {
+            path: path.to_path_buf(),
+            source,
+        })?;
+        Self::from_bytes(&bytes, path)
+    }
+}
+
+fn take<'a>(rest: &mut &'a [u8], n: usize) -> Option<&'a [u8]> {
+    if rest.len() < n {
+        return None;
+    }
+    let (head, tail) = rest.split_at(n);
+    *rest = tail;
+    Some(head)
+}
+
+/// The temporary sibling a write goes through.
+pub fn temporary_path(path: &Path) -> PathBuf {
+    let mut name = path
+        .file_name()
+        .map(|n| n.to_os_string())
+        .unwrap_or_default();
+    name.push(".tmp");
+    path.with_file_name(name)
+}
+
+/// Writes `bytes` to `path` so that readers see either the old file or the whole new one.
+pub fn write_atomically(path: &Path, bytes: &[u8]) -> Result<()> {
+    let io = |source| Error::Io {
+        path: path.to_path_buf(),
+        source,
+    };
+    if let Some(parent) = path.parent().filter(|p| !p.as_os_str().is_empty()) {
+        std::fs::create_dir_all(parent).map_err(io)?;
+    }
+    let temporary = temporary_path(path);
+    let written = (|| {
+        let mut file = File::create(&temporary)?;
+        file.write_all(bytes)?;
+        file.sync_all()
+    })();
+    if let Err(source) = written {
+        let _ = std::fs::remove_file(&temporary);
+        return Err(Error::Io {
+            path: temporary,
+            source,
+        });
+    }
+    std::fs::rename(&temporary, path).map_err(io)?;
+    // Make the rename itself durable where the platform allows it.
+    if let Some(parent) = path.parent().filter(|p| !p.as_os_str().is_empty()) {
+        if let Ok(directory) = File::open(parent) {
+            let _ = directory.sync_all();
+        }
+    }
+    Ok(())
+}

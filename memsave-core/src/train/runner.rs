@@ -1,0 +1,267 @@
+//! The training loop (MMCV's `EpochBasedRunner` / `IterBasedRunner`). The loop owns the order of
+//! things; hooks own the policies: the optimizer hook (precision, accumulation, clipping), the
+//! learning-rate schedule, checkpoints, logging. A new strategy is a new hook, never an `if`
+//! here.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use burn::tensor::backend::AutodiffBackend;
+
+use super::checkpoint::{Checkpoint, CheckpointMeta};
+use super::optim::{load_bytes, param_shapes, record_bytes, Optim, OptimizerKind};
+use super::state::{DataSource, IterLog, TrainModel, TrainState};
+use crate::{Error, Result};
+
+/// A policy that acts at the runner's hook points.
+pub trait Hook<B: AutodiffBackend, M: TrainModel<B>> {
+    /// The name its state is saved under in checkpoints.
+    fn name(&self) -> &'static str;
+
+    /// Once, before the first iteration (after a resume).
+    fn before_run(&mut self, _state: &mut TrainState<B, M>) -> Result<()> {
+        Ok(())
+    }
+
+    /// At the start of each epoch.
+    fn before_epoch(&mut self, _state: &mut TrainState<B, M>) -> Result<()> {
+        Ok(())
+    }
+
+    /// Before each iteration's forward.
+    fn before_iter(&mut self, _state: &mut TrainState<B, M>) -> Result<()> {
+        Ok(())
+    }
+
+    /// After each iteration's forward (`state.loss` is set).
+    fn after_iter(&mut self, _state: &mut TrainState<B, M>) -> Result<()> {
+        Ok(())
+    }
+
+    /// At the end of each epoch.
+    fn after_epoch(&mut self, _state: &mut TrainState<B, M>) -> Result<()> {
+        Ok(())
+    }
+
+    /// Once, after the last iteration.
+    fn after_run(&mut self, _state: &mut TrainState<B, M>) -> Result<()> {
+        Ok(())
+    }
+
+    /// State to keep in checkpoints.
+    fn state_dict(&self) -> Option<serde_json::Value> {
+        None
+    }
+
+    /// Restores the state from a checkpoint.
+    fn load_state_dict(&mut self, _value: serde_json::Value) -> Result<()> {
+        Ok(())
+    }
+}
+
+/// How long a run is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RunLength {
+    /// `max_epochs` passes over the data (MMCV's `EpochBasedRunner`).
+    Epochs(usize),
+    /// `max_iters` iterations (MMCV's `IterBasedRunner`).
+    Iters(usize),
+}
+
+/// The training loop.
+pub struct Runner<B: AutodiffBackend, M: TrainModel<B>, D: DataSource<M::Batch>> {
+    state: TrainState<B, M>,
+    data: D,
+    optimizer_hook: Box<dyn Hook<B, M>>,
+    hooks: Vec<Box<dyn Hook<B, M>>>,
+}
+
+impl<B, M, D> Runner<B, M, D>
+where
+    B: AutodiffBackend,
+    M: TrainModel<B>,
+    D: DataSource<M::Batch>,
+{
+    /// A runner for `model` on `data`; `optimizer_hook` does the backward pass and the step.
+    pub fn new(
+        model: M,
+        optimizer: &OptimizerKind,
+        optimizer_hook: Box<dyn Hook<B, M>>,
+        data: D,
+        length: RunLength,
+        work_dir: impl Into<PathBuf>,
+        device: B::Device,
+    ) -> Result<Self> {
+        let iters_per_epoch = data.batches_per_epoch();
+        if iters_per_epoch == 0 {
+            return Err(Error::Data("the data set yields no batch".into()));
+        }
+        let mut state = TrainState::new(model, Optim::new(optimizer), device, work_dir.into());
+        state.iters_per_epoch = iters_per_epoch;
+        (state.by_epoch, state.max_iters) = match length {
+            RunLength::Epochs(epochs) => (true, epochs * iters_per_epoch),
+            RunLength::Iters(iters) => (false, iters),
+        };
+        if state.max_iters == 0 {
+            return Err(Error::invalid(
+                "runner",
+                "the run has no iteration (max_epochs or max_iters is 0)",
+            ));
+        }
+        Ok(Runner {
+            state,
+            data,
+            optimizer_hook,
+            hooks: Vec::new(),
+        })
+    }
+
+    /// Adds a hook; hooks run in the order they were added, after the optimizer hook.
+    pub fn register_hook(&mut self, hook: Box<dyn Hook<B, M>>) {
+        self.hooks.push(hook);
+    }
+
+    /// The run's state.
+    pub fn state(&self) -> &TrainState<B, M> {
+        &self.state
+    }
+
+    /// The trained weights.
+    pub fn into_model(self) -> M {
+        self.state.model
+    }
+
+    /// Runs from `state.iter` to the end.
+    pub fn run(&mut self) -> Result<()> {
+        self.position();
+        self.call(|hook, state| hook.before_run(state))?;
+        while self.state.iter < self.state.max_iters {
+            let (epoch, index) = (self.state.epoch, self.state.inner_iter);
+            if index == 0 {
+                self.call(|hook, state| hook.before_epoch(state))?;
+            }
+            self.state.log = IterLog::default();
+            self.call(|hook, state| hook.before_iter(state))?;
+
+            let batch = self.data.batch(epoch, index)?;
+            let loss = self.state.forward_model().loss(batch);
+            self.state.loss = Some(loss);
+            self.call(|hook, state| hook.after_iter(state))?;
+            self.save_if_requested()?;
+
+            let end_of_epoch = index + 1 == self.state.iters_per_epoch;
+            if end_of_epoch {
+                self.call(|hook, state| hook.after_epoch(state))?;
+                self.save_if_requested()?;
+            }
+            self.state.iter += 1;
+            self.position();
+        }
+        self.call(|hook, state| hook.after_run(state))?;
+        self.save_if_requested()
+    }
+
+    /// Epoch and position in it, from `iter`.
+    fn position(&mut self) {
+        self.state.epoch = self.state.iter / self.state.iters_per_epoch;
+        self.state.inner_iter = self.state.iter % self.state.iters_per_epoch;
+    }
+
+    /// Calls `f` on the optimizer hook, then on every other hook.
+    fn call(
+        &mut self,
+        mut f: impl FnMut(&mut dyn Hook<B, M>, &mut TrainState<B, M>) -> Result<()>,
+    ) -> Result<()> {
+        f(&mut *self.optimizer_hook, &mut self.state)?;
+        for hook in &mut self.hooks {
+            f(&mut **hook, &mut self.state)?;
+        }
+        Ok(())
+    }
+
+    fn save_if_requested(&mut self) -> Result<()> {
+        if let Some(path) = self.state.save_request.take() {
+            self.save_checkpoint(&path)?;
+        }
+        Ok(())
+    }
+
+    /// Writes a checkpoint of the run as it stands after the current iteration, to `path` and to
+    /// `latest.ckpt` beside it.
+    pub fn save_checkpoint(&mut self, path: &Path) -> Result<()> {
+        let completed = (self.state.iter + 1).min(self.state.max_iters);
+        let mut hooks = BTreeMap::new();
+        for hook in std::iter::once(&self.optimizer_hook).chain(&self.hooks) {
+            if let Some(value) = hook.state_dict() {
+                hooks.insert(hook.name().to_string(), value);
+            }
+        }
+        let checkpoint = Checkpoint {
+            meta: CheckpointMeta {
+                memsave_version: env!("CARGO_PKG_VERSION").to_string(),
+                iter: completed,
+                epoch: completed / self.state.iters_per_epoch,
+                param_shapes: shapes::<B, M>(&self.state.model),
+                hooks,
+            },
+            model: record_bytes::<B, _>(self.state.model.clone().into_record())?,
+            optimizer: self.state.optimizer.to_bytes()?,
+        };
+        checkpoint.save(path)?;
+        let latest = path.with_file_name("latest.ckpt");
+        if latest != path {
+            checkpoint.save(&latest)?;
+        }
+        Ok(())
+    }
+
+    /// Restores weights, optimizer state, hook states and position from a checkpoint. Call it
+    /// before [`Runner::run`].
+    pub fn resume(&mut self, path: &Path) -> Result<()> {
+        let checkpoint = Checkpoint::load(path)?;
+        let bad = |message: String| Error::Checkpoint {
+            path: path.to_path_buf(),
+            message,
+        };
+        let expected = shapes::<B, M>(&self.state.model);
+        if checkpoint.meta.param_shapes != expected {
+            return Err(bad(format!(
+                "it was saved from another model ({} parameters there, {} here, or other shapes)",
+                checkpoint.meta.param_shapes.len(),
+                expected.len()
+            )));
+        }
+        if checkpoint.meta.iter > self.state.max_iters {
+            return Err(bad(format!(
+                "it is at iteration {}, past the end of this run ({} iterations)",
+                checkpoint.meta.iter, self.state.max_iters
+            )));
+        }
+        let record = load_bytes::<B, M::Record>(&checkpoint.model, &self.state.device)
+            .map_err(|error| bad(error.to_string()))?;
+        self.state.model = self.state.model.clone().load_record(record);
+        self.state.optimizer = self
+            .state
+            .optimizer
+            .clone()
+            .load_bytes(&checkpoint.optimizer, &self.state.device)
+            .map_err(|error| bad(error.to_string()))?;
+        let mut hook_states = checkpoint.meta.hooks;
+        for hook in std::iter::once(&mut self.optimizer_hook).chain(&mut self.hooks) {
+            if let Some(value) = hook_states.remove(hook.name()) {
+                hook.load_state_dict(value)
+                    .map_err(|error| bad(format!("hook `{}`: {error}", hook.name())))?;
+            }
+        }
+        self.state.iter = checkpoint.meta.iter;
+        self.position();
+        Ok(())
+    }
+}
+
+fn shapes<B: AutodiffBackend, M: TrainModel<B>>(model: &M) -> Vec<Vec<usize>> {
+    param_shapes::<B, M>(model)
+        .into_iter()
+        .map(|(_, shape)| shape)
+        .collect()
+}

@@ -1,0 +1,142 @@
+//! What the runner and its hooks share: the model, the optimizer, the position in the run, and
+//! the current iteration's outputs.
+
+use std::path::PathBuf;
+
+use burn::module::AutodiffModule;
+use burn::prelude::Tensor;
+use burn::tensor::backend::AutodiffBackend;
+
+use super::optim::Optim;
+use crate::fp16::Fp16Module;
+use crate::Result;
+
+/// A model the runner can train: it computes a scalar loss from a batch.
+pub trait TrainModel<B: AutodiffBackend>: AutodiffModule<B> + Fp16Module + 'static {
+    /// One batch of training data.
+    type Batch;
+
+    /// The mean loss over `batch`, a one-element tensor (any float precision).
+    fn loss(&self, batch: Self::Batch) -> Tensor<B, 1>;
+}
+
+/// Training batches, the same for the same `(epoch, index)`: a resumed run sees exactly the
+/// batches the uninterrupted run saw.
+pub trait DataSource<Batch> {
+    /// Batches in one epoch (at least 1).
+    fn batches_per_epoch(&self) -> usize;
+
+    /// Batch `index` of `epoch`.
+    fn batch(&self, epoch: usize, index: usize) -> Result<Batch>;
+}
+
+/// Per-iteration values for the log.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct IterLog {
+    /// The loss of the iteration (unscaled, undivided).
+    pub loss: Option<f64>,
+    /// Global gradient norm before clipping, at the iterations that stepped.
+    pub grad_norm: Option<f64>,
+    /// The loss scale, under mixed precision.
+    pub loss_scale: Option<f64>,
+    /// Whether the optimizer stepped (false while accumulating, or on an overflow).
+    pub stepped: bool,
+}
+
+/// The state of a run, handed to every hook.
+pub struct TrainState<B: AutodiffBackend, M: TrainModel<B>> {
+    /// The weights being trained (fp32 master weights under mixed precision). Checkpoints hold
+    /// these.
+    pub model: M,
+    /// The model the forward runs on when it is not `model` (the half copy under mixed
+    /// precision), set by the optimizer hook.
+    pub forward_model: Option<M>,
+    /// The optimizer, which steps `model`.
+    pub optimizer: Optim<B, M>,
+    /// Where tensors live.
+    pub device: B::Device,
+    /// The iteration being run, from 0 (MMCV's `runner.iter`); before the run, the first one.
+    pub iter: usize,
+    /// The epoch of `iter`.
+    pub epoch: usize,
+    /// The position of `iter` in its epoch.
+    pub inner_iter: usize,
+    /// Iterations in the whole run.
+    pub max_iters: usize,
+    /// Batches per epoch.
+    pub iters_per_epoch: usize,
+    /// Whether the run is counted in epochs (MMCV's `EpochBasedRunner`).
+    pub by_epoch: bool,
+    /// The learning rate for this iteration.
+    pub lr: f64,
+    /// The loss of this iteration, until the optimizer hook consumes it.
+    pub loss: Option<Tensor<B, 1>>,
+    /// This iteration's values for the log.
+    pub log: IterLog,
+    /// Set by a hook to have the runner write a checkpoint there after this iteration.
+    pub save_request: Option<PathBuf>,
+    /// The run's directory: checkpoints and the log file.
+    pub work_dir: PathBuf,
+    warnings: Vec<String>,
+}
+
+impl<B: AutodiffBackend, M: TrainModel<B>> TrainState<B, M> {
+    pub(crate) fn new(
+        model: M,
+        optimizer: Optim<B, M>,
+        device: B::Device,
+        work_dir: PathBuf,
+    ) -> Self {
+        TrainState {
+            model,
+            forward_model: None,
+            optimizer,
+            device,
+            iter: 0,
+            epoch: 0,
+            inner_iter: 0,
+            max_iters: 0,
+            iters_per_epoch: 1,
+            by_epoch: true,
+            lr: 0.0,
+            loss: None,
+            log: IterLog::default(),
+            save_request: None,
+            work_dir,
+            warnings: Vec::new(),
+        }
+    }
+
+    /// The model the forward runs on.
+    pub fn forward_model(&self) -> &M {
+        self.forward_model.as_ref().unwrap_or(&self.model)
+    }
+
+    /// Reports a warning (stderr) and keeps it for [`TrainState::warnings`].
+    pub fn warn(&mut self, message: impl Into<String>) {
+        let message = message.into();
+        eprintln!("memsave: warning: {message}");
+        self.warnings.push(message);
+    }
+
+    /// Every warning of the run so far.
+    pub fn warnings(&self) -> &[String] {
+        &self.warnings
+    }
+
+    /// Whether this is the last iteration of its group of `n` (MMCV's `every_n_iters`).
+    pub fn every_n_iters(&self, n: usize) -> bool {
+        n > 0 && (self.iter + 1).is_multiple_of(n)
+    }
+
+    /// Whether this is the run's last iteration.
+    pub fn is_last_iter(&self) -> bool {
+        self.iter + 1 == self.max_iters
+    }
+
+    /// Steps the optimizer on `model` with `grads`.
+    pub fn step(&mut self, grads: burn::optim::GradientsParams) {
+        self.model = self.optimizer.step(self.lr, self.model.clone(), grads);
+        self.log.stepped = true;
+    }
+}
