@@ -1,4 +1,17 @@
-//! Models built with memsave: ResNet now; RetinaNet (R50-FPN), its data (VOC) and evaluation
-//! arrive with their own issues.
+//! Models built with memsave: a ResNet backbone, an image classifier on it, and a synthetic
+//! classification data set; RetinaNet (R50-FPN), VOC data and evaluation arrive with their own
+//! issues.
 
+pub mod classifier;
+pub mod config;
+pub mod data;
 pub mod resnet;
+
+/// memsave's runtime and macros under the name model code uses (`memsave::nn`, `#[memsave::model]`),
+/// without depending on the facade (which depends on this crate).
+mod memsave {
+    pub use memsave_core::*;
+    pub use memsave_macros::{auto_fp16, force_fp32, model, with_cp};
+
+    pub use memsave_core::checkpoint::CheckpointBackend as Backend;
+}

@@ -5,6 +5,7 @@
 //! every block (MMCV's `with_cp`); unlike MMCV, `BasicBlock` supports it too. The stem is the
 //! first layer and is never checkpointed (its input, the image, does not require grad).
 
+use crate::memsave;
 use burn::module::Module;
 use burn::nn::conv::{Conv2d, Conv2dConfig};
 use burn::nn::pool::{MaxPool2d, MaxPool2dConfig};
@@ -44,6 +45,12 @@ impl ResNetConfig {
                 ))
             }
         })
+    }
+
+    /// Channels of the last stage's feature map.
+    pub fn out_channels(&self) -> memsave::Result<usize> {
+        let (_, kind) = self.layout()?;
+        Ok(512 * kind.expansion())
     }
 
     /// The network, randomly initialised (Kaiming-uniform convolutions, BN at 1 and 0).

@@ -1,0 +1,5 @@
+//! Training data.
+
+mod synthetic;
+
+pub use synthetic::{SyntheticClassification, SyntheticClassificationConfig};
