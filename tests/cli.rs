@@ -1,0 +1,157 @@
+//! The `memsave` command line: a short run, a resume, and bad input reported without a panic.
+
+use std::path::PathBuf;
+use std::process::{Command, Output};
+
+fn memsave(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_memsave"))
+        .args(args)
+        .output()
+        .expect("the memsave binary runs")
+}
+
+fn dir(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("memsave-cli-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+const TINY: &str = r#"
+_base_ = "BASE"
+[data]
+type = "SyntheticClassification"
+samples_per_gpu = 2
+num_samples = 4
+image_size = 16
+[runner]
+type = "EpochBasedRunner"
+max_epochs = 2
+[log_config]
+interval = 1
+"#;
+
+fn tiny_config(dir: &std::path::Path) -> PathBuf {
+    let base = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("configs/resnet18_synthetic.toml");
+    let path = dir.join("tiny.toml");
+    std::fs::write(&path, TINY.replace("BASE", base.to_str().unwrap())).unwrap();
+    path
+}
+
+fn text(output: &Output) -> String {
+    String::from_utf8_lossy(&output.stderr).into_owned()
+}
+
+#[test]
+fn trains_saves_and_resumes_with_each_strategy() {
+    let dir = dir("train");
+    let config = tiny_config(&dir);
+    for (name, set) in [
+        ("plain", vec![]),
+        ("fp16", vec!["--set", "fp16.loss_scale=\"dynamic\""]),
+        (
+            "accumulation",
+            vec![
+                "--set",
+                "optimizer_config.type=\"GradientCumulativeOptimizerHook\"",
+                "--set",
+                "optimizer_config.cumulative_iters=2",
+            ],
+        ),
+        (
+            "checkpointing",
+            vec!["--set", "model.backbone.with_cp=true"],
+        ),
+    ] {
+        let work_dir = dir.join(name);
+        let mut args = vec![
+            "train",
+            config.to_str().unwrap(),
+            "--work-dir",
+            work_dir.to_str().unwrap(),
+        ];
+        args.extend(set.iter().copied());
+        let output = memsave(&args);
+        assert!(output.status.success(), "{name}: {}", text(&output));
+        assert!(
+            text(&output).contains("Epoch [2][2/2]"),
+            "{name}: {}",
+            text(&output)
+        );
+        for file in ["epoch_1.ckpt", "epoch_2.ckpt", "latest.ckpt", "train.log"] {
+            assert!(work_dir.join(file).exists(), "{name}: {file}");
+        }
+    }
+
+    // Resume the plain run from its first epoch: one more epoch to go.
+    let work_dir = dir.join("plain");
+    let checkpoint = work_dir.join("epoch_1.ckpt");
+    let output = memsave(&[
+        "train",
+        config.to_str().unwrap(),
+        "--work-dir",
+        work_dir.to_str().unwrap(),
+        "--resume",
+        checkpoint.to_str().unwrap(),
+    ]);
+    assert!(output.status.success(), "{}", text(&output));
+    assert!(text(&output).contains("resumed from"), "{}", text(&output));
+    assert!(
+        !text(&output).contains("Epoch [1]"),
+        "epoch 1 is not run again: {}",
+        text(&output)
+    );
+}
+
+#[test]
+fn bad_input_is_an_error_not_a_panic() {
+    let dir = dir("bad");
+    let config = tiny_config(&dir);
+    let cases: Vec<(Vec<String>, &str)> = vec![
+        (
+            vec![
+                "--set".into(),
+                "optimizer_config.cumulative_iters=\"2\"".into(),
+            ],
+            "optimizer_config.cumulative_iters",
+        ),
+        (
+            vec!["--set".into(), "model.backbone.depth=42".into()],
+            "model.backbone.depth",
+        ),
+        (
+            vec!["--set".into(), "data.image_size=2".into()],
+            "data.image_size",
+        ),
+        (
+            vec!["--resume".into(), config.to_str().unwrap().into()],
+            "not a memsave checkpoint",
+        ),
+        (
+            vec!["--resume".into(), "/no/such/file.ckpt".into()],
+            "/no/such/file.ckpt",
+        ),
+    ];
+    for (extra, expected) in cases {
+        let mut args = vec![
+            "train".to_string(),
+            config.to_str().unwrap().to_string(),
+            "--work-dir".into(),
+            dir.join("run").to_str().unwrap().to_string(),
+        ];
+        args.extend(extra);
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        let output = memsave(&args);
+        assert_eq!(output.status.code(), Some(1), "{args:?}: {}", text(&output));
+        let stderr = text(&output);
+        assert!(stderr.contains(expected), "{args:?}: {stderr}");
+        assert!(!stderr.contains("panicked"), "{args:?}: {stderr}");
+    }
+    let output = memsave(&["train", "/no/such/config.toml"]);
+    assert_eq!(output.status.code(), Some(1));
+    assert!(
+        text(&output).contains("/no/such/config.toml"),
+        "{}",
+        text(&output)
+    );
+}

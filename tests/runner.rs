@@ -1,0 +1,634 @@
+//! The runner and the optimizer hooks (REFERENCE.md sections 1 and 2): accumulation factors and
+//! equivalence, fp16 with and without accumulation, overflow, exact resume, checkpoint files,
+//! AMP end to end, anomalous parameters, global-norm clipping.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+
+use burn::module::{Module, ModuleVisitor, Param};
+use burn::optim::GradientsParams;
+use burn::prelude::*;
+use common::tiny::TinyNet;
+use common::AB;
+use memsave::hooks::{
+    Fp16OptimizerHook, GradClip, GradientCumulativeFp16OptimizerHook,
+    GradientCumulativeOptimizerHook, LrSchedule, LrUpdaterHook, OptimizerHook,
+};
+use memsave::models::classifier::ClassificationBatch;
+use memsave::models::data::{SyntheticClassification, SyntheticClassificationConfig};
+use memsave::scaler::{LossScaler, ScaleMode};
+use memsave::train::checkpoint::temporary_path;
+use memsave::train::optim::{global_norm, record_bytes};
+use memsave::train::{
+    Checkpoint, DataSource, Hook, IterLog, OptimizerKind, RunLength, Runner, TrainState,
+};
+
+type Net = TinyNet<AB>;
+type Data = SyntheticClassification<AB>;
+
+fn data(batch: usize, samples: usize) -> Data {
+    let mut config = SyntheticClassificationConfig::new(batch, samples, 8);
+    config.seed = 3;
+    config.noise = 1.0;
+    config.signal = 0.5;
+    SyntheticClassification::new(config, 4, Default::default()).unwrap()
+}
+
+fn sgd() -> OptimizerKind {
+    OptimizerKind::Sgd {
+        momentum: 0.9,
+        weight_decay: 1e-4,
+        nesterov: false,
+    }
+}
+
+fn net() -> Net {
+    TinyNet::new(4, false, &Default::default()).map(&mut common::Materialise)
+}
+
+/// A fresh temporary work directory.
+fn work_dir(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("memsave-test-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    dir
+}
+
+fn runner<D: DataSource<ClassificationBatch<AB>>>(
+    model: Net,
+    hook: Box<dyn Hook<AB, Net>>,
+    data: D,
+    length: RunLength,
+    dir: &Path,
+) -> Runner<AB, Net, D> {
+    let mut runner =
+        Runner::new(model, &sgd(), hook, data, length, dir, Default::default()).unwrap();
+    runner.register_hook(Box::new(LrUpdaterHook {
+        schedule: LrSchedule::constant(0.05),
+    }));
+    runner
+}
+
+/// Every parameter's values, in order.
+fn weights(model: &Net) -> Vec<f32> {
+    struct All(Vec<f32>);
+    impl ModuleVisitor<AB> for All {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<AB, D>>) {
+            self.0.extend(common::values(param.val().inner()));
+        }
+    }
+    let mut all = All(Vec::new());
+    model.visit(&mut all);
+    all.0
+}
+
+/// Keeps each iteration's log.
+struct Recorder(Arc<Mutex<Vec<IterLog>>>);
+
+impl Hook<AB, Net> for Recorder {
+    fn name(&self) -> &'static str {
+        "recorder"
+    }
+
+    fn after_iter(&mut self, state: &mut TrainState<AB, Net>) -> memsave::Result<()> {
+        self.0.lock().unwrap().push(state.log.clone());
+        Ok(())
+    }
+}
+
+fn recorder() -> (Box<Recorder>, Arc<Mutex<Vec<IterLog>>>) {
+    let log = Arc::new(Mutex::new(Vec::new()));
+    (Box::new(Recorder(log.clone())), log)
+}
+
+fn accumulate(c: usize) -> Box<GradientCumulativeOptimizerHook> {
+    let mut hook = GradientCumulativeOptimizerHook::new(c).unwrap();
+    hook.grad_clip = Some(GradClip::new(0.5, 2.0).unwrap());
+    Box::new(hook)
+}
+
+fn plain() -> Box<OptimizerHook> {
+    Box::new(OptimizerHook {
+        grad_clip: Some(GradClip::new(0.5, 2.0).unwrap()),
+        detect_anomalous_params: false,
+    })
+}
+
+// --- Accumulation ----------------------------------------------------------------------------
+
+#[test]
+fn loss_factors_are_mmcv_s() {
+    let hook = GradientCumulativeOptimizerHook::new(3).unwrap();
+    let factors = |start: usize, max: usize| -> Vec<usize> {
+        (start..max)
+            .map(|iter| hook.loss_factor(iter, max))
+            .collect()
+    };
+    assert_eq!(factors(0, 6), vec![3; 6]);
+    assert_eq!(factors(0, 8), vec![3, 3, 3, 3, 3, 3, 2, 2]);
+    assert_eq!(factors(0, 10), vec![3, 3, 3, 3, 3, 3, 3, 3, 3, 1]);
+    assert_eq!(factors(5, 10), vec![3, 3, 3, 3, 1]);
+}
+
+#[test]
+fn zero_cumulative_iters_is_an_error_naming_the_key() {
+    let error = GradientCumulativeOptimizerHook::new(0).unwrap_err();
+    assert!(error.to_string().contains("cumulative_iters"), "{error}");
+    assert!(GradientCumulativeFp16OptimizerHook::new(0, LossScaler::default()).is_err());
+}
+
+#[test]
+fn steps_at_every_third_iteration_and_at_the_last_epoch_and_iteration_based() {
+    for length in [RunLength::Epochs(2), RunLength::Iters(8)] {
+        let dir = work_dir("steps");
+        let mut runner = runner(net(), accumulate(3), data(1, 4), length, &dir);
+        let (hook, log) = recorder();
+        runner.register_hook(hook);
+        runner.run().unwrap();
+        let stepped: Vec<usize> = log
+            .lock()
+            .unwrap()
+            .iter()
+            .enumerate()
+            .filter(|(_, log)| log.stepped)
+            .map(|(iter, _)| iter)
+            .collect();
+        assert_eq!(stepped, vec![2, 5, 7], "{length:?}");
+    }
+}
+
+fn assert_close(a: &[f32], b: &[f32], tolerance: f32) -> f32 {
+    let difference = common::max_relative_difference(a, b);
+    assert!(
+        difference <= tolerance,
+        "relative difference {difference} > {tolerance}"
+    );
+    difference
+}
+
+#[test]
+fn batch_1_with_accumulation_3_equals_batch_3_epoch_based() {
+    let start = net();
+    let dir = work_dir("acc-epoch");
+    let mut accumulated = runner(
+        start.clone(),
+        accumulate(3),
+        data(1, 12),
+        RunLength::Epochs(2),
+        &dir,
+    );
+    accumulated.run().unwrap();
+    let mut batched = runner(
+        start.clone(),
+        plain(),
+        data(3, 12),
+        RunLength::Epochs(2),
+        &dir,
+    );
+    batched.run().unwrap();
+    let (a, b) = (
+        weights(&accumulated.into_model()),
+        weights(&batched.into_model()),
+    );
+    assert_ne!(a, weights(&start), "training moved the weights");
+    let difference = assert_close(&a, &b, 1e-6);
+    eprintln!("epoch-based: batch 1 x 3 vs batch 3, max relative difference {difference:e}");
+}
+
+#[test]
+fn batch_1_with_accumulation_3_equals_batch_3_iteration_based() {
+    let start = net();
+    let dir = work_dir("acc-iter");
+    // 18 and 6 iterations over 12 samples: both cross an epoch boundary at the same sample.
+    let mut accumulated = runner(
+        start.clone(),
+        accumulate(3),
+        data(1, 12),
+        RunLength::Iters(18),
+        &dir,
+    );
+    accumulated.run().unwrap();
+    let mut batched = runner(start, plain(), data(3, 12), RunLength::Iters(6), &dir);
+    batched.run().unwrap();
+    let difference = assert_close(
+        &weights(&accumulated.into_model()),
+        &weights(&batched.into_model()),
+        1e-6,
+    );
+    eprintln!("iteration-based: batch 1 x 3 vs batch 3, max relative difference {difference:e}");
+}
+
+#[test]
+fn the_fp16_accumulation_hook_equals_the_fp16_hook_at_batch_3() {
+    let start = net();
+    let dir = work_dir("acc-fp16");
+    let scaler = LossScaler::fixed(512.0).unwrap();
+    let hook = GradientCumulativeFp16OptimizerHook::new(3, scaler.clone()).unwrap();
+    let mut accumulated = runner(
+        start.clone(),
+        Box::new(hook),
+        data(1, 12),
+        RunLength::Epochs(2),
+        &dir,
+    );
+    accumulated.run().unwrap();
+    let mut batched = runner(
+        start.clone(),
+        Box::new(Fp16OptimizerHook::new(scaler)),
+        data(3, 12),
+        RunLength::Epochs(2),
+        &dir,
+    );
+    batched.run().unwrap();
+    let (a, b) = (
+        weights(&accumulated.into_model()),
+        weights(&batched.into_model()),
+    );
+    assert_ne!(a, weights(&start));
+    // Half precision rounds the three micro-batches differently from one batch of three.
+    let difference = assert_close(&a, &b, 1e-2);
+    eprintln!("fp16: batch 1 x 3 vs batch 3, max relative difference {difference:e}");
+}
+
+// --- Mixed precision -------------------------------------------------------------------------
+
+/// Batches whose images at one iteration are `poison` (inf or NaN).
+struct Poisoned {
+    inner: Data,
+    at: usize,
+    poison: f32,
+}
+
+impl DataSource<ClassificationBatch<AB>> for Poisoned {
+    fn batches_per_epoch(&self) -> usize {
+        self.inner.batches_per_epoch()
+    }
+
+    fn batch(&self, epoch: usize, index: usize) -> memsave::Result<ClassificationBatch<AB>> {
+        let mut batch = self.inner.batch(epoch, index)?;
+        if epoch * self.batches_per_epoch() + index == self.at {
+            batch.images = batch.images.mul_scalar(0.0).add_scalar(self.poison);
+        }
+        Ok(batch)
+    }
+}
+
+/// Model record and optimizer state, as bytes.
+type State = (Vec<u8>, Vec<u8>);
+
+/// The weights and optimizer state before and after one iteration.
+struct Snapshot {
+    at: usize,
+    taken: Arc<Mutex<Vec<State>>>,
+}
+
+impl Snapshot {
+    fn take(&self, state: &TrainState<AB, Net>) {
+        if state.iter == self.at {
+            let model = record_bytes::<AB, _>(state.model.clone().into_record()).unwrap();
+            let optimizer = state.optimizer.to_bytes().unwrap();
+            self.taken.lock().unwrap().push((model, optimizer));
+        }
+    }
+}
+
+impl Hook<AB, Net> for Snapshot {
+    fn name(&self) -> &'static str {
+        "snapshot"
+    }
+
+    fn before_iter(&mut self, state: &mut TrainState<AB, Net>) -> memsave::Result<()> {
+        self.take(state);
+        Ok(())
+    }
+
+    fn after_iter(&mut self, state: &mut TrainState<AB, Net>) -> memsave::Result<()> {
+        self.take(state);
+        Ok(())
+    }
+}
+
+#[test]
+fn an_overflow_skips_the_step_bit_for_bit_and_halves_the_scale() {
+    for poison in [f32::INFINITY, f32::NAN] {
+        let dir = work_dir("overflow");
+        let scaler = LossScaler::new(1024.0, ScaleMode::Dynamic, 2.0, 1000).unwrap();
+        let source = Poisoned {
+            inner: data(4, 16),
+            at: 2,
+            poison,
+        };
+        let mut runner = runner(
+            net(),
+            Box::new(Fp16OptimizerHook::new(scaler)),
+            source,
+            RunLength::Iters(4),
+            &dir,
+        );
+        let taken = Arc::new(Mutex::new(Vec::new()));
+        runner.register_hook(Box::new(Snapshot {
+            at: 2,
+            taken: taken.clone(),
+        }));
+        let (hook, log) = recorder();
+        runner.register_hook(hook);
+        runner.run().unwrap();
+
+        let taken = taken.lock().unwrap();
+        assert_eq!(taken.len(), 2);
+        assert!(taken[0].0 == taken[1].0, "{poison}: the weights changed");
+        assert!(
+            taken[0].1 == taken[1].1,
+            "{poison}: the optimizer state changed"
+        );
+        let log = log.lock().unwrap();
+        assert!(
+            log[1].stepped && !log[2].stepped && log[3].stepped,
+            "{poison}"
+        );
+        assert_eq!(log[1].loss_scale, Some(1024.0));
+        assert_eq!(
+            log[2].loss_scale,
+            Some(512.0),
+            "{poison}: the scale backs off"
+        );
+        let warning = runner.state().warnings().join("\n");
+        assert!(
+            warning.contains("overflow") && warning.contains("512"),
+            "{warning}"
+        );
+    }
+}
+
+#[test]
+fn amp_end_to_end_reaches_the_fp32_loss_within_5_percent() {
+    let start = net();
+    let mean_tail = |hook: Box<dyn Hook<AB, Net>>| {
+        let dir = work_dir("amp");
+        let config = SyntheticClassificationConfig::new(8, 64, 8);
+        let source = SyntheticClassification::new(config, 4, Default::default()).unwrap();
+        let mut runner = Runner::new(
+            start.clone(),
+            &sgd(),
+            hook,
+            source,
+            RunLength::Iters(50),
+            &dir,
+            Default::default(),
+        )
+        .unwrap();
+        runner.register_hook(Box::new(LrUpdaterHook {
+            schedule: LrSchedule::constant(0.5),
+        }));
+        let (recorder, log) = recorder();
+        runner.register_hook(recorder);
+        runner.run().unwrap();
+        let log = log.lock().unwrap();
+        let tail: Vec<f64> = log[40..].iter().map(|l| l.loss.unwrap()).collect();
+        (
+            tail.iter().sum::<f64>() / tail.len() as f64,
+            log[0].loss.unwrap(),
+        )
+    };
+    let (fp32, first) = mean_tail(Box::<OptimizerHook>::default());
+    let (fp16, _) = mean_tail(Box::new(Fp16OptimizerHook::new(
+        LossScaler::new(65536.0, ScaleMode::Dynamic, 2.0, 2000).unwrap(),
+    )));
+    eprintln!(
+        "AMP: mean loss of steps 41-50: fp32 {fp32:.4}, f16 {fp16:.4} (first step {first:.4})"
+    );
+    assert!(
+        fp32 < first * 0.8,
+        "the fp32 run learned ({first} -> {fp32})"
+    );
+    assert!(
+        (fp16 - fp32).abs() <= 0.05 * fp32,
+        "fp16 {fp16} vs fp32 {fp32}"
+    );
+}
+
+// --- Resume and checkpoint files -------------------------------------------------------------
+
+fn checkpointed_run(dir: &Path, hook: Box<dyn Hook<AB, Net>>, model: Net) -> Runner<AB, Net, Data> {
+    let mut runner = runner(model, hook, data(2, 8), RunLength::Iters(12), dir);
+    runner.register_hook(Box::new(memsave::hooks::CheckpointHook::new(3, false)));
+    runner
+}
+
+#[test]
+fn resuming_at_a_group_boundary_ends_with_exactly_the_uninterrupted_weights() {
+    let dir = work_dir("resume");
+    let mut uninterrupted = checkpointed_run(&dir, accumulate(2), net());
+    uninterrupted.run().unwrap();
+    let expected = weights(&uninterrupted.into_model());
+    assert!(dir.join("iter_6.ckpt").exists() && dir.join("latest.ckpt").exists());
+
+    // Another start: the weights must come from the checkpoint.
+    let mut resumed = checkpointed_run(&dir.join("resumed"), accumulate(2), net());
+    resumed.resume(&dir.join("iter_6.ckpt")).unwrap();
+    assert_eq!(resumed.state().iter, 6);
+    resumed.run().unwrap();
+    assert!(resumed.state().warnings().is_empty());
+    assert_eq!(weights(&resumed.into_model()), expected, "bit-identical");
+}
+
+#[test]
+fn resuming_inside_a_group_warns() {
+    let dir = work_dir("resume-inside");
+    let mut first = checkpointed_run(&dir, accumulate(2), net());
+    first.run().unwrap();
+    let mut resumed = checkpointed_run(&dir.join("resumed"), accumulate(2), net());
+    resumed.resume(&dir.join("iter_3.ckpt")).unwrap();
+    resumed.run().unwrap();
+    let warnings = resumed.state().warnings().join("\n");
+    assert!(
+        warnings.contains("not a multiple of cumulative_iters"),
+        "{warnings}"
+    );
+}
+
+#[test]
+fn resuming_mixed_precision_restores_the_loss_scale_and_the_weights() {
+    let dir = work_dir("resume-fp16");
+    let hook = || {
+        Box::new(Fp16OptimizerHook::new(
+            LossScaler::new(1e6, ScaleMode::Dynamic, 2.0, 2).unwrap(),
+        ))
+    };
+    let mut uninterrupted = checkpointed_run(&dir, hook(), net());
+    uninterrupted.run().unwrap();
+    let expected = weights(&uninterrupted.into_model());
+    let mut resumed = checkpointed_run(&dir.join("resumed"), hook(), net());
+    resumed.resume(&dir.join("iter_6.ckpt")).unwrap();
+    resumed.run().unwrap();
+    assert_eq!(weights(&resumed.into_model()), expected);
+}
+
+#[test]
+fn an_interrupted_write_leaves_the_previous_checkpoint_loadable() {
+    let dir = work_dir("interrupted");
+    let mut run = checkpointed_run(&dir, plain(), net());
+    run.run().unwrap();
+    let path = dir.join("latest.ckpt");
+    let before = Checkpoint::load(&path).unwrap();
+    // A crash half-way through the next write leaves a half-written temporary file.
+    let newer = std::fs::read(dir.join("iter_3.ckpt")).unwrap();
+    std::fs::write(temporary_path(&path), &newer[..newer.len() / 2]).unwrap();
+    assert_eq!(Checkpoint::load(&path).unwrap(), before);
+    let mut resumed = checkpointed_run(&dir.join("resumed"), plain(), net());
+    resumed.resume(&path).unwrap();
+    assert_eq!(resumed.state().iter, 12);
+}
+
+#[test]
+fn bad_checkpoints_are_errors_naming_the_file_never_panics() {
+    let dir = work_dir("bad");
+    let mut run = checkpointed_run(&dir, plain(), net());
+    run.run().unwrap();
+    let good = std::fs::read(dir.join("iter_6.ckpt")).unwrap();
+
+    let cases: Vec<(&str, Vec<u8>, &str)> = vec![
+        (
+            "truncated.ckpt",
+            good[..good.len() * 2 / 3].to_vec(),
+            "checksum",
+        ),
+        (
+            "flipped.ckpt",
+            {
+                let mut bytes = good.clone();
+                let middle = bytes.len() / 2;
+                bytes[middle] ^= 0xff;
+                bytes
+            },
+            "checksum",
+        ),
+        (
+            "text.ckpt",
+            b"not a checkpoint at all".to_vec(),
+            "not a memsave checkpoint",
+        ),
+        ("empty.ckpt", Vec::new(), "not a memsave checkpoint"),
+    ];
+    for (name, bytes, expected) in cases {
+        let path = dir.join(name);
+        std::fs::write(&path, bytes).unwrap();
+        let mut resumed = checkpointed_run(&dir.join("resumed"), plain(), net());
+        let error = resumed.resume(&path).unwrap_err().to_string();
+        assert!(
+            error.contains(name) && error.contains(expected),
+            "{name}: {error}"
+        );
+    }
+    let missing = dir.join("missing.ckpt");
+    let error = checkpointed_run(&dir, plain(), net())
+        .resume(&missing)
+        .unwrap_err();
+    assert!(error.to_string().contains("missing.ckpt"), "{error}");
+
+    // A checkpoint of another model: five classes instead of four.
+    let other = TinyNet::<AB>::new(5, false, &Default::default());
+    let mut resumed = Runner::new(
+        other,
+        &sgd(),
+        plain(),
+        data(2, 8),
+        RunLength::Iters(12),
+        dir.join("other"),
+        Default::default(),
+    )
+    .unwrap();
+    let error = resumed
+        .resume(&dir.join("iter_6.ckpt"))
+        .unwrap_err()
+        .to_string();
+    assert!(error.contains("another model"), "{error}");
+}
+
+// --- Anomalous parameters and clipping -------------------------------------------------------
+
+#[test]
+fn parameters_without_gradient_are_reported_by_path() {
+    let dir = work_dir("anomalous");
+    let hook = OptimizerHook {
+        grad_clip: None,
+        detect_anomalous_params: true,
+    };
+    let model = TinyNet::<AB>::new(4, true, &Default::default());
+    let mut runner = runner(model, Box::new(hook), data(2, 4), RunLength::Iters(1), &dir);
+    runner.run().unwrap();
+    let warnings = runner.state().warnings().join("\n");
+    assert!(warnings.contains("spare"), "{warnings}");
+    assert!(!warnings.contains("conv"), "{warnings}");
+}
+
+#[test]
+fn global_norm_matches_a_hand_computation() {
+    let model = net();
+    let mut grads = GradientsParams::new();
+    // conv.weight [8, 3, 3, 3] all 0.5; fc.weight [8, 4] all 1.0; biases without gradient.
+    let device = Default::default();
+    grads.register::<burn::backend::Flex, 4>(
+        model.conv.weight.id,
+        Tensor::full([8, 3, 3, 3], 0.5, &device),
+    );
+    grads.register::<burn::backend::Flex, 2>(
+        model.fc.weight.id,
+        Tensor::full([8, 4], -1.0, &device),
+    );
+    let (n1, n2) = (216.0_f64, 32.0_f64);
+    let two = global_norm::<AB, Net>(&model, &grads, 2.0).unwrap();
+    assert!((two - (n1 * 0.25 + n2).sqrt()).abs() < 1e-4, "{two}");
+    let one = global_norm::<AB, Net>(&model, &grads, 1.0).unwrap();
+    assert!((one - (n1 * 0.5 + n2)).abs() < 1e-3, "{one}");
+    let inf = global_norm::<AB, Net>(&model, &grads, f64::INFINITY).unwrap();
+    assert_eq!(inf, 1.0);
+}
+
+#[test]
+fn clipping_scales_every_gradient_by_max_norm_over_the_global_norm() {
+    // One step of plain SGD (lr 1) with and without clipping: the update shrinks by the ratio.
+    let start = net();
+    let dir = work_dir("clip");
+    let step = |clip: Option<GradClip>| {
+        let hook = OptimizerHook {
+            grad_clip: clip,
+            detect_anomalous_params: false,
+        };
+        let mut runner = Runner::new(
+            start.clone(),
+            &OptimizerKind::Sgd {
+                momentum: 0.0,
+                weight_decay: 0.0,
+                nesterov: false,
+            },
+            Box::new(hook),
+            data(4, 4),
+            RunLength::Iters(1),
+            &dir,
+            Default::default(),
+        )
+        .unwrap();
+        runner.register_hook(Box::new(LrUpdaterHook {
+            schedule: LrSchedule::constant(1.0),
+        }));
+        let (recorder, log) = recorder();
+        runner.register_hook(recorder);
+        runner.run().unwrap();
+        let norm = log.lock().unwrap()[0].grad_norm.unwrap();
+        (weights(&runner.into_model()), norm)
+    };
+    let before = weights(&start);
+    let (free, norm) = step(None);
+    let max_norm = norm / 4.0;
+    let (clipped, _) = step(Some(GradClip::new(max_norm, 2.0).unwrap()));
+    let ratio = max_norm / (norm + 1e-6);
+    for ((b, f), c) in before.iter().zip(&free).zip(&clipped) {
+        let expected = b + (f - b) * ratio as f32;
+        assert!(
+            (c - expected).abs() <= 1e-6 + 1e-5 * expected.abs(),
+            "{c} vs {expected}"
+        );
+    }
+}
