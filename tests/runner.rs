@@ -466,6 +466,54 @@ fn resuming_mixed_precision_restores_the_loss_scale_and_the_weights() {
 }
 
 #[test]
+fn resuming_adam_and_adamw_is_exact_and_the_accumulation_position_is_saved() {
+    for optimizer in [
+        OptimizerKind::Adam {
+            betas: (0.9, 0.999),
+            eps: 1e-8,
+            weight_decay: 1e-4,
+        },
+        OptimizerKind::AdamW {
+            betas: (0.9, 0.999),
+            eps: 1e-8,
+            weight_decay: 1e-2,
+        },
+    ] {
+        let dir = work_dir("resume-adam");
+        let run = |dir: &Path| {
+            let mut runner = Runner::new(
+                net(),
+                &optimizer,
+                accumulate(2),
+                data(2, 8),
+                RunLength::Iters(10),
+                dir,
+                Default::default(),
+            )
+            .unwrap();
+            runner.register_hook(Box::new(LrUpdaterHook {
+                schedule: LrSchedule::constant(0.01),
+            }));
+            runner.register_hook(Box::new(memsave::hooks::CheckpointHook::new(3, false)));
+            runner
+        };
+        let mut uninterrupted = run(&dir);
+        uninterrupted.run().unwrap();
+        let expected = weights(&uninterrupted.into_model());
+        let mut resumed = run(&dir.join("resumed"));
+        resumed.resume(&dir.join("iter_6.ckpt")).unwrap();
+        resumed.run().unwrap();
+        assert_eq!(weights(&resumed.into_model()), expected, "{optimizer:?}");
+
+        // iter_3: one micro-batch of the second group was summed but not stepped.
+        let meta = Checkpoint::load(&dir.join("iter_3.ckpt")).unwrap().meta;
+        assert_eq!(meta.iter, 3);
+        assert_eq!(meta.hooks["cumulative"]["pending"], 1);
+        assert_eq!(meta.hooks["cumulative"]["cumulative_iters"], 2);
+    }
+}
+
+#[test]
 fn an_interrupted_write_leaves_the_previous_checkpoint_loadable() {
     let dir = work_dir("interrupted");
     let mut run = checkpointed_run(&dir, plain(), net());

@@ -64,8 +64,10 @@ impl Groups {
         }
     }
 
-    fn state_dict(self) -> serde_json::Value {
-        serde_json::json!({ "cumulative_iters": self.cumulative_iters })
+    /// The group size and how many micro-batches of the current group are summed but not yet
+    /// stepped (not saved themselves: MMCV's semantics, with the warning on resume).
+    fn state_dict(self, pending: usize) -> serde_json::Value {
+        serde_json::json!({ "cumulative_iters": self.cumulative_iters, "pending": pending })
     }
 }
 
@@ -81,6 +83,7 @@ pub struct GradientCumulativeOptimizerHook {
     /// Report trainable parameters that got no gradient.
     pub detect_anomalous_params: bool,
     summed: Option<GradientsParams>,
+    pending: usize,
 }
 
 impl GradientCumulativeOptimizerHook {
@@ -91,6 +94,7 @@ impl GradientCumulativeOptimizerHook {
             grad_clip: None,
             detect_anomalous_params: false,
             summed: None,
+            pending: 0,
         })
     }
 
@@ -121,7 +125,9 @@ impl<B: AutodiffBackend, M: TrainModel<B>> Hook<B, M> for GradientCumulativeOpti
         crate::checkpoint::join_helpers();
         let summed = self.summed.get_or_insert_with(GradientsParams::new);
         accumulate_grads::<B, M>(&state.model, summed, grads);
+        self.pending += 1;
         if self.groups.boundary(state) {
+            self.pending = 0;
             let mut grads = self.summed.take().expect("summed above");
             if self.detect_anomalous_params {
                 report_params_without_grad::<B, M>(state, &grads);
@@ -134,7 +140,7 @@ impl<B: AutodiffBackend, M: TrainModel<B>> Hook<B, M> for GradientCumulativeOpti
     }
 
     fn state_dict(&self) -> Option<serde_json::Value> {
-        Some(self.groups.state_dict())
+        Some(self.groups.state_dict(self.pending))
     }
 }
 
@@ -154,6 +160,7 @@ pub struct GradientCumulativeFp16OptimizerHook {
     /// Report trainable parameters that got no gradient.
     pub detect_anomalous_params: bool,
     summed: Option<GradientsParams>,
+    pending: usize,
 }
 
 impl GradientCumulativeFp16OptimizerHook {
@@ -166,6 +173,7 @@ impl GradientCumulativeFp16OptimizerHook {
             precision: Precision::F16,
             detect_anomalous_params: false,
             summed: None,
+            pending: 0,
         })
     }
 
@@ -194,7 +202,9 @@ impl<B: AutodiffBackend, M: TrainModel<B>> Hook<B, M> for GradientCumulativeFp16
         };
         let summed = self.summed.get_or_insert_with(GradientsParams::new);
         accumulate_grads::<B, M>(&state.model, summed, grads);
+        self.pending += 1;
         if self.groups.boundary(state) {
+            self.pending = 0;
             let grads = self.summed.take().expect("summed above");
             if self.detect_anomalous_params {
                 report_params_without_grad::<B, M>(state, &grads);
@@ -214,7 +224,7 @@ impl<B: AutodiffBackend, M: TrainModel<B>> Hook<B, M> for GradientCumulativeFp16
 
     fn state_dict(&self) -> Option<serde_json::Value> {
         Some(serde_json::json!({
-            "groups": self.groups.state_dict(),
+            "groups": self.groups.state_dict(self.pending),
             "loss_scaler": self.loss_scaler,
         }))
     }
