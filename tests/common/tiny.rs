@@ -54,3 +54,28 @@ impl<B: AutodiffBackend + memsave::Backend> TrainModel<B> for TinyNet<B> {
         self.loss_of(self.forward(batch.images), batch.labels)
     }
 }
+
+/// Replaces every float parameter with values from a seeded generator (splitmix64, uniform in
+/// `[-0.3, 0.3)`): the same weights whatever else draws from Flex's process-wide random stream
+/// (tests run in parallel).
+pub struct Seeded(pub u64);
+
+impl<B: Backend> burn::module::ModuleMapper<B> for Seeded {
+    fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
+        let (id, tensor, mapper) = param.consume();
+        let shape = tensor.shape();
+        let values: Vec<f32> = (0..shape.num_elements())
+            .map(|_| {
+                self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+                let mut z = self.0;
+                z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+                z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+                z ^= z >> 31;
+                ((z >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 0.6
+            })
+            .collect();
+        let value = Tensor::<B, D>::from_data(TensorData::new(values, shape), &tensor.device())
+            .require_grad();
+        Param::from_mapped_value(id, value, mapper)
+    }
+}

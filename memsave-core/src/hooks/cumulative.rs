@@ -2,8 +2,8 @@ use burn::optim::GradientsParams;
 use burn::tensor::backend::AutodiffBackend;
 use serde::{Deserialize, Serialize};
 
-use super::fp16::{refresh_half_copy, scaled_backward, unscale_and_step};
-use super::optimizer::{norm_and_clip, report_params_without_grad, scalar, GradClip};
+use super::fp16::{load_scaler, refresh_half_copy, scaled_backward, unscale_and_step};
+use super::optimizer::{clip_and_step, scalar, GradClip};
 use crate::fp16::Precision;
 use crate::scaler::LossScaler;
 use crate::train::optim::{accumulate_grads, has_batch_norm};
@@ -128,13 +128,13 @@ impl<B: AutodiffBackend, M: TrainModel<B>> Hook<B, M> for GradientCumulativeOpti
         self.pending += 1;
         if self.groups.boundary(state) {
             self.pending = 0;
-            let mut grads = self.summed.take().expect("summed above");
-            if self.detect_anomalous_params {
-                report_params_without_grad::<B, M>(state, &grads);
-            }
-            state.log.grad_norm =
-                norm_and_clip::<B, M>(&state.model, &mut grads, self.grad_clip.as_ref());
-            state.step(grads);
+            let grads = self.summed.take().expect("summed above");
+            clip_and_step(
+                state,
+                grads,
+                self.grad_clip.as_ref(),
+                self.detect_anomalous_params,
+            );
         }
         Ok(())
     }
@@ -206,15 +206,13 @@ impl<B: AutodiffBackend, M: TrainModel<B>> Hook<B, M> for GradientCumulativeFp16
         if self.groups.boundary(state) {
             self.pending = 0;
             let grads = self.summed.take().expect("summed above");
-            if self.detect_anomalous_params {
-                report_params_without_grad::<B, M>(state, &grads);
-            }
             unscale_and_step::<B, M>(
                 state,
                 grads,
                 &mut self.loss_scaler,
                 self.grad_clip.as_ref(),
                 self.precision,
+                self.detect_anomalous_params,
             );
         } else {
             state.log.loss_scale = Some(scale);
@@ -234,8 +232,7 @@ impl<B: AutodiffBackend, M: TrainModel<B>> Hook<B, M> for GradientCumulativeFp16
             .get("loss_scaler")
             .cloned()
             .ok_or_else(|| Error::invalid("loss scaler state", "missing"))?;
-        self.loss_scaler = serde_json::from_value(scaler)
-            .map_err(|error| Error::invalid("loss scaler state", error.to_string()))?;
+        self.loss_scaler = load_scaler(scaler)?;
         Ok(())
     }
 }

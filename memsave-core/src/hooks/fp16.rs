@@ -78,7 +78,11 @@ pub(crate) fn unscale_and_step<B: AutodiffBackend, M: TrainModel<B>>(
     scaler: &mut LossScaler,
     clip: Option<&GradClip>,
     precision: Precision,
+    detect_anomalous_params: bool,
 ) {
+    if detect_anomalous_params {
+        report_params_without_grad::<B, M>(state, &grads);
+    }
     let scale = scaler.loss_scale();
     crate::train::optim::scale_grads::<B, M>(&state.model, &mut grads, 1.0 / scale);
     let norm = norm_and_clip::<B, M>(&state.model, &mut grads, clip);
@@ -115,15 +119,13 @@ impl<B: AutodiffBackend, M: TrainModel<B>> Hook<B, M> for Fp16OptimizerHook {
         let Some(grads) = scaled_backward::<B, M>(state, scale, 1.0) else {
             return Ok(());
         };
-        if self.detect_anomalous_params {
-            report_params_without_grad::<B, M>(state, &grads);
-        }
         unscale_and_step::<B, M>(
             state,
             grads,
             &mut self.loss_scaler,
             self.grad_clip.as_ref(),
             self.precision,
+            self.detect_anomalous_params,
         );
         Ok(())
     }
@@ -133,8 +135,13 @@ impl<B: AutodiffBackend, M: TrainModel<B>> Hook<B, M> for Fp16OptimizerHook {
     }
 
     fn load_state_dict(&mut self, value: serde_json::Value) -> Result<()> {
-        self.loss_scaler = serde_json::from_value(value)
-            .map_err(|error| Error::invalid("loss scaler state", error.to_string()))?;
+        self.loss_scaler = load_scaler(value)?;
         Ok(())
     }
+}
+
+/// A loss scaler's state from a checkpoint.
+pub(crate) fn load_scaler(value: serde_json::Value) -> Result<LossScaler> {
+    serde_json::from_value(value)
+        .map_err(|error| Error::invalid("loss scaler state", error.to_string()))
 }

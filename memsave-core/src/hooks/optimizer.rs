@@ -75,16 +75,31 @@ impl<B: AutodiffBackend, M: TrainModel<B>> Hook<B, M> for OptimizerHook {
             return Ok(());
         };
         state.log.loss = Some(scalar(&loss));
-        let mut grads = GradientsParams::from_grads(loss.backward(), &state.model);
+        let grads = GradientsParams::from_grads(loss.backward(), &state.model);
         crate::checkpoint::join_helpers();
-        if self.detect_anomalous_params {
-            report_params_without_grad::<B, M>(state, &grads);
-        }
-        state.log.grad_norm =
-            norm_and_clip::<B, M>(&state.model, &mut grads, self.grad_clip.as_ref());
-        state.step(grads);
+        clip_and_step(
+            state,
+            grads,
+            self.grad_clip.as_ref(),
+            self.detect_anomalous_params,
+        );
         Ok(())
     }
+}
+
+/// Reports parameters without gradient (if asked), clips, logs the norm and steps: the end of
+/// every fp32 optimizer hook.
+pub(crate) fn clip_and_step<B: AutodiffBackend, M: TrainModel<B>>(
+    state: &mut TrainState<B, M>,
+    mut grads: GradientsParams,
+    clip: Option<&GradClip>,
+    detect_anomalous_params: bool,
+) {
+    if detect_anomalous_params {
+        report_params_without_grad::<B, M>(state, &grads);
+    }
+    state.log.grad_norm = norm_and_clip::<B, M>(&state.model, &mut grads, clip);
+    state.step(grads);
 }
 
 /// The value of a one-element tensor.
