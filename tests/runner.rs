@@ -63,10 +63,31 @@ fn runner<D: DataSource<ClassificationBatch<AB>>>(
     length: RunLength,
     dir: &Path,
 ) -> Runner<AB, Net, D> {
-    let mut runner =
-        Runner::new(model, &sgd(), hook, data, length, dir, Default::default()).unwrap();
+    runner_with(model, &sgd(), 0.05, hook, data, length, dir)
+}
+
+/// A runner with this optimizer at this constant learning rate.
+fn runner_with<D: DataSource<ClassificationBatch<AB>>>(
+    model: Net,
+    optimizer: &OptimizerKind,
+    lr: f64,
+    hook: Box<dyn Hook<AB, Net>>,
+    data: D,
+    length: RunLength,
+    dir: &Path,
+) -> Runner<AB, Net, D> {
+    let mut runner = Runner::new(
+        model,
+        optimizer,
+        hook,
+        data,
+        length,
+        dir,
+        Default::default(),
+    )
+    .unwrap();
     runner.register_hook(Box::new(LrUpdaterHook {
-        schedule: LrSchedule::constant(0.05),
+        schedule: LrSchedule::constant(lr),
     }));
     runner
 }
@@ -345,19 +366,15 @@ fn amp_end_to_end_reaches_the_fp32_loss_within_5_percent() {
         let dir = work_dir("amp");
         let config = SyntheticClassificationConfig::new(8, 64, 8);
         let source = SyntheticClassification::new(config, 4, Default::default()).unwrap();
-        let mut runner = Runner::new(
+        let mut runner = runner_with(
             start.clone(),
             &sgd(),
+            0.5,
             hook,
             source,
             RunLength::Iters(50),
             &dir,
-            Default::default(),
-        )
-        .unwrap();
-        runner.register_hook(Box::new(LrUpdaterHook {
-            schedule: LrSchedule::constant(0.5),
-        }));
+        );
         let (recorder, log) = recorder();
         runner.register_hook(recorder);
         runner.run().unwrap();
@@ -458,19 +475,15 @@ fn resuming_adam_and_adamw_is_exact_and_the_accumulation_position_is_saved() {
     ] {
         let dir = work_dir("resume-adam");
         let run = |dir: &Path| {
-            let mut runner = Runner::new(
+            let mut runner = runner_with(
                 net(),
                 &optimizer,
+                0.01,
                 accumulate(2),
                 data(2, 8),
                 RunLength::Iters(10),
                 dir,
-                Default::default(),
-            )
-            .unwrap();
-            runner.register_hook(Box::new(LrUpdaterHook {
-                schedule: LrSchedule::constant(0.01),
-            }));
+            );
             runner.register_hook(Box::new(memsave::hooks::CheckpointHook::new(3, false)));
             runner
         };
@@ -621,23 +634,19 @@ fn clipping_scales_every_gradient_by_max_norm_over_the_global_norm() {
             grad_clip: clip,
             detect_anomalous_params: false,
         };
-        let mut runner = Runner::new(
+        let mut runner = runner_with(
             start.clone(),
             &OptimizerKind::Sgd {
                 momentum: 0.0,
                 weight_decay: 0.0,
                 nesterov: false,
             },
+            1.0,
             Box::new(hook),
             data(4, 4),
             RunLength::Iters(1),
             &dir,
-            Default::default(),
-        )
-        .unwrap();
-        runner.register_hook(Box::new(LrUpdaterHook {
-            schedule: LrSchedule::constant(0.5),
-        }));
+        );
         let (recorder, log) = recorder();
         runner.register_hook(recorder);
         runner.run().unwrap();
