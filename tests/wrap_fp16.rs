@@ -196,16 +196,80 @@ fn relative_error<const D: usize>(a: Tensor<Flex, D>, b: Tensor<Flex, D>) -> f32
     num / den
 }
 
-#[test]
-fn amp_gradients_match_fp32_within_1e_2() {
-    let device = Default::default();
-    let model = net();
+/// Seeded standard-normal values (splitmix64, Box-Muller): the same whatever else draws from
+/// Flex's process-wide random stream while tests run in parallel.
+fn seeded_normal<const D: usize>(shape: [usize; D], seed: u64) -> Tensor<AB, D> {
+    let mut state = seed;
+    let mut uniform = move || {
+        state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = state;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^= z >> 31;
+        ((z >> 11) as f64 + 0.5) / (1u64 << 53) as f64
+    };
+    let count = shape.iter().product::<usize>();
+    let values: Vec<f32> = (0..count)
+        .map(|_| {
+            let (u, v) = (uniform(), uniform());
+            ((-2.0 * u.ln()).sqrt() * (2.0 * std::f64::consts::PI * v).cos()) as f32
+        })
+        .collect();
+    Tensor::from_data(TensorData::new(values, shape), &Default::default())
+}
+
+/// Seeded weights, deterministic under parallel tests: conv and linear weights normal with
+/// standard deviation `1 / sqrt(fan_in)`, biases zero, and every normalisation layer with gamma
+/// 0.2 and beta 1, so that its output sits five standard deviations above ReLU's kink
+/// (see `amp_gradients_match_fp32_within_1e_2`).
+struct SeededInit {
+    seed: u64,
+    path: Vec<String>,
+}
+
+impl<B: Backend> ModuleMapper<B> for SeededInit {
+    fn enter_module(&mut self, name: &str, _container_type: &str) {
+        self.path.push(name.to_string());
+    }
+
+    fn exit_module(&mut self, _name: &str, _container_type: &str) {
+        self.path.pop();
+    }
+
+    fn map_float<const D: usize>(
+        &mut self,
+        param: burn::module::Param<Tensor<B, D>>,
+    ) -> burn::module::Param<Tensor<B, D>> {
+        let (id, tensor, mapper) = param.consume();
+        let dims = tensor.shape().dims::<D>();
+        let device = tensor.device();
+        self.seed += 1;
+        let value: Tensor<B, D> = match self.path.last().map(String::as_str) {
+            Some("gamma") => Tensor::full(dims, 0.2, &device),
+            Some("beta") => Tensor::ones(dims, &device),
+            Some("bias") => Tensor::zeros(dims, &device),
+            _ => {
+                let fan_in: usize = dims[1..].iter().product();
+                let noise = seeded_normal(dims, self.seed).inner().into_data();
+                Tensor::<B, D>::from_data(noise, &device).div_scalar((fan_in as f32).sqrt())
+            }
+        };
+        burn::module::Param::from_mapped_value(id, value.require_grad(), mapper)
+    }
+}
+
+/// Relative errors of three f16 gradients against the fp32 ones, for seeded weights, inputs
+/// and loss weights.
+fn amp_errors(seed: u64) -> Vec<(&'static str, f32)> {
+    let model = Net::<AB>::new(&Default::default()).map(&mut SeededInit {
+        seed: seed << 8,
+        path: Vec::new(),
+    });
     let fp32 = model.clone();
     let fp16 = wrap_fp16_model(model, Precision::F16);
 
-    let x = Tensor::<AB, 4>::random([4, 3, 6, 6], Distribution::Normal(0.0, 1.0), &device);
-    let weights = Tensor::<AB, 2>::random([4, 4 * 36], Distribution::Normal(0.0, 1.0), &device);
-
+    let x = seeded_normal([4, 3, 6, 6], seed ^ 0x5EED);
+    let weights = seeded_normal([4, 4 * 36], seed ^ 0xA11CE);
     let loss32 = fp32
         .head
         .as_ref()
@@ -250,19 +314,39 @@ fn amp_gradients_match_fp32_within_1e_2() {
                 .map(|g| g.reshape([1, 8, 1, 1])),
         ),
     ];
-    for (name, g32, g16) in pairs {
-        let (g32, g16) = (g32.expect(name), g16.expect(name));
-        let error = relative_error(g16, g32);
-        eprintln!("{name}: relative error of the f16 gradient {error:.2e}");
-        assert!(error < 1e-2, "{name}: relative error {error}");
-        assert!(
-            error > 0.0,
-            "{name}: the half run must really be half ({error})"
-        );
-    }
     assert_eq!(
         fp16.stem.conv.weight.grad(&g16).unwrap().dtype(),
         DType::F16
     );
     assert_eq!(fp16.stem.bn.gamma.grad(&g16).unwrap().dtype(), DType::F32);
+    pairs
+        .into_iter()
+        .map(|(name, g32, g16)| (name, relative_error(g16.expect(name), g32.expect(name))))
+        .collect()
+}
+
+/// The f16 gradients of a conv-BN-ReLU net are within 1e-2 (relative, Frobenius) of the fp32
+/// ones, for 16 seeds of weights, inputs and loss weights.
+///
+/// The normalisation layers start with gamma 0.2 and beta 1 (`SeededInit`). With Burn's
+/// defaults (gamma 1, beta 0) half the activations sit at ReLU's kink, and f16 rounding flips
+/// a few of them from one side to the other; on these 6x6 maps a single flip moves a
+/// channel's weight gradient by several percent. Over 200 seeds with those defaults, the stem
+/// conv's f16 gradient was off by 1.1e-2 median and 0.36 at worst. Even fp32 arithmetic that
+/// only rounds each conv's input and output to f16 was off by up to 0.28. That measures where
+/// the kinks fall, not memsave's casts. With the margin, 200 seeds gave at most 4.5e-3.
+#[test]
+fn amp_gradients_match_fp32_within_1e_2() {
+    for seed in 0..16 {
+        for (name, error) in amp_errors(seed) {
+            assert!(
+                error < 1e-2,
+                "seed {seed}, {name}: relative error of the f16 gradient {error}"
+            );
+            assert!(
+                error > 0.0,
+                "seed {seed}, {name}: the half run must really be half"
+            );
+        }
+    }
 }

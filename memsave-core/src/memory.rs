@@ -3,9 +3,19 @@
 //!
 //! Install it in your binary (a library cannot choose the allocator for you):
 //!
-//! ```ignore
+//! ```
 //! #[global_allocator]
-//! static ALLOCATOR: memsave::memory::CountingAllocator = memsave::memory::CountingAllocator;
+//! static ALLOCATOR: memsave_core::memory::CountingAllocator =
+//!     memsave_core::memory::CountingAllocator;
+//!
+//! fn main() {
+//!     use memsave_core::memory;
+//!     assert!(memory::is_counting());
+//!     let baseline = memory::reset_peak();
+//!     let buffer = vec![1u8; 1 << 20];
+//!     drop(buffer);
+//!     assert!(memory::peak_bytes() - baseline >= 1 << 20);
+//! }
 //! ```
 //!
 //! Then [`reset_peak`] after the model and optimizer are built, run, and read [`peak_bytes`]
