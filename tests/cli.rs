@@ -81,6 +81,14 @@ fn trains_saves_and_resumes_with_each_strategy() {
         for file in ["epoch_1.ckpt", "epoch_2.ckpt", "latest.ckpt", "train.log"] {
             assert!(work_dir.join(file).exists(), "{name}: {file}");
         }
+        // Log lines carry the loss and the peak memory (the binary counts its heap).
+        let log = std::fs::read_to_string(work_dir.join("train.log")).unwrap();
+        let last = log
+            .lines()
+            .rfind(|line| line.starts_with("Epoch [2]"))
+            .unwrap();
+        assert!(last.contains("loss: "), "{name}: {last}");
+        assert!(last.contains("  memory: "), "{name}: {last}");
     }
 
     // Resume the plain run from its first epoch: one more epoch to go.

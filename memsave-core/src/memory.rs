@@ -15,6 +15,9 @@
 //!     let buffer = vec![1u8; 1 << 20];
 //!     drop(buffer);
 //!     assert!(memory::peak_bytes() - baseline >= 1 << 20);
+//!     // What the training log reports for a CPU run.
+//!     let cpu: burn::tensor::Device<burn::backend::Flex> = Default::default();
+//!     assert_eq!(memory::device_peak_bytes(&cpu), Some(memory::peak_bytes() as u64));
 //! }
 //! ```
 //!
@@ -105,6 +108,20 @@ pub fn reset_peak() -> usize {
 /// `bytes` as MiB, for reports.
 pub fn mib(bytes: usize) -> f64 {
     bytes as f64 / (1024.0 * 1024.0)
+}
+
+/// What a log line reports as memory for a run on `device`: on the CPU, the live heap bytes
+/// peak since the last [`reset_peak`] (when a [`CountingAllocator`] is installed); on CUDA
+/// (feature `cuda`), the bytes CubeCL's pools hold reserved, their high-water mark. `None` where
+/// neither can be read.
+pub fn device_peak_bytes<D: 'static>(device: &D) -> Option<u64> {
+    #[cfg(feature = "cuda")]
+    if let Some(device) = (device as &dyn std::any::Any).downcast_ref::<cubecl::cuda::CudaDevice>()
+    {
+        return cuda::pool_usage(device).map(|(_, reserved)| reserved);
+    }
+    let _ = device;
+    is_counting().then(|| peak_bytes() as u64)
 }
 
 /// CUDA: the memory pools of CubeCL, Burn's CUDA runtime.

@@ -10,8 +10,9 @@ use crate::train::{Hook, TrainModel, TrainState};
 use crate::{Error, Result};
 
 /// A log line every `interval` iterations (loss averaged over them, learning rate, gradient
-/// norm, loss scale, peak memory, time per iteration) to stderr and `train.log` in the work
-/// directory, and a progress bar on a terminal (MMCV's `TextLoggerHook`).
+/// norm, loss scale, peak memory as [`memory::device_peak_bytes`] reads it, time since the
+/// start) to stderr and `train.log` in the work directory, and a progress bar on a terminal
+/// (MMCV's `TextLoggerHook`).
 pub struct LoggerHook {
     /// Iterations between log lines.
     pub interval: usize,
@@ -112,11 +113,10 @@ impl<B: AutodiffBackend, M: TrainModel<B>> Hook<B, M> for LoggerHook {
         if let Some(scale) = state.log.loss_scale {
             line.push_str(&format!("  loss_scale: {scale}"));
         }
+        if let Some(bytes) = memory::device_peak_bytes(&state.device) {
+            line.push_str(&format!("  memory: {:.1} MiB", memory::mib(bytes as usize)));
+        }
         if memory::is_counting() {
-            line.push_str(&format!(
-                "  memory: {:.1} MiB",
-                memory::mib(memory::peak_bytes())
-            ));
             memory::reset_peak();
         }
         if let Some(started) = self.started {
