@@ -337,8 +337,11 @@ fn amp_errors(seed: u64) -> Vec<(&'static str, f32)> {
 /// the kinks fall, not memsave's casts. With the margin, 200 seeds gave at most 4.5e-3.
 #[test]
 fn amp_gradients_match_fp32_within_1e_2() {
+    let (mut best, mut worst) = (f32::INFINITY, 0.0_f32);
     for seed in 0..16 {
         for (name, error) in amp_errors(seed) {
+            best = best.min(error);
+            worst = worst.max(error);
             assert!(
                 error < 1e-2,
                 "seed {seed}, {name}: relative error of the f16 gradient {error}"
@@ -349,4 +352,5 @@ fn amp_gradients_match_fp32_within_1e_2() {
             );
         }
     }
+    eprintln!("relative error of the f16 gradients over 16 seeds: {best:.2e} to {worst:.2e}");
 }
