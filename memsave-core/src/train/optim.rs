@@ -235,13 +235,14 @@ pub fn global_norm<B: AutodiffBackend, M: AutodiffModule<B>>(
             let Some(grad) = self.grads.get::<B::InnerBackend, D>(param.id) else {
                 return;
             };
-            let abs = grad.cast(DType::F32).abs();
+            let grad = grad.cast(DType::F32);
             let part = if self.norm_type.is_infinite() {
-                abs.max()
+                grad.abs().max()
             } else if self.norm_type == 2.0 {
-                abs.square().sum()
+                // No `abs` pass: squares are non-negative anyway.
+                grad.square().sum()
             } else {
-                abs.powf_scalar(self.norm_type).sum()
+                grad.abs().powf_scalar(self.norm_type).sum()
             };
             self.total = Some(match self.total.take() {
                 None => part,
