@@ -105,6 +105,19 @@ pub fn reset_peak() -> usize {
     now
 }
 
+/// Runs `f` without letting it raise the peak: for work outside what is measured, such as
+/// writing a checkpoint between training steps. Afterwards the peak is what it was before, or
+/// the live bytes now if they are more.
+pub fn without_peak<T>(f: impl FnOnce() -> T) -> T {
+    let before = PEAK.load(Ordering::Relaxed);
+    let out = f();
+    PEAK.store(
+        before.max(CURRENT.load(Ordering::Relaxed)),
+        Ordering::Relaxed,
+    );
+    out
+}
+
 /// `bytes` as MiB, for reports.
 pub fn mib(bytes: usize) -> f64 {
     bytes as f64 / (1024.0 * 1024.0)

@@ -189,6 +189,11 @@ where
     /// Writes a checkpoint of the run as it stands after the current iteration, to `path` and to
     /// `latest.ckpt` beside it.
     pub fn save_checkpoint(&mut self, path: &Path) -> Result<()> {
+        // Serialising is not training: keep it out of the peak memory the log reports.
+        crate::memory::without_peak(|| self.write_checkpoint(path))
+    }
+
+    fn write_checkpoint(&self, path: &Path) -> Result<()> {
         let completed = (self.state.iter + 1).min(self.state.max_iters);
         let mut hooks = BTreeMap::new();
         for hook in std::iter::once(&self.optimizer_hook).chain(&self.hooks) {
