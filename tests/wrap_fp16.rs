@@ -1,6 +1,8 @@
 //! `wrap_fp16_model`: flags through nesting, normalisation layers kept fp32, and AMP gradients
 //! against fp32 gradients.
 
+mod common;
+
 use burn::backend::{Autodiff, Flex};
 use burn::module::{Module, ModuleMapper};
 use burn::nn::conv::{Conv2d, Conv2dConfig};
@@ -196,18 +198,11 @@ fn relative_error<const D: usize>(a: Tensor<Flex, D>, b: Tensor<Flex, D>) -> f32
     num / den
 }
 
-/// Seeded standard-normal values (splitmix64, Box-Muller): the same whatever else draws from
-/// Flex's process-wide random stream while tests run in parallel.
+/// Seeded standard-normal values (splitmix64, Box-Muller).
 fn seeded_normal<const D: usize>(shape: [usize; D], seed: u64) -> Tensor<AB, D> {
     let mut state = seed;
-    let mut uniform = move || {
-        state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = state;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^= z >> 31;
-        ((z >> 11) as f64 + 0.5) / (1u64 << 53) as f64
-    };
+    let mut uniform =
+        move || ((common::splitmix64(&mut state) >> 11) as f64 + 0.5) / (1u64 << 53) as f64;
     let count = shape.iter().product::<usize>();
     let values: Vec<f32> = (0..count)
         .map(|_| {

@@ -32,6 +32,16 @@ pub fn watchdog<T: Send + 'static>(seconds: u64, f: impl FnOnce() -> T + Send + 
     }
 }
 
+/// The next value of a splitmix64 generator: seeded, reproducible draws that do not touch
+/// Flex's process-wide random stream (tests run in parallel).
+pub fn splitmix64(state: &mut u64) -> u64 {
+    *state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    let mut z = *state;
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
 /// Forces every lazy parameter to initialise, so that clones share their values.
 pub struct Materialise;
 impl<B: Backend> ModuleMapper<B> for Materialise {}

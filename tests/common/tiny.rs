@@ -66,11 +66,7 @@ impl<B: Backend> burn::module::ModuleMapper<B> for Seeded {
         let shape = tensor.shape();
         let values: Vec<f32> = (0..shape.num_elements())
             .map(|_| {
-                self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-                let mut z = self.0;
-                z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-                z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-                z ^= z >> 31;
+                let z = super::splitmix64(&mut self.0);
                 ((z >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 0.6
             })
             .collect();
