@@ -666,3 +666,27 @@ fn clipping_scales_every_gradient_by_max_norm_over_the_global_norm() {
         );
     }
 }
+
+#[test]
+fn resuming_from_an_edited_loss_scaler_state_is_an_error_naming_the_file_and_field() {
+    let dir = work_dir("resume-bad-scaler");
+    let hook = || {
+        Box::new(Fp16OptimizerHook::new(
+            LossScaler::new(1e6, ScaleMode::Dynamic, 2.0, 2).unwrap(),
+        ))
+    };
+    let mut run = checkpointed_run(&dir, hook(), net());
+    run.run().unwrap();
+    // A dynamic state with a zero window (an edited or foreign checkpoint, CRC made valid).
+    let path = dir.join("iter_6.ckpt");
+    let mut checkpoint = Checkpoint::load(&path).unwrap();
+    checkpoint.meta.hooks.get_mut("fp16").unwrap()["scale_window"] = 0.into();
+    let edited = dir.join("edited.ckpt");
+    checkpoint.save(&edited).unwrap();
+    let mut resumed = checkpointed_run(&dir.join("resumed"), hook(), net());
+    let message = resumed.resume(&edited).unwrap_err().to_string();
+    assert!(
+        message.contains("edited.ckpt") && message.contains("scale_window"),
+        "{message}"
+    );
+}

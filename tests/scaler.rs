@@ -92,3 +92,56 @@ fn state_round_trips_through_serde() {
         assert_eq!(restored.loss_scale(), scaler.loss_scale());
     }
 }
+
+#[test]
+fn a_window_above_i64_max_never_grows_the_scale() {
+    let mut scaler = LossScaler::new(512.0, ScaleMode::Dynamic, 2.0, u64::MAX).unwrap();
+    for _ in 0..5000 {
+        scaler.update_scale(false);
+    }
+    assert_eq!(scaler.loss_scale(), 512.0);
+    scaler.update_scale(true);
+    for _ in 0..5000 {
+        scaler.update_scale(false);
+    }
+    assert_eq!(scaler.loss_scale(), 256.0);
+}
+
+#[test]
+fn growth_never_reaches_a_non_finite_scale() {
+    let mut scaler = LossScaler::new(65536.0, ScaleMode::Dynamic, 2.0, 1).unwrap();
+    for _ in 0..5000 {
+        scaler.update_scale(false);
+        assert!(scaler.loss_scale().is_finite(), "{}", scaler.loss_scale());
+    }
+    // It stopped at the largest finite power of two, and an overflow still halves it.
+    assert_eq!(scaler.loss_scale(), 2f64.powi(1023));
+    scaler.update_scale(true);
+    assert_eq!(scaler.loss_scale(), 2f64.powi(1022));
+}
+
+#[test]
+fn a_stored_state_is_checked_when_it_is_read_back() {
+    let good = serde_json::to_value(LossScaler::default()).unwrap();
+    let with = |field: &str, value: serde_json::Value| {
+        let mut state = good.clone();
+        state[field] = value;
+        serde_json::from_value::<LossScaler>(state)
+            .unwrap_err()
+            .to_string()
+    };
+    let message = with("scale_window", 0.into());
+    assert!(message.contains("scale_window"), "{message}");
+    let message = with("scale_factor", 0.5.into());
+    assert!(message.contains("scale_factor"), "{message}");
+    let message = with("cur_scale", (-2.0).into());
+    assert!(message.contains("init_scale"), "{message}");
+    let message = with("last_overflow_iter", 5.into());
+    assert!(message.contains("last_overflow_iter"), "{message}");
+    let message = with("backoff_factor", 3.0.into());
+    assert!(message.contains("backoff_factor"), "{message}");
+    // A static state may keep a window of 0: it never grows.
+    let mut state = serde_json::to_value(LossScaler::fixed(512.0).unwrap()).unwrap();
+    state["scale_window"] = 0.into();
+    assert!(serde_json::from_value::<LossScaler>(state).is_ok());
+}

@@ -295,24 +295,37 @@ impl<'de> Deserialize<'de> for LossScaleSpec {
 }
 
 impl LossScaleSpec {
-    /// The scaler it describes.
+    /// The scaler it describes; errors name the key under `fp16.loss_scale`.
     pub fn scaler(&self) -> Result<LossScaler> {
-        match self {
+        let key = |parameter: &str| match (self, parameter) {
+            (LossScaleSpec::Table(_), "init_scale") => "fp16.loss_scale.init_scale".to_string(),
+            (LossScaleSpec::Table(_), "scale_factor") => {
+                "fp16.loss_scale.growth_factor".to_string()
+            }
+            (LossScaleSpec::Table(_), "scale_window") => {
+                "fp16.loss_scale.growth_interval".to_string()
+            }
+            (LossScaleSpec::Table(_), other) => format!("fp16.loss_scale.{other}"),
+            _ => "fp16.loss_scale".to_string(),
+        };
+        let scaler = match self {
             LossScaleSpec::Static(scale) => LossScaler::fixed(*scale),
             LossScaleSpec::Dynamic => LossScaler::new(65536.0, ScaleMode::Dynamic, 2.0, 2000),
-            LossScaleSpec::Table(table) => {
-                let scaler = LossScaler::new(
-                    table.init_scale,
-                    table.mode,
-                    table.growth_factor,
-                    table.growth_interval,
-                )?;
-                match table.backoff_factor {
-                    Some(backoff) => scaler.with_backoff_factor(backoff),
-                    None => Ok(scaler),
-                }
-            }
-        }
+            LossScaleSpec::Table(table) => LossScaler::new(
+                table.init_scale,
+                table.mode,
+                table.growth_factor,
+                table.growth_interval,
+            )
+            .and_then(|scaler| match table.backoff_factor {
+                Some(backoff) => scaler.with_backoff_factor(backoff),
+                None => Ok(scaler),
+            }),
+        };
+        scaler.map_err(|error| match error {
+            Error::InvalidValue { field, message } => Error::invalid(key(&field), message),
+            other => other,
+        })
     }
 }
 

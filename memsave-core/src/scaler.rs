@@ -4,7 +4,12 @@
 //! underflow in half precision; the gradients are divided by it before the optimizer step. In
 //! dynamic mode the scale adapts: an overflow (an inf or NaN gradient) divides it by
 //! `scale_factor` (never below 1), and `scale_window` clean iterations counted from the last
-//! overflow multiply it by `scale_factor`.
+//! overflow multiply it by `scale_factor` (never to a non-finite value, as PyTorch's
+//! `GradScaler`).
+//!
+//! A scaler's state is serialisable for checkpoints; a state read back is checked as
+//! [`LossScaler::new`] checks its arguments, so an edited or foreign checkpoint is an error that
+//! names the field, never a panic later.
 
 use serde::{Deserialize, Serialize};
 
@@ -22,13 +27,13 @@ pub enum ScaleMode {
 
 /// The loss scale and its update rule; its whole state is serialisable for checkpoints.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(try_from = "ScalerState")]
 pub struct LossScaler {
     cur_scale: f64,
     mode: ScaleMode,
     scale_factor: f64,
     /// On overflow the scale is multiplied by this (PyTorch's `backoff_factor`); `None`: divided
     /// by `scale_factor` (MMCV).
-    #[serde(default)]
     backoff_factor: Option<f64>,
     scale_window: u64,
     /// Updates so far (MMCV's `cur_iter`).
@@ -37,26 +42,65 @@ pub struct LossScaler {
     last_overflow_iter: i64,
 }
 
+/// A scaler's state as stored, before it is checked.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ScalerState {
+    cur_scale: f64,
+    mode: ScaleMode,
+    scale_factor: f64,
+    #[serde(default)]
+    backoff_factor: Option<f64>,
+    scale_window: u64,
+    cur_iter: u64,
+    last_overflow_iter: i64,
+}
+
+impl TryFrom<ScalerState> for LossScaler {
+    type Error = Error;
+
+    fn try_from(state: ScalerState) -> Result<Self> {
+        let mut scaler = LossScaler::new(
+            state.cur_scale,
+            state.mode,
+            state.scale_factor,
+            state.scale_window,
+        )?;
+        if let Some(backoff) = state.backoff_factor {
+            scaler = scaler.with_backoff_factor(backoff)?;
+        }
+        // An overflow at update k leaves `last_overflow_iter = k` and `cur_iter = k + 1`.
+        if state.last_overflow_iter < -1
+            || state.last_overflow_iter as i128 >= state.cur_iter as i128
+        {
+            return Err(Error::invalid(
+                "last_overflow_iter",
+                format!(
+                    "must be -1 or an update before `cur_iter` ({}), got {}",
+                    state.cur_iter, state.last_overflow_iter
+                ),
+            ));
+        }
+        scaler.cur_iter = state.cur_iter;
+        scaler.last_overflow_iter = state.last_overflow_iter;
+        Ok(scaler)
+    }
+}
+
 impl Default for LossScaler {
     /// Dynamic, 2^32, factor 2, window 1000 (MMCV's defaults).
     fn default() -> Self {
-        LossScaler {
-            cur_scale: 2f64.powi(32),
-            mode: ScaleMode::Dynamic,
-            scale_factor: 2.0,
-            backoff_factor: None,
-            scale_window: 1000,
-            cur_iter: 0,
-            last_overflow_iter: -1,
-        }
+        LossScaler::new(2f64.powi(32), ScaleMode::Dynamic, 2.0, 1000)
+            .expect("MMCV's defaults are valid")
     }
 }
 
 impl LossScaler {
     /// A scaler starting at `init_scale`.
     ///
-    /// Errors on a scale that is not a positive finite number, a factor that is not above 1
-    /// (dynamic mode), or a zero window (dynamic mode).
+    /// Errors, naming the parameter, on an `init_scale` that is not a positive finite number,
+    /// and in dynamic mode on a `scale_factor` that is not a finite number above 1 or a zero
+    /// `scale_window`.
     pub fn new(
         init_scale: f64,
         mode: ScaleMode,
@@ -65,21 +109,21 @@ impl LossScaler {
     ) -> Result<Self> {
         if !(init_scale.is_finite() && init_scale > 0.0) {
             return Err(Error::invalid(
-                "fp16.loss_scale",
-                format!("the loss scale must be a positive number, got {init_scale}"),
+                "init_scale",
+                format!("the loss scale must be a positive finite number, got {init_scale}"),
             ));
         }
         if mode == ScaleMode::Dynamic {
             if !(scale_factor.is_finite() && scale_factor > 1.0) {
                 return Err(Error::invalid(
-                    "fp16.loss_scale.growth_factor",
-                    format!("the scale factor must be above 1, got {scale_factor}"),
+                    "scale_factor",
+                    format!("must be a finite number above 1, got {scale_factor}"),
                 ));
             }
             if scale_window == 0 {
                 return Err(Error::invalid(
-                    "fp16.loss_scale.growth_interval",
-                    "the scale window must be at least 1 iteration",
+                    "scale_window",
+                    "must be at least 1 iteration in dynamic mode, got 0",
                 ));
             }
         }
@@ -99,7 +143,7 @@ impl LossScaler {
     pub fn with_backoff_factor(mut self, backoff: f64) -> Result<Self> {
         if !(backoff > 0.0 && backoff < 1.0) {
             return Err(Error::invalid(
-                "fp16.loss_scale.backoff_factor",
+                "backoff_factor",
                 format!("must be in (0, 1), got {backoff}"),
             ));
         }
@@ -123,7 +167,7 @@ impl LossScaler {
     }
 
     /// Updates the scale after an iteration (MMCV's rule). Static mode: nothing changes, not
-    /// even the count.
+    /// even the count. Growth that would reach a non-finite scale is skipped.
     pub fn update_scale(&mut self, overflow: bool) {
         if self.mode == ScaleMode::Static {
             return;
@@ -135,8 +179,15 @@ impl LossScaler {
             };
             self.cur_scale = lowered.max(1.0);
             self.last_overflow_iter = self.cur_iter as i64;
-        } else if (self.cur_iter as i64 - self.last_overflow_iter) % self.scale_window as i64 == 0 {
-            self.cur_scale *= self.scale_factor;
+        } else {
+            // In i128: neither a window above i64::MAX nor a long run can wrap.
+            let since = self.cur_iter as i128 - self.last_overflow_iter as i128;
+            if since % self.scale_window as i128 == 0 {
+                let grown = self.cur_scale * self.scale_factor;
+                if grown.is_finite() {
+                    self.cur_scale = grown;
+                }
+            }
         }
         self.cur_iter += 1;
     }
@@ -154,15 +205,17 @@ mod tests {
     }
 
     #[test]
-    fn invalid_parameters_are_errors_naming_the_value() {
+    fn invalid_parameters_are_errors_naming_the_parameter() {
         for bad in [0.0, -1.0, f64::NAN, f64::INFINITY] {
             let error = LossScaler::new(bad, ScaleMode::Dynamic, 2.0, 1000).unwrap_err();
-            assert!(error.to_string().contains("fp16.loss_scale"), "{error}");
+            assert!(error.to_string().contains("init_scale"), "{error}");
         }
         let error = LossScaler::new(512.0, ScaleMode::Dynamic, 1.0, 1000).unwrap_err();
-        assert!(error.to_string().contains("above 1"), "{error}");
+        assert!(error.to_string().contains("scale_factor"), "{error}");
+        let error = LossScaler::new(512.0, ScaleMode::Dynamic, f64::INFINITY, 1000).unwrap_err();
+        assert!(error.to_string().contains("scale_factor"), "{error}");
         let error = LossScaler::new(512.0, ScaleMode::Dynamic, 2.0, 0).unwrap_err();
-        assert!(error.to_string().contains("at least 1"), "{error}");
+        assert!(error.to_string().contains("scale_window"), "{error}");
         // A static scaler does not use the factor or the window.
         assert!(LossScaler::new(512.0, ScaleMode::Static, 1.0, 0).is_ok());
     }

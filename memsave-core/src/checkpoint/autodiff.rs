@@ -19,6 +19,24 @@
 //! *barrier* node at depth 1 joins the root; its step runs after every depth-2 step, and says
 //! so. A tap that receives no gradient (an unused parameter) sends nothing, so that parameter
 //! gets no gradient, as without checkpointing.
+//!
+//! What the recomputation does not reach. Plain Burn gives no gradient to a tensor the loss does
+//! not depend on; its graph has no "no gradient" for a non-leaf node that is in the backward
+//! pass, though: every such node's step consumes its gradient. So:
+//! - memsave's own nodes (outputs, taps, the anchor) take "no gradient" as an answer and pass
+//!   nothing on: a parameter or a leaf input the segment does not use gets no gradient, nested
+//!   or not, as without checkpointing;
+//! - a tracked *non-leaf* input made by Burn's ops (`z = z0 * 2` passed in) that the
+//!   recomputation does not reach (an unused input, or one that feeds only an unused output)
+//!   gets a zero gradient, its true value: what lies behind it then gets zeros where plain Burn
+//!   would give it nothing. This is the one place where checkpointing differs from plain, and
+//!   only in "none" against "zeros".
+//!
+//! Tensors that enter the segment other than as its input or a parameter (captured by the
+//! closure, or a bare `Tensor` field of the module) cannot be recomputed from fresh leaves. The
+//! untracked first forward shows them: an output that is still tracked depends on one. Such a
+//! segment runs plainly instead (its activations kept, its random draws replayed), with a
+//! warning that names it, once.
 
 use std::any::Any;
 use std::fmt;
@@ -35,7 +53,7 @@ use burn::module::{Module, ModuleMapper, ModuleVisitor, Param};
 use burn::prelude::Backend;
 use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::ops::{FloatTensor, FloatTensorOps};
-use burn::tensor::{FloatDType, Tensor, TensorPrimitive};
+use burn::tensor::{FloatDType, Shape, Tensor, TensorMetadata, TensorPrimitive};
 
 use super::context::{self, Draws};
 use super::helpers;
@@ -78,7 +96,7 @@ impl<B: Backend, C: CheckpointStrategy> CheckpointBackend for Autodiff<B, C> {
         tensor.is_tracked()
     }
 
-    fn checkpoint_segment<M, I, O, F>(module: &M, input: I, segment: F) -> O
+    fn checkpoint_segment<M, I, O, F>(method: &'static str, module: &M, input: I, segment: F) -> O
     where
         M: Module<Self> + 'static,
         I: Segment<Self>,
@@ -97,6 +115,15 @@ impl<B: Backend, C: CheckpointStrategy> CheckpointBackend for Autodiff<B, C> {
         let (output, draws) = context::recording(|| segment(&untracked, detached));
         drop(untracked);
 
+        if floats(&output).iter().any(|tensor| tensor.is_tracked()) {
+            // A tracked tensor entered other than as an input or a parameter: recomputing would
+            // miss its gradient (or, inside a locked graph, wait forever). Run plainly, with
+            // the same random draws; running statistics moved in the first forward already.
+            drop(output);
+            super::warn_uncheckpointed(std::any::type_name::<M>(), method);
+            return context::replaying(draws, || segment(module, input));
+        }
+
         // The nodes the recomputation's gradients go to: the tracked inputs and parameters.
         let input_nodes: Vec<Option<NodeId>> = floats(&input)
             .iter()
@@ -109,6 +136,18 @@ impl<B: Backend, C: CheckpointStrategy> CheckpointBackend for Autodiff<B, C> {
             .filter(|tensor| tensor.is_tracked())
             .collect();
         parents.extend(tracked.0);
+        // Those that must get a gradient even if the recomputation does not reach them: the
+        // non-leaf nodes of Burn's ops, whose backward step would otherwise find none.
+        let needs_zeros: Vec<Zeros<B>> = parents
+            .iter()
+            .filter(|tensor| !tensor.node.parents.is_empty() && !ours::contains(tensor))
+            .map(|tensor| Zeros {
+                node: tensor.node.id,
+                shape: tensor.primitive.shape(),
+                dtype: tensor.primitive.dtype().into(),
+                device: B::float_device(&tensor.primitive),
+            })
+            .collect();
 
         let count = floats(&output).len();
         let stash: Stash<B> = Arc::new(Mutex::new(vec![None; count]));
@@ -120,6 +159,8 @@ impl<B: Backend, C: CheckpointStrategy> CheckpointBackend for Autodiff<B, C> {
             run: Arc::new(Mutex::new(Some(run))),
             stash: stash.clone(),
             input_nodes,
+            needs_zeros: Arc::new(needs_zeros),
+            like: placeholder::<B>(&parents[0].primitive),
         };
         let joined = join_all::<B, C>(parents);
         let anchor = unary::<B, C, _>(Anchor, &joined, state, placeholder::<B>(&joined.primitive));
@@ -127,10 +168,72 @@ impl<B: Backend, C: CheckpointStrategy> CheckpointBackend for Autodiff<B, C> {
         let mut index = 0;
         output.map_floats(&mut |tensor| {
             let out = output_node::<B, C>(&anchor, Self::inner(tensor), index, stash.clone());
+            ours::insert(&out);
             index += 1;
             out
         })
     }
+}
+
+/// A node that must get a gradient: zeros of this kind if nothing else reaches it.
+#[derive(Clone)]
+struct Zeros<B: Backend> {
+    node: NodeId,
+    shape: Shape,
+    dtype: FloatDType,
+    device: B::Device,
+}
+
+/// The nodes memsave made on this thread (segment outputs, taps): their backward steps take
+/// "no gradient" as an answer. Kept per thread because a segment's inputs are made on the
+/// thread that runs its forward (the main one, or the helper recomputing an outer segment).
+mod ours {
+    use std::cell::RefCell;
+    use std::collections::HashMap;
+    use std::sync::Arc;
+
+    use burn::backend::Autodiff;
+    use burn::prelude::Backend;
+    use burn::tensor::ops::FloatTensor;
+
+    type Alive = Box<dyn Fn() -> bool>;
+
+    thread_local! {
+        /// Node id -> whether the node still exists; pruned as it grows.
+        static NODES: RefCell<(HashMap<u64, Alive>, usize)> = RefCell::new((HashMap::new(), 64));
+    }
+
+    // `FloatTensor<Autodiff<B, C>>` is the same type for every strategy `C`.
+    pub(super) fn insert<B: Backend>(tensor: &FloatTensor<Autodiff<B>>) {
+        let weak = Arc::downgrade(&tensor.node);
+        NODES.with(|nodes| {
+            let (nodes, limit) = &mut *nodes.borrow_mut();
+            nodes.insert(
+                tensor.node.id.value,
+                Box::new(move || weak.strong_count() > 0),
+            );
+            if nodes.len() > *limit {
+                nodes.retain(|_, alive| alive());
+                *limit = (nodes.len() * 2).max(64);
+            }
+        });
+    }
+
+    pub(super) fn contains<B: Backend>(tensor: &FloatTensor<Autodiff<B>>) -> bool {
+        NODES.with(|nodes| nodes.borrow().0.contains_key(&tensor.node.id.value))
+    }
+}
+
+/// The gradient registered for the node of `ops`, taken out, or `None` if nothing reached it
+/// (where `Gradients::consume` would panic). `like` is any tensor on the backend.
+fn take_grad<B: Backend, S, const N: usize>(
+    grads: &mut Gradients,
+    ops: &Ops<S, N>,
+    like: &FloatTensor<B>,
+) -> Option<FloatTensor<B>> {
+    let mut probe = <Autodiff<B> as AutodiffBackend>::from_inner(like.clone());
+    probe.node = ops.node.clone();
+    grads.remove::<B>(&probe)
 }
 
 /// The tracked float parameters of a module.
@@ -166,6 +269,10 @@ struct AnchorState<B: Backend> {
     stash: Stash<B>,
     /// Per float input, its node if it is tracked.
     input_nodes: Vec<Option<NodeId>>,
+    /// Nodes that get zeros if the recomputation gives them nothing.
+    needs_zeros: Arc<Vec<Zeros<B>>>,
+    /// Any one-element tensor (see [`take_grad`]).
+    like: FloatTensor<B>,
 }
 
 impl<B: Backend> fmt::Debug for AnchorState<B> {
@@ -184,23 +291,34 @@ impl<B: Backend> Backward<B, 1> for Anchor {
     type State = AnchorState<B>;
 
     fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _: &mut Checkpointer) {
-        // The output nodes registered a placeholder gradient so that this step runs.
-        let _ = grads.consume::<B>(&ops.node);
+        // The output nodes that received a gradient registered a placeholder here.
+        let _ = take_grad::<B, _, 1>(grads, &ops, &ops.state.like);
         let output_grads = std::mem::take(&mut *lock(&ops.state.stash));
-        let run = lock(&ops.state.run)
-            .take()
-            .expect("a checkpoint's backward runs once");
-        let result = match run(output_grads) {
-            Ok(result) => result,
-            Err(message) => panic!("{message}"),
-        };
-        for (node, grad) in ops.state.input_nodes.iter().zip(result.inputs) {
-            if let (Some(node), Some(grad)) = (node, grad) {
-                grads.register::<B>(*node, grad);
+        let mut reached = Vec::new();
+        if output_grads.iter().any(Option::is_some) {
+            let run = lock(&ops.state.run)
+                .take()
+                .expect("a checkpoint's backward runs once");
+            let result = match run(output_grads) {
+                Ok(result) => result,
+                Err(message) => panic!("{message}"),
+            };
+            for (node, grad) in ops.state.input_nodes.iter().zip(result.inputs) {
+                if let (Some(node), Some(grad)) = (node, grad) {
+                    grads.register::<B>(*node, grad);
+                    reached.push(*node);
+                }
+            }
+            for (node, grad) in result.params {
+                grads.register::<B>(node, grad);
+                reached.push(node);
             }
         }
-        for (node, grad) in result.params {
-            grads.register::<B>(node, grad);
+        for zeros in ops.state.needs_zeros.iter() {
+            if !reached.contains(&zeros.node) {
+                let value = B::float_zeros(zeros.shape.clone(), &zeros.device, zeros.dtype);
+                grads.register::<B>(zeros.node, value);
+            }
         }
     }
 }
@@ -256,18 +374,21 @@ impl<B: Backend> Backward<B, 1> for Output {
     type State = (usize, StashRef<B>);
 
     fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _: &mut Checkpointer) {
-        let grad = grads.consume::<B>(&ops.node);
+        let (index, StashRef(stash, like)) = ops.state.clone();
+        // Nothing reached this output (a later segment ignored it): neither does the anchor.
+        let Some(grad) = take_grad::<B, _, 1>(grads, &ops, &like) else {
+            return;
+        };
         let [anchor] = ops.parents;
         let Some(anchor) = anchor else { return };
-        let (index, StashRef(stash)) = ops.state;
-        grads.register::<B>(anchor.id, placeholder::<B>(&grad));
+        grads.register::<B>(anchor.id, like);
         lock(&stash)[index] = Some(grad);
     }
 }
 
-/// [`Stash`] with the `Debug` that `Backward::State` asks for.
+/// [`Stash`] with the `Debug` that `Backward::State` asks for, and a one-element tensor.
 #[derive(Clone)]
-struct StashRef<B: Backend>(Stash<B>);
+struct StashRef<B: Backend>(Stash<B>, FloatTensor<B>);
 
 impl<B: Backend> fmt::Debug for StashRef<B> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -286,7 +407,10 @@ fn output_node<B: Backend, C: CheckpointStrategy>(
         .compute_bound()
         .stateful()
     {
-        OpsKind::Tracked(prep) => prep.finish((index, StashRef(stash)), value),
+        OpsKind::Tracked(prep) => {
+            let like = placeholder::<B>(&value);
+            prep.finish((index, StashRef(stash, like)), value)
+        }
         OpsKind::UnTracked(prep) => prep.finish(value),
     }
 }
@@ -297,11 +421,15 @@ fn output_node<B: Backend, C: CheckpointStrategy>(
 struct Tap;
 
 impl<B: Backend> Backward<B, 1> for Tap {
-    type State = (Key, mpsc::Sender<Message<B>>);
+    type State = (Key, mpsc::Sender<Message<B>>, GradValue<B>);
 
     fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _: &mut Checkpointer) {
-        let grad = grads.consume::<B>(&ops.node);
-        let (key, sender) = ops.state;
+        let (key, sender, GradValue(like)) = ops.state.clone();
+        // Nothing reached this leaf (a segment nested in the recomputation did not use it):
+        // it gets no gradient, as without checkpointing.
+        let Some(grad) = take_grad::<B, _, 1>(grads, &ops, &like) else {
+            return;
+        };
         // The anchor may have given up (the recomputation panicked): nothing to do then.
         let _ = sender.send(Message::Grad(key, grad));
     }
@@ -395,7 +523,10 @@ fn tapped_leaf<B: Backend, C: CheckpointStrategy>(
 ) -> FloatTensor<Ad<B, C>> {
     let leaf = Ad::<B, C>::float_set_require_grad(Ad::<B, C>::from_inner(value.clone()), true);
     let held = unary::<B, C, _>(Hold, &leaf, (), value.clone());
-    unary::<B, C, _>(Tap, &held, (key, sender.clone()), value)
+    let like = GradValue(placeholder::<B>(&value));
+    let tap = unary::<B, C, _>(Tap, &held, (key, sender.clone(), like), value);
+    ours::insert(&tap);
+    tap
 }
 
 // ---------------------------------------------------------------------------------------------

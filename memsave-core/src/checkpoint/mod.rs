@@ -42,8 +42,9 @@ pub trait CheckpointBackend: Backend {
     fn is_tracked(tensor: &FloatTensor<Self>) -> bool;
 
     /// Runs `segment(module, input)`; on an autodiff backend, keeps only `input` and recomputes
-    /// the segment in backward. Use [`checkpoint`], which also applies MMCV's guard.
-    fn checkpoint_segment<M, I, O, F>(module: &M, input: I, segment: F) -> O
+    /// the segment in backward. `method` names the segment in warnings. Use [`checkpoint`],
+    /// which also applies MMCV's guard.
+    fn checkpoint_segment<M, I, O, F>(method: &'static str, module: &M, input: I, segment: F) -> O
     where
         M: Module<Self> + 'static,
         I: Segment<Self>,
@@ -54,8 +55,14 @@ pub trait CheckpointBackend: Backend {
 /// Runs `segment(module, input)` as a checkpointed segment when `input` requires grad (MMCV's
 /// guard), else as written.
 ///
-/// The segment must be deterministic given its input and the module: it runs twice. Random
-/// draws through [`random`] (memsave's `Dropout`) are replayed.
+/// The rules (the same as `torch.utils.checkpoint`'s, with one more):
+/// - the segment must be deterministic given its input and the module: it runs twice. Random
+///   draws through [`random`] (memsave's `Dropout`) are replayed;
+/// - every tracked tensor it uses must come in as its input or as a parameter (`Param`) of
+///   `module`. One captured by the closure, or held in a bare `Tensor` field, cannot be
+///   recomputed from fresh leaves: memsave sees it (an output of the untracked first forward is
+///   tracked), runs that segment plainly (nothing saved, gradients exact) and warns once,
+///   naming it. Pass such a tensor as an input instead.
 pub fn checkpoint<B, M, I, O, F>(module: &M, input: I, segment: F) -> O
 where
     B: CheckpointBackend,
@@ -64,11 +71,73 @@ where
     O: Segment<B>,
     F: Fn(&M, I) -> O + Send + Sync + 'static,
 {
+    checkpoint_named("", module, input, segment)
+}
+
+/// [`checkpoint`] for the method `method` of `module` (`#[with_cp]` calls it), which names the
+/// segment `Type::method` in warnings.
+pub fn checkpoint_named<B, M, I, O, F>(method: &'static str, module: &M, input: I, segment: F) -> O
+where
+    B: CheckpointBackend,
+    M: Module<B> + 'static,
+    I: Segment<B>,
+    O: Segment<B>,
+    F: Fn(&M, I) -> O + Send + Sync + 'static,
+{
     if floats(&input).iter().any(B::is_tracked) {
-        B::checkpoint_segment(module, input, segment)
+        B::checkpoint_segment(method, module, input, segment)
     } else {
         segment(module, input)
     }
+}
+
+/// The segments that ran without checkpointing because a tracked tensor entered them other
+/// than as an input or a parameter (see [`checkpoint`]), by name, in the order first seen.
+pub fn uncheckpointed_segments() -> Vec<String> {
+    lock_uncheckpointed().clone()
+}
+
+static UNCHECKPOINTED: std::sync::Mutex<Vec<String>> = std::sync::Mutex::new(Vec::new());
+
+fn lock_uncheckpointed() -> std::sync::MutexGuard<'static, Vec<String>> {
+    UNCHECKPOINTED
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+/// Warns, once per segment, that the segment `method` of a module of type `module` runs
+/// without checkpointing.
+pub(crate) fn warn_uncheckpointed(module: &str, method: &str) {
+    let name = match method {
+        "" => short_name(module),
+        method => format!("{}::{method}", short_name(module)),
+    };
+    let mut seen = lock_uncheckpointed();
+    if seen.contains(&name) {
+        return;
+    }
+    eprintln!(
+        "memsave: warning: the checkpointed segment `{name}` uses a tracked tensor that is \
+         neither its input nor a parameter (captured by its closure, or held in a bare `Tensor` \
+         field); it runs without checkpointing. Pass that tensor to the segment as an input, or \
+         hold it in a `Param`, to checkpoint it."
+    );
+    seen.push(name);
+}
+
+/// `a::b::Block<burn::X>` -> `Block`.
+fn short_name(name: &str) -> String {
+    let mut depth = 0;
+    let mut outer = String::new();
+    for c in name.chars() {
+        match c {
+            '<' => depth += 1,
+            '>' => depth -= 1,
+            _ if depth == 0 => outer.push(c),
+            _ => {}
+        }
+    }
+    outer.rsplit("::").next().unwrap_or(name).to_string()
 }
 
 /// Without autodiff there is nothing to keep: the segment just runs.
@@ -79,7 +148,12 @@ macro_rules! plain_backend {
                 false
             }
 
-            fn checkpoint_segment<M, I, O, F>(module: &M, input: I, segment: F) -> O
+            fn checkpoint_segment<M, I, O, F>(
+                _name: &'static str,
+                module: &M,
+                input: I,
+                segment: F,
+            ) -> O
             where
                 M: Module<Self> + 'static,
                 I: Segment<Self>,

@@ -1,27 +1,55 @@
 //! Code generation for `#[with_cp]` on a method.
 
-use proc_macro2::{Span, TokenStream};
+use proc_macro2::{Delimiter, Group, Ident, Span, TokenStream, TokenTree};
 use quote::{format_ident, quote};
 use syn::{FnArg, ImplItemFn};
 
 use super::valid::Plan;
 
-/// `fn forward(&self, x) -> y { body }` becomes a dispatcher `forward`, which runs the body
-/// under `checkpoint` when `self.with_cp` is on (and `x` requires grad), and the body itself as
-/// a hidden method `__forward_segment`.
+/// `fn forward(&self, x) -> y { body }` becomes
+///
+/// ```text
+/// fn forward(&self, x) -> y {
+///     let segment = |this: &Self, x| -> y { body, with `self` read as `this` };
+///     if self.with_cp { checkpoint_named("forward", self, x, segment) } else { segment(self, x) }
+/// }
+/// ```
+///
+/// The body becomes a closure that captures nothing (so that the recomputation can keep it),
+/// not a second method: the expansion stays one method, so it works in a trait impl too. The
+/// generated names (`__this`, `__segment`, `__argN`) are hygienic: no argument or local of the
+/// user's can collide with them.
 pub fn expand(memsave: &TokenStream, plan: &Plan, method: ImplItemFn) -> TokenStream {
-    let name = &method.sig.ident;
-    let segment_name = format_ident!("__{}_segment", name);
+    let name = method.sig.ident.to_string();
+    let this = Ident::new("__this", Span::mixed_site());
+    let segment = Ident::new("__segment", Span::mixed_site());
 
-    // The segment: the method as written, renamed, private and hidden.
-    let mut segment = method.clone();
-    segment.sig.ident = segment_name.clone();
-    segment.vis = syn::Visibility::Inherited;
-    segment.attrs = vec![syn::parse_quote!(#[doc(hidden)])];
+    // The closure's parameter: the arguments' own patterns and types.
+    let typed: Vec<&syn::PatType> = method
+        .sig
+        .inputs
+        .iter()
+        .filter_map(|arg| match arg {
+            FnArg::Typed(arg) => Some(arg),
+            FnArg::Receiver(_) => None,
+        })
+        .collect();
+    let patterns: Vec<&syn::Pat> = typed.iter().map(|arg| &*arg.pat).collect();
+    let types: Vec<&syn::Type> = typed.iter().map(|arg| &*arg.ty).collect();
+    let (param_pattern, param_type) = match (patterns.as_slice(), types.as_slice()) {
+        ([pattern], [ty]) => (quote!(#pattern), quote!(#ty)),
+        (patterns, types) => (quote!((#(#patterns),*)), quote!((#(#types),*))),
+    };
+    let output = match &method.sig.output {
+        syn::ReturnType::Default => quote!(),
+        syn::ReturnType::Type(arrow, ty) => quote!(#arrow #ty),
+    };
+    let body = replace_self(method.block.to_token_stream_inner(), &this);
 
-    // The dispatcher keeps the name, the attributes and the signature (patterns renamed).
+    // The method keeps its name, attributes and signature; arguments that are patterns get
+    // names, and none is `mut` (it only passes them on).
     let mut dispatcher = method;
-    let names: Vec<syn::Ident> = plan
+    let names: Vec<Ident> = plan
         .args
         .iter()
         .enumerate()
@@ -30,44 +58,82 @@ pub fn expand(memsave: &TokenStream, plan: &Plan, method: ImplItemFn) -> TokenSt
                 .unwrap_or_else(|| format_ident!("__arg{}", index, span = Span::mixed_site()))
         })
         .collect();
-    let mut typed = dispatcher
-        .sig
-        .inputs
-        .iter_mut()
-        .filter_map(|arg| match arg {
-            FnArg::Typed(arg) => Some(arg),
-            FnArg::Receiver(_) => None,
-        });
-    for name in &names {
-        let arg = typed.next().expect("one name per typed argument");
-        if !matches!(&*arg.pat, syn::Pat::Ident(_)) {
+    let mut renamed = names.iter();
+    for arg in dispatcher.sig.inputs.iter_mut() {
+        if let FnArg::Typed(arg) = arg {
+            let name = renamed.next().expect("one name per typed argument");
             *arg.pat = syn::parse_quote!(#name);
         }
     }
-    // Without `mut`: the dispatcher only passes its arguments on.
-    for arg in dispatcher.sig.inputs.iter_mut() {
-        if let FnArg::Typed(arg) = arg {
-            if let syn::Pat::Ident(ident) = &mut *arg.pat {
-                ident.mutability = None;
-            }
-        }
-    }
-
-    let (input, pattern) = match names.as_slice() {
-        [single] => (quote!(#single), quote!(#single)),
-        many => (quote!((#(#many),*)), quote!((#(#many),*))),
+    let input = match names.as_slice() {
+        [single] => quote!(#single),
+        many => quote!((#(#many),*)),
     };
     dispatcher.block = syn::parse_quote!({
+        let #segment = |#this: &Self, #param_pattern: #param_type| #output { #body };
         if #memsave::checkpoint::HasWithCp::with_cp(self) {
-            #memsave::checkpoint::checkpoint(self, #input, |this: &Self, #pattern| {
-                this.#segment_name(#(#names),*)
-            })
+            #memsave::checkpoint::checkpoint_named(#name, self, #input, #segment)
         } else {
-            self.#segment_name(#(#names),*)
+            #segment(self, #input)
         }
     });
-    quote! {
-        #dispatcher
-        #segment
+    quote!(#dispatcher)
+}
+
+/// The statements of a block, without its braces.
+trait BlockTokens {
+    fn to_token_stream_inner(&self) -> TokenStream;
+}
+
+impl BlockTokens for syn::Block {
+    fn to_token_stream_inner(&self) -> TokenStream {
+        let statements = &self.stmts;
+        quote!(#(#statements)*)
     }
+}
+
+/// `tokens` with every `self` that means the receiver replaced by `this`: not a path's first
+/// segment (`self::module`), and not inside a nested `fn` or `impl`, whose `self` is its own.
+fn replace_self(tokens: TokenStream, this: &Ident) -> TokenStream {
+    let mut out = Vec::new();
+    let mut trees = tokens.into_iter().peekable();
+    // Set after `fn` or `impl`: the next brace group is a nested item's body.
+    let mut nested_item = false;
+    while let Some(tree) = trees.next() {
+        match tree {
+            TokenTree::Ident(ident) if ident == "self" => {
+                let is_path =
+                    matches!(trees.peek(), Some(TokenTree::Punct(p)) if p.as_char() == ':');
+                if is_path || nested_item {
+                    out.push(TokenTree::Ident(ident));
+                } else {
+                    let mut replaced = this.clone();
+                    replaced.set_span(this.span().located_at(ident.span()));
+                    out.push(TokenTree::Ident(replaced));
+                }
+            }
+            TokenTree::Ident(ident) if ident == "fn" || ident == "impl" => {
+                nested_item = true;
+                out.push(TokenTree::Ident(ident));
+            }
+            TokenTree::Group(group) if nested_item && group.delimiter() == Delimiter::Brace => {
+                nested_item = false;
+                out.push(TokenTree::Group(group));
+            }
+            TokenTree::Group(group) if nested_item => out.push(TokenTree::Group(group)),
+            TokenTree::Group(group) => {
+                let mut replaced =
+                    Group::new(group.delimiter(), replace_self(group.stream(), this));
+                replaced.set_span(group.span());
+                out.push(TokenTree::Group(replaced));
+            }
+            TokenTree::Punct(punct) if nested_item && punct.as_char() == ';' => {
+                // `impl` in a type position (`-> impl Trait;`) or a bodiless item.
+                nested_item = false;
+                out.push(TokenTree::Punct(punct));
+            }
+            other => out.push(other),
+        }
+    }
+    out.into_iter().collect()
 }
