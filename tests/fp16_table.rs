@@ -181,9 +181,59 @@ fn bf16_auto_fp16_out_fp32_casts_the_output_back() {
     assert_eq!(dtypes3(on), [F32, F32, F32]);
 }
 
+/// Two half types exist: `force_fp32` guarantees fp32 for either, and `auto_fp16` gives the
+/// model's own half type for fp32 and for the other half type. Every combination, every
+/// element type, both directions of the output cast.
 #[test]
-fn bf16_force_fp32_casts_bf16_not_f16() {
-    let on = Table::new(ON_BF16).force_all(tensor(BF16), tensor(F16));
-    // The model runs in bf16: its half type is bf16, an f16 tensor is not its to cast.
-    assert_eq!(dtypes2(on), [F32, F16]);
+fn every_combination_of_model_precision_and_input_dtype() {
+    let models = [(Precision::F16, F16), (Precision::Bf16, BF16)];
+    for (precision, half) in models {
+        let model = Table::new(Fp16::On(precision));
+        for input in [F32, F16, BF16] {
+            let (x, _) = model.auto_all(tensor(input), tensor(input));
+            assert_eq!(x.dtype(), half, "auto_fp16, {precision} model, {input:?} in");
+            let (x, _) = model.force_all(tensor(input), tensor(input));
+            assert_eq!(x.dtype(), F32, "force_fp32, {precision} model, {input:?} in");
+            // out_fp32 / out_fp16 on the first output, which the body passes through.
+            let (x, _, _) = model.auto_xy_out(tensor(input), tensor(F32), tensor(F32));
+            assert_eq!(x.dtype(), F32, "auto_fp16 out_fp32, {precision}, {input:?}");
+            let (x, _, _) = model.force_xy_out(tensor(input), tensor(F32), tensor(F32));
+            assert_eq!(x.dtype(), half, "force_fp32 out_fp16, {precision}, {input:?}");
+            // Values that every type holds exactly survive.
+            assert_eq!(
+                x.cast(F32).into_data().to_vec::<f32>().unwrap(),
+                vec![0.5, -1.25, 3.0]
+            );
+        }
+        // Off: nothing moves, whatever comes in.
+        for input in [F32, F16, BF16] {
+            let (x, _) = Table::new(Fp16::Off).auto_all(tensor(input), tensor(input));
+            assert_eq!(x.dtype(), input);
+            let (x, _) = Table::new(Fp16::Off).force_all(tensor(input), tensor(input));
+            assert_eq!(x.dtype(), input);
+        }
+    }
+}
+
+#[test]
+fn non_float_and_wide_tensors_pass_unchanged_in_either_direction() {
+    let device = Default::default();
+    for precision in [Precision::F16, Precision::Bf16] {
+        let on = Fp16::On(precision);
+        let labels = Tensor::<B, 1, Int>::from_ints([1, 2, 3], &device);
+        let mask = Tensor::<B, 1, Bool>::from_bool(
+            burn::tensor::TensorData::from([true, false, true]),
+            &device,
+        );
+        let wide = tensor(F32).cast(DType::F64);
+        let bool_dtype = mask.dtype();
+        let (labels, mask, wide) = on.to_half((labels, mask, wide));
+        assert_eq!(labels.dtype(), DType::I32);
+        assert_eq!(mask.dtype(), bool_dtype);
+        assert_eq!(wide.dtype(), DType::F64);
+        let (labels, mask, wide) = on.to_fp32((labels, mask, wide));
+        assert_eq!(labels.dtype(), DType::I32);
+        assert_eq!(mask.dtype(), bool_dtype);
+        assert_eq!(wide.dtype(), DType::F64);
+    }
 }

@@ -38,6 +38,14 @@ pub enum Precision {
 }
 
 impl Precision {
+    /// The other half type.
+    pub fn other(self) -> Precision {
+        match self {
+            Precision::F16 => Precision::Bf16,
+            Precision::Bf16 => Precision::F16,
+        }
+    }
+
     /// The tensor dtype of this precision.
     pub fn dtype(self) -> DType {
         match self {
@@ -84,19 +92,36 @@ impl Fp16 {
         matches!(self, Fp16::On(_))
     }
 
-    /// Flag on: every fp32 float tensor in `value` cast to half. Flag off: `value` unchanged.
+    /// Flag on: every fp32 float tensor in `value`, and every tensor of the other half type,
+    /// cast to the model's half type (so the body sees exactly the type it was promised).
+    /// Flag off: `value` unchanged.
+    ///
+    /// | input | f16 model | bf16 model |
+    /// |---|---|---|
+    /// | f32 | f16 | bf16 |
+    /// | f16 | f16 | bf16 |
+    /// | bf16 | f16 | bf16 |
+    /// | f64, int, bool | unchanged | unchanged |
     pub fn to_half<T: CastFloat>(self, value: T) -> T {
         match self {
             Fp16::Off => value,
-            Fp16::On(precision) => cast_tensor_type(value, DType::F32, precision.dtype()),
+            Fp16::On(precision) => {
+                let half = precision.dtype();
+                let value = cast_tensor_type(value, DType::F32, half);
+                cast_tensor_type(value, precision.other().dtype(), half)
+            }
         }
     }
 
-    /// Flag on: every half float tensor in `value` cast to fp32. Flag off: `value` unchanged.
+    /// Flag on: every half float tensor in `value`, f16 or bf16 whatever the model's half type,
+    /// cast to fp32 (`force_fp32` guarantees fp32). Flag off: `value` unchanged.
     pub fn to_fp32<T: CastFloat>(self, value: T) -> T {
         match self {
             Fp16::Off => value,
-            Fp16::On(precision) => cast_tensor_type(value, precision.dtype(), DType::F32),
+            Fp16::On(_) => {
+                let value = cast_tensor_type(value, DType::F16, DType::F32);
+                cast_tensor_type(value, DType::BF16, DType::F32)
+            }
         }
     }
 }
