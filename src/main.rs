@@ -57,6 +57,20 @@ enum Device {
 }
 
 fn main() -> ExitCode {
+    // A device's out-of-memory panic during a step becomes the runner's error, with advice:
+    // its raw report and backtrace would only bury that.
+    let report = std::panic::take_hook();
+    std::panic::set_hook(Box::new(move |info| {
+        let message = info
+            .payload()
+            .downcast_ref::<String>()
+            .map(String::as_str)
+            .or_else(|| info.payload().downcast_ref::<&str>().copied())
+            .unwrap_or_default();
+        if !memsave::memory::is_out_of_memory_panic(message) {
+            report(info);
+        }
+    }));
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Train(args) => train(args),

@@ -163,3 +163,29 @@ fn bad_input_is_an_error_not_a_panic() {
         text(&output)
     );
 }
+
+#[test]
+fn a_step_that_cannot_fit_in_memory_is_an_error_before_anything_is_written() {
+    let dir = dir("too-big");
+    let config = tiny_config(&dir);
+    let work_dir = dir.join("run");
+    let output = memsave(&[
+        "train",
+        config.to_str().unwrap(),
+        "--work-dir",
+        work_dir.to_str().unwrap(),
+        "--set",
+        "data.image_size=100000",
+    ]);
+    assert_eq!(output.status.code(), Some(1), "{}", text(&output));
+    let message = text(&output);
+    assert!(
+        message.contains("not enough memory")
+            && message.contains("2 images of 3 x 100000 x 100000")
+            && message.contains("GiB available")
+            && message.contains("data.samples_per_gpu")
+            && !message.contains("panicked"),
+        "{message}"
+    );
+    assert!(!work_dir.exists(), "nothing written");
+}

@@ -191,14 +191,26 @@ fn every_combination_of_model_precision_and_input_dtype() {
         let model = Table::new(Fp16::On(precision));
         for input in [F32, F16, BF16] {
             let (x, _) = model.auto_all(tensor(input), tensor(input));
-            assert_eq!(x.dtype(), half, "auto_fp16, {precision} model, {input:?} in");
+            assert_eq!(
+                x.dtype(),
+                half,
+                "auto_fp16, {precision} model, {input:?} in"
+            );
             let (x, _) = model.force_all(tensor(input), tensor(input));
-            assert_eq!(x.dtype(), F32, "force_fp32, {precision} model, {input:?} in");
+            assert_eq!(
+                x.dtype(),
+                F32,
+                "force_fp32, {precision} model, {input:?} in"
+            );
             // out_fp32 / out_fp16 on the first output, which the body passes through.
             let (x, _, _) = model.auto_xy_out(tensor(input), tensor(F32), tensor(F32));
             assert_eq!(x.dtype(), F32, "auto_fp16 out_fp32, {precision}, {input:?}");
             let (x, _, _) = model.force_xy_out(tensor(input), tensor(F32), tensor(F32));
-            assert_eq!(x.dtype(), half, "force_fp32 out_fp16, {precision}, {input:?}");
+            assert_eq!(
+                x.dtype(),
+                half,
+                "force_fp32 out_fp16, {precision}, {input:?}"
+            );
             // Values that every type holds exactly survive.
             assert_eq!(
                 x.cast(F32).into_data().to_vec::<f32>().unwrap(),

@@ -690,3 +690,74 @@ fn resuming_from_an_edited_loss_scaler_state_is_an_error_naming_the_file_and_fie
         "{message}"
     );
 }
+
+/// Panics at one iteration as CubeCL's CUDA allocator does when the device is full.
+struct DeviceFull {
+    at: usize,
+}
+
+impl Hook<AB, Net> for DeviceFull {
+    fn name(&self) -> &'static str {
+        "device_full"
+    }
+
+    fn after_iter(&mut self, state: &mut TrainState<AB, Net>) -> memsave::Result<()> {
+        if state.iter == self.at {
+            panic!("can't allocate buffer of size: 1073741824\nBacktrace\n(captured)");
+        }
+        Ok(())
+    }
+}
+
+#[test]
+fn a_device_out_of_memory_at_a_step_ends_the_run_with_an_error_and_keeps_the_checkpoints() {
+    let dir = work_dir("device-full");
+    let mut run = checkpointed_run(&dir, plain(), net());
+    run.register_hook(Box::new(DeviceFull { at: 4 }));
+    let error = run.run().unwrap_err();
+    let message = error.to_string();
+    assert!(
+        matches!(
+            error,
+            memsave::Error::OutOfMemory {
+                needed: 1073741824,
+                ..
+            }
+        ),
+        "{message}"
+    );
+    assert!(
+        message.contains("iteration 4") && message.contains("1.0 GiB"),
+        "{message}"
+    );
+    assert!(message.contains("checkpointing"), "advice: {message}");
+    // The checkpoint written before (after iteration 3) is whole; nothing after it.
+    let saved = Checkpoint::load(&dir.join("iter_3.ckpt")).unwrap();
+    assert_eq!(saved.meta.iter, 3);
+    assert_eq!(
+        Checkpoint::load(&dir.join("latest.ckpt"))
+            .unwrap()
+            .meta
+            .iter,
+        3
+    );
+    assert!(!dir.join("iter_6.ckpt").exists());
+}
+
+#[test]
+fn any_other_panic_in_a_step_is_not_taken_for_out_of_memory() {
+    struct Broken;
+    impl Hook<AB, Net> for Broken {
+        fn name(&self) -> &'static str {
+            "broken"
+        }
+        fn after_iter(&mut self, _: &mut TrainState<AB, Net>) -> memsave::Result<()> {
+            panic!("index out of bounds");
+        }
+    }
+    let dir = work_dir("broken-hook");
+    let mut run = checkpointed_run(&dir, plain(), net());
+    run.register_hook(Box::new(Broken));
+    let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| run.run()));
+    assert!(outcome.is_err(), "the panic goes on");
+}

@@ -30,6 +30,28 @@ pub enum Error {
     /// Training data that cannot be read.
     #[error("data: {0}")]
     Data(String),
+    /// A training step that cannot fit in memory, found before it ran (sizes known up front) or
+    /// when the device's allocator gave up (CUDA).
+    #[error(
+        "not enough memory: {what} needs {}, and {place} {}; {advice}",
+        crate::memory::human(*needed),
+        match available {
+            Some(bytes) => format!("has {} available", crate::memory::human(*bytes)),
+            None => "could not provide it".to_string(),
+        }
+    )]
+    OutOfMemory {
+        /// The buffer or buffers, in words (`the input batch (8 images of 3 x 224 x 224, fp32)`).
+        what: String,
+        /// Bytes they need.
+        needed: u64,
+        /// Where (`this machine`, `the GPU`).
+        place: String,
+        /// Bytes available there, when known.
+        available: Option<u64>,
+        /// What to change.
+        advice: String,
+    },
     /// A file could not be read or written.
     #[error("{}: {source}", path.display())]
     Io {

@@ -45,13 +45,52 @@ impl CountingAllocator {
     }
 }
 
-// SAFETY: every call is forwarded to `System` unchanged; only counters are updated around it.
+/// Says, before the process aborts on a failed allocation, how big it was and what to change
+/// (Rust aborts on allocation failure; nothing can be returned to the caller). Writes to stderr
+/// from a stack buffer: allocating here could fail again.
+fn report_failed_allocation(size: usize) {
+    use std::io::Write;
+    struct Buffer {
+        bytes: [u8; 512],
+        len: usize,
+    }
+    impl std::fmt::Write for Buffer {
+        fn write_str(&mut self, text: &str) -> std::fmt::Result {
+            let room = self.bytes.len() - self.len;
+            let n = text.len().min(room);
+            self.bytes[self.len..self.len + n].copy_from_slice(&text.as_bytes()[..n]);
+            self.len += n;
+            Ok(())
+        }
+    }
+    let mut buffer = Buffer {
+        bytes: [0; 512],
+        len: 0,
+    };
+    let gib = size as f64 / (1024.0 * 1024.0 * 1024.0);
+    let live = CURRENT.load(Ordering::Relaxed) as f64 / (1024.0 * 1024.0 * 1024.0);
+    let _ = std::fmt::write(
+        &mut buffer,
+        format_args!(
+            "memsave: error: out of memory: a buffer of {size} bytes ({gib:.1} GiB) could not be \
+             allocated, with {live:.1} GiB already in use. Lower the batch size or the image \
+             size, or save memory with a strategy: mixed precision, gradient accumulation over \
+             smaller batches, gradient checkpointing.\n"
+        ),
+    );
+    let _ = std::io::stderr().write_all(&buffer.bytes[..buffer.len]);
+}
+
+// SAFETY: every call is forwarded to `System` unchanged; only counters are updated around it
+// (and a message written to stderr, without allocating, when the system allocator fails).
 unsafe impl GlobalAlloc for CountingAllocator {
     unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
         let pointer = unsafe { System.alloc(layout) };
         if !pointer.is_null() {
             INSTALLED.store(true, Ordering::Relaxed);
             Self::grew(layout.size());
+        } else {
+            report_failed_allocation(layout.size());
         }
         pointer
     }
@@ -61,6 +100,8 @@ unsafe impl GlobalAlloc for CountingAllocator {
         if !pointer.is_null() {
             INSTALLED.store(true, Ordering::Relaxed);
             Self::grew(layout.size());
+        } else {
+            report_failed_allocation(layout.size());
         }
         pointer
     }
@@ -72,7 +113,9 @@ unsafe impl GlobalAlloc for CountingAllocator {
 
     unsafe fn realloc(&self, pointer: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
         let new = unsafe { System.realloc(pointer, layout, new_size) };
-        if !new.is_null() {
+        if new.is_null() {
+            report_failed_allocation(new_size);
+        } else {
             if new_size >= layout.size() {
                 Self::grew(new_size - layout.size());
             } else {
@@ -123,6 +166,70 @@ pub fn mib(bytes: usize) -> f64 {
     bytes as f64 / (1024.0 * 1024.0)
 }
 
+/// `bytes` in the largest binary unit that keeps the number at or above 1 (`894.1 GiB`).
+pub fn human(bytes: u64) -> String {
+    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let mut value = bytes as f64;
+    let mut unit = 0;
+    while value >= 1024.0 && unit + 1 < UNITS.len() {
+        value /= 1024.0;
+        unit += 1;
+    }
+    if unit == 0 {
+        format!("{bytes} B")
+    } else {
+        format!("{value:.1} {}", UNITS[unit])
+    }
+}
+
+/// Bytes of host memory available to this process now (Linux: `MemAvailable` of
+/// `/proc/meminfo`, capped by a cgroup limit when one is set), or `None` elsewhere.
+pub fn available_bytes() -> Option<u64> {
+    let meminfo = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let available = meminfo.lines().find_map(|line| {
+        let rest = line.strip_prefix("MemAvailable:")?;
+        let kib: u64 = rest.trim().trim_end_matches("kB").trim().parse().ok()?;
+        Some(kib * 1024)
+    })?;
+    let limit = [
+        "/sys/fs/cgroup/memory.max",
+        "/sys/fs/cgroup/memory/memory.limit_in_bytes",
+    ]
+    .iter()
+    .find_map(|path| {
+        std::fs::read_to_string(path)
+            .ok()?
+            .trim()
+            .parse::<u64>()
+            .ok()
+    });
+    Some(match limit {
+        Some(limit) => available.min(limit.saturating_sub(current_bytes() as u64)),
+        None => available,
+    })
+}
+
+/// Whether a panic message is a device allocator's out-of-memory report (CubeCL:
+/// "can't allocate buffer of size", "out-of-memory error"; CUDA's `CUDA_ERROR_OUT_OF_MEMORY`).
+pub fn is_out_of_memory_panic(message: &str) -> bool {
+    let lower = message.to_ascii_lowercase();
+    lower.contains("can't allocate buffer of size")
+        || lower.contains("out-of-memory")
+        || lower.contains("out of memory")
+        || lower.contains("cuda_error_out_of_memory")
+}
+
+/// The size an out-of-memory panic names (`can't allocate buffer of size: N`), if any.
+pub fn out_of_memory_size(message: &str) -> Option<u64> {
+    let rest = message.split("buffer of size").nth(1)?;
+    let digits: String = rest
+        .trim_start_matches([':', ' '])
+        .chars()
+        .take_while(char::is_ascii_digit)
+        .collect();
+    digits.parse().ok()
+}
+
 /// What a log line reports as memory for a run on `device`: on the CPU, the live heap bytes
 /// peak since the last [`reset_peak`] (when a [`CountingAllocator`] is installed); on CUDA
 /// (feature `cuda`), the bytes CubeCL's pools hold reserved, their high-water mark. `None` where
@@ -135,6 +242,18 @@ pub fn device_peak_bytes<D: 'static>(device: &D) -> Option<u64> {
     }
     let _ = device;
     is_counting().then(|| peak_bytes() as u64)
+}
+
+/// Where a run on `device` allocates, in words, and the bytes available there when known: the
+/// host memory for a CPU device; on CUDA, `the GPU` (its free memory is not read: its
+/// allocator's failure is caught instead).
+pub fn device_available_bytes<D: 'static>(device: &D) -> (String, Option<u64>) {
+    #[cfg(feature = "cuda")]
+    if (device as &dyn std::any::Any).is::<cubecl::cuda::CudaDevice>() {
+        return ("the GPU".to_string(), None);
+    }
+    let _ = device;
+    ("this machine".to_string(), available_bytes())
 }
 
 /// CUDA: the memory pools of CubeCL, Burn's CUDA runtime.

@@ -8,4 +8,4 @@ pub mod state;
 pub use checkpoint::{Checkpoint, CheckpointMeta};
 pub use optim::{Optim, OptimizerKind};
 pub use runner::{Hook, RunLength, Runner};
-pub use state::{DataSource, IterLog, TrainModel, TrainState};
+pub use state::{BatchFootprint, DataSource, IterLog, TrainModel, TrainState};

@@ -45,6 +45,18 @@ pub enum OptimizerKind {
     },
 }
 
+impl OptimizerKind {
+    /// Copies of the trainable weights the optimizer keeps as state: SGD with momentum one
+    /// (the momentum buffer), Adam and AdamW two (the moments), plain SGD none.
+    pub fn state_copies(&self) -> u64 {
+        match self {
+            OptimizerKind::Sgd { momentum, .. } if *momentum > 0.0 => 1,
+            OptimizerKind::Sgd { .. } => 0,
+            OptimizerKind::Adam { .. } | OptimizerKind::AdamW { .. } => 2,
+        }
+    }
+}
+
 /// One of the supported optimizers over the model `M`.
 pub enum Optim<B: AutodiffBackend, M: AutodiffModule<B>> {
     /// SGD.
@@ -380,6 +392,24 @@ pub fn has_batch_norm<B: AutodiffBackend, M: AutodiffModule<B>>(model: &M) -> bo
     let mut find = Find(false);
     model.visit(&mut find);
     find.0
+}
+
+/// Bytes of `model`'s float parameters: all of them, and the trainable ones.
+pub fn param_bytes<B: AutodiffBackend, M: AutodiffModule<B>>(model: &M) -> (u64, u64) {
+    struct Bytes(u64, u64);
+    impl<B: AutodiffBackend> ModuleVisitor<B> for Bytes {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+            let value = param.val();
+            let bytes = (value.shape().num_elements() * value.dtype().size()) as u64;
+            self.0 += bytes;
+            if value.is_require_grad() {
+                self.1 += bytes;
+            }
+        }
+    }
+    let mut bytes = Bytes(0, 0);
+    model.visit(&mut bytes);
+    (bytes.0, bytes.1)
 }
 
 /// Parameter ids with their shapes, in visiting order: a model's signature, to check that a

@@ -9,7 +9,7 @@ use std::path::{Path, PathBuf};
 use burn::tensor::backend::AutodiffBackend;
 
 use super::checkpoint::{Checkpoint, CheckpointMeta};
-use super::optim::{load_bytes, param_shapes, record_bytes, Optim, OptimizerKind};
+use super::optim::{load_bytes, param_bytes, param_shapes, record_bytes, Optim, OptimizerKind};
 use super::state::{DataSource, IterLog, TrainModel, TrainState};
 use crate::{Error, Result};
 
@@ -97,6 +97,7 @@ where
             return Err(Error::Data("the data set yields no batch".into()));
         }
         let mut state = TrainState::new(model, Optim::new(optimizer), device, work_dir.into());
+        state.optimizer_state_copies = optimizer.state_copies();
         state.iters_per_epoch = iters_per_epoch;
         (state.by_epoch, state.max_iters) = match length {
             RunLength::Epochs(epochs) => (true, epochs * iters_per_epoch),
@@ -132,7 +133,14 @@ where
     }
 
     /// Runs from `state.iter` to the end.
+    ///
+    /// First it checks that what one step needs and that is known up front (the batch, the
+    /// gradients, the optimizer state) fits in the memory available, so that a run that cannot
+    /// fit ends with an error before it writes anything; a device allocator's out-of-memory
+    /// failure during a step (CUDA) also ends the run with that error, not a panic. Checkpoints
+    /// already written are left as they are.
     pub fn run(&mut self) -> Result<()> {
+        self.preflight()?;
         self.position();
         self.call(|hook, state| hook.before_run(state))?;
         while self.state.iter < self.state.max_iters {
@@ -144,9 +152,7 @@ where
             self.call(|hook, state| hook.before_iter(state))?;
 
             let batch = self.data.batch(epoch, index)?;
-            let loss = self.state.forward_model().loss(batch);
-            self.state.loss = Some(loss);
-            self.call(|hook, state| hook.after_iter(state))?;
+            self.step(batch)?;
             self.save_if_requested()?;
 
             let end_of_epoch = index + 1 == self.state.iters_per_epoch;
@@ -159,6 +165,71 @@ where
         }
         self.call(|hook, state| hook.after_run(state))?;
         self.save_if_requested()
+    }
+
+    /// Forward, then the hooks' backward and optimizer step; a device's out-of-memory panic
+    /// becomes [`Error::OutOfMemory`].
+    fn step(&mut self, batch: M::Batch) -> Result<()> {
+        let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            let loss = self.state.forward_model().loss(batch);
+            self.state.loss = Some(loss);
+            self.call(|hook, state| hook.after_iter(state))
+        }));
+        match outcome {
+            Ok(result) => result,
+            Err(payload) => {
+                let message = panic_text(payload.as_ref());
+                if !crate::memory::is_out_of_memory_panic(&message) {
+                    std::panic::resume_unwind(payload);
+                }
+                self.state.loss = None;
+                let needed = crate::memory::out_of_memory_size(&message).unwrap_or(0);
+                let (place, _) = crate::memory::device_available_bytes(&self.state.device);
+                Err(Error::OutOfMemory {
+                    what: format!(
+                        "iteration {} (a buffer the device allocator could not find room for)",
+                        self.state.iter
+                    ),
+                    needed,
+                    place,
+                    available: None,
+                    advice: memory_advice(self.data.footprint().map(|f| f.smaller), true),
+                })
+            }
+        }
+    }
+
+    /// The sizes known before the first step, against the memory available.
+    fn preflight(&self) -> Result<()> {
+        let (place, available) = crate::memory::device_available_bytes(&self.state.device);
+        let (Some(available), Some(batch)) = (available, self.data.footprint()) else {
+            return Ok(());
+        };
+        let (_, trainable) = param_bytes::<B, M>(&self.state.model);
+        // Gradients, and the optimizer state once it exists (the first step makes it).
+        let states = trainable * (1 + self.state.optimizer_state_copies);
+        let needed = batch.bytes + states;
+        if needed <= available {
+            return Ok(());
+        }
+        let what = if batch.bytes > available {
+            format!("the input batch ({}) alone", batch.what)
+        } else {
+            format!(
+                "one step, before any activation: the input batch ({}, {}) and the gradients \
+                 and optimizer state ({})",
+                batch.what,
+                crate::memory::human(batch.bytes),
+                crate::memory::human(states)
+            )
+        };
+        Err(Error::OutOfMemory {
+            what,
+            needed,
+            place,
+            available: Some(available),
+            advice: memory_advice(Some(batch.smaller), batch.bytes <= available),
+        })
     }
 
     /// Epoch and position in it, from `iter`.
@@ -261,6 +332,31 @@ where
         self.state.iter = checkpoint.meta.iter;
         self.position();
         Ok(())
+    }
+}
+
+/// What to change when a step does not fit; strategies only where they can help.
+fn memory_advice(smaller: Option<String>, strategies: bool) -> String {
+    let smaller = smaller.unwrap_or_else(|| "make the batch or the images smaller".to_string());
+    if strategies {
+        format!(
+            "{smaller}, or save memory with a strategy: mixed precision (`[fp16]`), gradient \
+             accumulation over smaller batches (`optimizer_config.cumulative_iters`), gradient \
+             checkpointing (`with_cp = true`)"
+        )
+    } else {
+        format!("{smaller} (no strategy makes the input batch itself smaller)")
+    }
+}
+
+/// The text of a panic's payload.
+fn panic_text(payload: &(dyn std::any::Any + Send)) -> String {
+    if let Some(text) = payload.downcast_ref::<&str>() {
+        (*text).to_string()
+    } else if let Some(text) = payload.downcast_ref::<String>() {
+        text.clone()
+    } else {
+        String::new()
     }
 }
 

@@ -28,6 +28,24 @@ pub trait DataSource<Batch> {
 
     /// Batch `index` of `epoch`.
     fn batch(&self, epoch: usize, index: usize) -> Result<Batch>;
+
+    /// The memory the largest batch takes, when it is known before any batch is made; the
+    /// runner checks it against the memory available before training starts.
+    fn footprint(&self) -> Option<BatchFootprint> {
+        None
+    }
+}
+
+/// The memory one batch takes, and how a user makes it smaller.
+#[derive(Clone, Debug, PartialEq)]
+pub struct BatchFootprint {
+    /// Bytes of the batch's tensors.
+    pub bytes: u64,
+    /// The batch in words: `8 images of 3 x 224 x 224 (fp32)`.
+    pub what: String,
+    /// The settings that make it smaller, in the user's words: ``lower `data.samples_per_gpu`
+    /// or `data.image_size` ``.
+    pub smaller: String,
 }
 
 /// Per-iteration values for the log.
@@ -77,6 +95,8 @@ pub struct TrainState<B: AutodiffBackend, M: TrainModel<B>> {
     pub save_request: Option<PathBuf>,
     /// The run's directory: checkpoints and the log file.
     pub work_dir: PathBuf,
+    /// Copies of the trainable weights the optimizer keeps (for the memory check).
+    pub optimizer_state_copies: u64,
     warnings: Vec<String>,
 }
 
@@ -103,6 +123,7 @@ impl<B: AutodiffBackend, M: TrainModel<B>> TrainState<B, M> {
             log: IterLog::default(),
             save_request: None,
             work_dir,
+            optimizer_state_copies: 0,
             warnings: Vec::new(),
         }
     }

@@ -4,7 +4,7 @@ use rand::{Rng, SeedableRng};
 use serde::Deserialize;
 
 use crate::classifier::ClassificationBatch;
-use crate::memsave::train::DataSource;
+use crate::memsave::train::{BatchFootprint, DataSource};
 use crate::memsave::{Error, Result};
 
 /// A classification data set made on the fly, for runs that need no download: sample `i` has
@@ -158,6 +158,25 @@ impl<B: Backend> DataSource<ClassificationBatch<B>> for SyntheticClassification<
         self.config
             .num_samples
             .div_ceil(self.config.samples_per_gpu)
+    }
+
+    fn footprint(&self) -> Option<BatchFootprint> {
+        let (n, size) = (
+            self.config.samples_per_gpu as u64,
+            self.config.image_size as u64,
+        );
+        // fp32 images and i64 labels, as `batch` makes them.
+        let bytes = n
+            .saturating_mul(3)
+            .saturating_mul(size)
+            .saturating_mul(size)
+            .saturating_mul(4)
+            .saturating_add(n.saturating_mul(8));
+        Some(BatchFootprint {
+            bytes,
+            what: format!("{n} images of 3 x {size} x {size}, fp32"),
+            smaller: "lower `data.samples_per_gpu` or `data.image_size`".to_string(),
+        })
     }
 
     fn batch(&self, epoch: usize, index: usize) -> Result<ClassificationBatch<B>> {
