@@ -5,6 +5,29 @@
 //! holds. So a segment is recomputed, and back-propagated, on a helper thread; the outer
 //! backward waits only for the gradients, which the helper sends as soon as they exist. The
 //! helper then finishes its clean-up once the outer backward has released its lock.
+//!
+//! ## On CUDA (CubeCL 0.10)
+//!
+//! CubeCL gives every thread a stream of its own: `StreamId::current()` is a thread-local id,
+//! and each id maps to a CUDA stream of the device's pool. A buffer made on one stream and read
+//! on another is safe there too (the server flushes the producing stream and makes the reader
+//! wait on its event, and defers the buffer's release to a GC thread until that event is
+//! reached), but it costs an event per crossing, and the recomputation crosses at every input,
+//! parameter and output gradient.
+//!
+//! memsave avoids the question: a helper runs on the stream of the thread that started it
+//! (`StreamId::executes(outer, ..)`), so a recomputation's kernels are queued on the same CUDA
+//! stream as the backward pass that waits for it, in the order the hand-off over the channel
+//! gives them:
+//! - what the helper reads (saved inputs, parameters, output gradients) was queued before the
+//!   anchor's step started, on that stream: stream order makes it ready, with no event;
+//! - what the outer backward reads afterwards (the gradients the taps send) was queued before
+//!   the send, on that stream: ready for every kernel queued after the receive;
+//! - a buffer the helper frees (its recomputed activations) goes back to the pool of that one
+//!   stream, so its next user, on the same stream, runs after every kernel that used it.
+//! No `sync` is needed anywhere; the outer backward does not run kernels while it waits, so one
+//! stream loses no parallelism. Nested segments inherit the stream in turn. Burn's fusion
+//! streams key on the same thread-local id, so they follow the same rule.
 
 use std::cell::Cell;
 use std::sync::Mutex;
@@ -21,9 +44,15 @@ pub fn recomputations() -> u64 {
     RECOMPUTATIONS.with(Cell::get)
 }
 
-/// Starts a helper thread and keeps its handle.
+/// Starts a helper thread, on the caller's device stream (see the module docs), and keeps its
+/// handle.
 pub(crate) fn spawn(work: impl FnOnce() + Send + 'static) -> std::io::Result<()> {
     RECOMPUTATIONS.with(|count| count.set(count.get() + 1));
+    #[cfg(feature = "cuda")]
+    let work = {
+        let stream = cubecl::stream_id::StreamId::current();
+        move || stream.executes(work)
+    };
     let handle = std::thread::Builder::new()
         .name("memsave-recompute".into())
         .spawn(work)?;
