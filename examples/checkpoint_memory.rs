@@ -9,7 +9,9 @@
 //! After a warm-up step of each kind (model and optimizer state exist, gradients dropped), it
 //! measures each step's peak memory above that baseline (CPU: live heap bytes, counted by
 //! memsave's allocator; CUDA: CubeCL's pool reservation) and its time, then prints the medians.
-//! Its last line is `checkpoint: memory_ratio=<x> time_ratio=<y>` (checkpointed over plain).
+//! It prints one line `<variant>: memory_ratio=<x> time_ratio=<y>` per variant against the
+//! plain fp32 step: `checkpoint`, and with `--f16` also `f16` and `f16+checkpoint` (the model
+//! wrapped by `wrap_fp16_model`, SGD straight on its half weights).
 
 use std::time::Instant;
 
@@ -23,6 +25,8 @@ use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::Distribution;
 use clap::{Parser, ValueEnum};
 use memsave::checkpoint::{join_helpers, set_with_cp};
+use memsave::fp16::{wrap_fp16_model, Fp16, Precision};
+use memsave::auto_fp16;
 use memsave::memory::{self, CountingAllocator};
 use memsave_models::resnet::{ResNet, ResNetConfig};
 
@@ -46,6 +50,9 @@ struct Args {
     /// Measured steps of each kind (after one warm-up step of each).
     #[arg(long, default_value_t = 3)]
     steps: usize,
+    /// Also measure the model wrapped for f16 (`wrap_fp16_model`), plain and checkpointed.
+    #[arg(long)]
+    f16: bool,
 }
 
 #[derive(Clone, Copy, Debug, ValueEnum)]
@@ -55,14 +62,17 @@ enum DeviceKind {
 }
 
 /// A ResNet with a classification head: global average pooling and a linear layer.
+#[memsave::model]
 #[derive(Module, Debug)]
 struct Classifier<B: Backend> {
     backbone: ResNet<B>,
     fc: Linear<B>,
+    fp16_enabled: Fp16,
 }
 
 impl<B: memsave::Backend> Classifier<B> {
-    /// Images `[N, 3, H, W]` -> logits `[N, classes]`.
+    /// Images `[N, 3, H, W]` -> logits `[N, classes]`, in fp32.
+    #[auto_fp16(apply_to = (images), out_fp32)]
     fn forward(&self, images: Tensor<B, 4>) -> Tensor<B, 2> {
         let last = self
             .backbone
@@ -76,6 +86,27 @@ impl<B: memsave::Backend> Classifier<B> {
         Classifier {
             backbone: set_with_cp(self.backbone, on),
             ..self
+        }
+    }
+}
+
+/// One configuration of the step.
+#[derive(Clone, Copy, Debug, PartialEq)]
+struct Variant {
+    half: Option<Precision>,
+    checkpointed: bool,
+}
+
+impl Variant {
+    fn name(self) -> String {
+        let precision = match self.half {
+            None => "fp32".to_string(),
+            Some(precision) => precision.to_string(),
+        };
+        if self.checkpointed {
+            format!("{precision}, every block checkpointed")
+        } else {
+            format!("{precision}, plain")
         }
     }
 }
@@ -137,14 +168,45 @@ fn run<B: AutodiffBackend + memsave::Backend>(
     device: &B::Device,
     meter: &mut dyn Meter<B>,
 ) -> Result<(), memsave::Error> {
-    let mut model = Classifier {
+    let model = Classifier {
         backbone: ResNetConfig::new(args.depth).init::<B>(device)?,
         fc: LinearConfig::new(2048.min(512 * if args.depth >= 50 { 4 } else { 1 }), 1000)
             .init(device),
+        fp16_enabled: Fp16::Off,
     };
-    let mut optimizer = SgdConfig::new()
-        .with_momentum(Some(burn::optim::momentum::MomentumConfig::new()))
-        .init::<B, Classifier<B>>();
+    let variants: Vec<Variant> = [false, true]
+        .into_iter()
+        .flat_map(|half| {
+            [false, true].map(|checkpointed| Variant {
+                half: (half && args.f16).then_some(Precision::F16),
+                checkpointed,
+            })
+        })
+        .filter(|variant| args.f16 || variant.half.is_none())
+        .collect::<Vec<_>>();
+    let mut variants: Vec<Variant> = variants
+        .into_iter()
+        .fold(Vec::new(), |mut unique, variant| {
+            if !unique.contains(&variant) {
+                unique.push(variant);
+            }
+            unique
+        });
+    // One model and optimizer per precision (SGD straight on the half weights, as MMCV's
+    // `wrap_fp16_model` + SGD would).
+    let new_optimizer = || {
+        SgdConfig::new()
+            .with_momentum(Some(burn::optim::momentum::MomentumConfig::new()))
+            .init::<B, Classifier<B>>()
+    };
+    let mut models = vec![(None, model.clone(), new_optimizer())];
+    if args.f16 {
+        models.push((
+            Some(Precision::F16),
+            wrap_fp16_model(model, Precision::F16),
+            new_optimizer(),
+        ));
+    }
     let images = Tensor::<B, 4>::random(
         [args.batch, 3, args.size, args.size],
         Distribution::Normal(0.0, 1.0),
@@ -161,76 +223,85 @@ fn run<B: AutodiffBackend + memsave::Backend>(
     );
     let criterion = CrossEntropyLossConfig::new().init(device);
 
-    let mut step = |model: Classifier<B>, checkpointed: bool, meter: &mut dyn Meter<B>| {
-        let model = model.with_cp(checkpointed);
+    let mut step = |variant: Variant, meter: &mut dyn Meter<B>| {
+        let slot = models
+            .iter_mut()
+            .find(|(half, _, _)| *half == variant.half)
+            .expect("a model per precision");
+        let model = slot.1.clone().with_cp(variant.checkpointed);
         meter.before_step(device);
         let start = Instant::now();
         let loss = criterion.forward(model.forward(images.clone()), labels.clone());
         let grads = GradientsParams::from_grads(loss.backward(), &model);
-        let model = optimizer.step(0.01, model, grads);
+        slot.1 = slot.2.step(0.01, model, grads);
         let _ = B::sync(device);
         join_helpers();
         let seconds = start.elapsed().as_secs_f64();
-        (model, meter.peak_above_baseline(device), seconds)
+        (meter.peak_above_baseline(device), seconds)
     };
 
     eprintln!(
         "ResNet-{} batch {} x 3x{}x{}: warm-up",
         args.depth, args.batch, args.size, args.size
     );
-    model = step(model, false, meter).0;
-    model = step(model, true, meter).0;
-
-    let mut plain = Measured {
-        peak: Vec::new(),
-        seconds: Vec::new(),
-    };
-    let mut checkpointed = Measured {
-        peak: Vec::new(),
-        seconds: Vec::new(),
-    };
+    for variant in &variants {
+        step(*variant, meter);
+    }
+    let mut measured: Vec<Measured> = variants
+        .iter()
+        .map(|_| Measured {
+            peak: Vec::new(),
+            seconds: Vec::new(),
+        })
+        .collect();
     for round in 0..args.steps {
-        for cp in if round % 2 == 0 {
-            [false, true]
-        } else {
-            [true, false]
-        } {
-            let (next, peak, seconds) = step(model, cp, meter);
-            model = next;
+        // Interleaved, in a rotating order: no variant always runs first.
+        let order: Vec<usize> = (0..variants.len())
+            .map(|i| (i + round) % variants.len())
+            .collect();
+        for index in order {
+            let (peak, seconds) = step(variants[index], meter);
             eprintln!(
-                "  step {} {:>12}: peak {:8.1} MiB above baseline, {:6.2} s",
+                "  step {} {:>32}: peak {:8.1} MiB above baseline, {:6.2} s",
                 round + 1,
-                if cp { "checkpointed" } else { "plain" },
+                variants[index].name(),
                 memory::mib(peak as usize),
                 seconds
             );
-            let into = if cp { &mut checkpointed } else { &mut plain };
-            into.peak.push(peak);
-            into.seconds.push(seconds);
+            measured[index].peak.push(peak);
+            measured[index].seconds.push(seconds);
         }
     }
+    variants.truncate(measured.len());
 
-    let (plain_peak, cp_peak) = (median(&plain.peak), median(&checkpointed.peak));
-    let (plain_time, cp_time) = (median(&plain.seconds), median(&checkpointed.seconds));
-    let memory_ratio = cp_peak as f64 / plain_peak as f64;
-    let time_ratio = cp_time / plain_time;
+    let plain = &measured[0];
+    let (plain_peak, plain_time) = (median(&plain.peak), median(&plain.seconds));
     println!(
-        "| ResNet-{}, batch {}, 3x{}x{}, {:?} | peak above baseline (median) | step time (median) |",
+        "| ResNet-{}, batch {}, 3x{}x{}, {:?} | peak above baseline (median) | step time (median) | memory / fp32 plain | time / fp32 plain |",
         args.depth, args.batch, args.size, args.size, args.device
     );
-    println!("|---|---|---|");
-    println!(
-        "| plain | {:.1} MiB | {:.2} s |",
-        memory::mib(plain_peak as usize),
-        plain_time
-    );
-    println!(
-        "| every block checkpointed | {:.1} MiB | {:.2} s |",
-        memory::mib(cp_peak as usize),
-        cp_time
-    );
-    println!("| ratio | {memory_ratio:.2} | {time_ratio:.2} |");
-    println!("checkpoint: memory_ratio={memory_ratio:.2} time_ratio={time_ratio:.2}");
+    println!("|---|---|---|---|---|");
+    let mut ratios = Vec::new();
+    for (variant, m) in variants.iter().zip(&measured) {
+        let (peak, time) = (median(&m.peak), median(&m.seconds));
+        let (memory_ratio, time_ratio) = (peak as f64 / plain_peak as f64, time / plain_time);
+        println!(
+            "| {} | {:.1} MiB | {:.2} s | {memory_ratio:.2} | {time_ratio:.2} |",
+            variant.name(),
+            memory::mib(peak as usize),
+            time
+        );
+        ratios.push((*variant, memory_ratio, time_ratio));
+    }
+    for (variant, memory_ratio, time_ratio) in ratios {
+        let name = match (variant.half, variant.checkpointed) {
+            (None, false) => continue,
+            (None, true) => "checkpoint".to_string(),
+            (Some(p), false) => p.to_string(),
+            (Some(p), true) => format!("{p}+checkpoint"),
+        };
+        println!("{name}: memory_ratio={memory_ratio:.2} time_ratio={time_ratio:.2}");
+    }
     Ok(())
 }
 

@@ -9,11 +9,12 @@ use crate::memsave;
 use burn::module::Module;
 use burn::nn::conv::{Conv2d, Conv2dConfig};
 use burn::nn::pool::{MaxPool2d, MaxPool2dConfig};
-use burn::nn::{PaddingConfig2d, Relu};
+use burn::nn::PaddingConfig2d;
 use burn::prelude::{Backend, Config, Tensor};
 use memsave::checkpoint::{CheckpointModule, HasWithCp};
 use memsave::fp16::{Fp16, Fp16Module, Precision};
-use memsave::nn::{BatchNorm, BatchNormConfig};
+use memsave::memory;
+use memsave::nn::{conv2d, BatchNorm, BatchNormConfig, Relu};
 use memsave::{auto_fp16, with_cp};
 
 /// Configuration of a [`ResNet`] (MMDetection's `backbone` section).
@@ -151,7 +152,7 @@ impl<B: Backend> Stem<B> {
     /// `[N, C, H, W]` -> `[N, 64, H/4, W/4]`.
     pub fn forward(&self, x: Tensor<B, 4>) -> Tensor<B, 4> {
         self.pool
-            .forward(self.relu.forward(self.bn.forward(self.conv.forward(x))))
+            .forward(self.bn.forward_relu(conv2d(&self.conv, x)))
     }
 }
 
@@ -173,7 +174,7 @@ impl<B: Backend> Downsample<B> {
 
     /// `[N, C_in, H, W]` -> `[N, C_out, H/s, W/s]`.
     pub fn forward(&self, x: Tensor<B, 4>) -> Tensor<B, 4> {
-        self.bn.forward(self.conv.forward(x))
+        self.bn.forward(conv2d(&self.conv, x))
     }
 }
 
@@ -232,8 +233,8 @@ impl<B: memsave::Backend> BasicBlock<B> {
     #[with_cp]
     fn residual(&self, x: Tensor<B, 4>) -> Tensor<B, 4> {
         let identity = skip(&self.downsample, &x);
-        let y = self.relu.forward(self.bn1.forward(self.conv1.forward(x)));
-        self.bn2.forward(self.conv2.forward(y)) + identity
+        let y = self.bn1.forward_relu(conv2d(&self.conv1, x));
+        self.bn2.forward(conv2d(&self.conv2, y)) + identity
     }
 }
 
@@ -280,9 +281,9 @@ impl<B: memsave::Backend> Bottleneck<B> {
     #[with_cp]
     fn residual(&self, x: Tensor<B, 4>) -> Tensor<B, 4> {
         let identity = skip(&self.downsample, &x);
-        let y = self.relu.forward(self.bn1.forward(self.conv1.forward(x)));
-        let y = self.relu.forward(self.bn2.forward(self.conv2.forward(y)));
-        self.bn3.forward(self.conv3.forward(y)) + identity
+        let y = self.bn1.forward_relu(conv2d(&self.conv1, x));
+        let y = self.bn2.forward_relu(conv2d(&self.conv2, y));
+        self.bn3.forward(conv2d(&self.conv3, y)) + identity
     }
 }
 
@@ -355,12 +356,17 @@ impl<B: memsave::Backend> ResNet<B> {
     /// Images `[N, C, H, W]` -> the four stages' feature maps, strides 4, 8, 16 and 32
     /// (channels 64/128/256/512, times 4 for bottlenecks).
     #[auto_fp16]
+    ///
+    /// Each block runs in a memory scope named by its path (`stem`, `layer2.1`), so that
+    /// `memsave::memory::live_by_tag` between forward and backward tells what each keeps.
     pub fn forward(&self, images: Tensor<B, 4>) -> Vec<Tensor<B, 4>> {
-        let mut x = self.stem.forward(images);
+        let mut x = memory::scope("stem", || self.stem.forward(images));
         let mut features = Vec::with_capacity(4);
-        for layer in [&self.layer1, &self.layer2, &self.layer3, &self.layer4] {
-            for block in layer {
-                x = block.forward(x);
+        let layers = [&self.layer1, &self.layer2, &self.layer3, &self.layer4];
+        for (stage, layer) in layers.into_iter().enumerate() {
+            for (index, block) in layer.iter().enumerate() {
+                let name = format!("layer{}.{index}", stage + 1);
+                x = memory::scope(&name, || block.forward(x));
             }
             features.push(x.clone());
         }

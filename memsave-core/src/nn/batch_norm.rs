@@ -1,6 +1,10 @@
 use burn::module::{Module, Param, RunningState};
 use burn::prelude::{Backend, Config};
-use burn::tensor::Tensor;
+use burn::tensor::ops::FloatTensor;
+use burn::tensor::{Tensor, TensorPrimitive};
+
+use super::kernels::{Act, Grouping, View};
+use super::ops::{self, Statistics};
 
 use crate::fp16::{Fp16, Fp16Module, HasFp16Flag, Precision};
 
@@ -62,75 +66,96 @@ pub struct BatchNorm<B: Backend> {
 impl<B: Backend> BatchNorm<B> {
     /// Normalises `input` per channel.
     ///
-    /// - input: `[batch, channels, ...]`, fp32 (or half when the fp16 flag is on)
-    /// - output: the shape of `input`; fp32, or half when the flag is on
+    /// - input: `[batch, channels, ...]`, fp32, or half when the fp16 flag is on (kept half:
+    ///   statistics and parameters are fp32, the arithmetic is fp32, nothing fp32 of the
+    ///   input's size is kept)
+    /// - output: the shape of `input`; its float type, or half when the flag is on
+    ///
+    /// On an autodiff backend it is one operation that keeps its input and two fp32 numbers per
+    /// channel for backward (see [`crate::nn`]).
     pub fn forward<const D: usize>(&self, input: Tensor<B, D>) -> Tensor<B, D> {
+        self.forward_act(input, Act::Identity)
+    }
+
+    /// `relu(self.forward(input))` as one operation: the ReLU's mask is recomputed from the
+    /// input in backward, so the pair keeps only the input (Burn's ReLU would keep its own).
+    pub fn forward_relu<const D: usize>(&self, input: Tensor<B, D>) -> Tensor<B, D> {
+        self.forward_act(input, Act::Relu)
+    }
+
+    fn forward_act<const D: usize>(&self, input: Tensor<B, D>, act: Act) -> Tensor<B, D> {
         assert!(
             D >= 2,
             "BatchNorm takes [batch, channels, ...], got a {D}-d tensor"
         );
-        let input = self.fp16_enabled.to_fp32(input);
-        let output = if B::ad_enabled(&input.device()) {
-            self.forward_train(input)
-        } else {
-            self.forward_eval(input)
+        let device = input.device();
+        let dims = input.dims();
+        let view = View {
+            outer: dims[0],
+            channels: dims[1],
+            inner: dims[2..].iter().product(),
         };
+        assert_eq!(
+            view.channels,
+            self.gamma.shape().num_elements(),
+            "BatchNorm over {} channels got an input with {}",
+            self.gamma.shape().num_elements(),
+            view.channels
+        );
+        let training = B::ad_enabled(&device);
+        let statistics = if training {
+            Statistics::Batch
+        } else {
+            Statistics::Running {
+                mean: self.running_mean.value().to_device(&device).into_primitive().tensor(),
+                var: self.running_var.value().to_device(&device).into_primitive().tensor(),
+            }
+        };
+        let out = ops::normalise::<B>(
+            input.into_primitive().tensor(),
+            self.gamma.val().into_primitive().tensor(),
+            self.beta.val().into_primitive().tensor(),
+            statistics,
+            view,
+            Grouping::PerChannel,
+            act,
+            self.epsilon,
+        );
+        // A checkpointed segment runs twice per step; the statistics move in its first
+        // forward only (PyTorch updates them in both).
+        if let Some((mean, var)) = out.batch_stats {
+            if !crate::checkpoint::is_recomputing() {
+                self.update_running(mean, var, view.outer * view.inner, &device);
+            }
+        }
+        let output = Tensor::from_primitive(TensorPrimitive::Float(out.output));
         self.fp16_enabled.to_half(output)
     }
 
-    fn forward_train<const D: usize>(&self, input: Tensor<B, D>) -> Tensor<B, D> {
-        let dims = input.dims();
-        let channels = dims[1];
-        let count = input.shape().num_elements() / channels;
-        // [C, N * spatial]: one row per channel.
-        let rows = input.clone().swap_dims(0, 1).reshape([channels, count]);
-        let mean = rows.clone().mean_dim(1);
-        let var = rows.sub(mean.clone()).square().mean_dim(1);
-        let mean = mean.reshape([channels]);
-        let var = var.reshape([channels]);
-
+    /// `running = (1 - momentum) * running + momentum * batch`, the variance unbiased (as
+    /// PyTorch).
+    fn update_running(
+        &self,
+        mean: FloatTensor<B>,
+        var: FloatTensor<B>,
+        count: usize,
+        device: &B::Device,
+    ) {
         let unbiased = if count > 1 {
             count as f64 / (count - 1) as f64
         } else {
             1.0
         };
-        // A checkpointed segment runs twice per step; the statistics move in its first
-        // forward only (PyTorch updates them in both).
-        if !crate::checkpoint::is_recomputing() {
-            let running_mean = self.running_mean.value_sync().to_device(&input.device());
-            let running_var = self.running_var.value_sync().to_device(&input.device());
-            self.running_mean.update(
-                running_mean.mul_scalar(1.0 - self.momentum)
-                    + mean.clone().detach().mul_scalar(self.momentum),
-            );
-            self.running_var.update(
-                running_var.mul_scalar(1.0 - self.momentum)
-                    + var.clone().detach().mul_scalar(self.momentum * unbiased),
-            );
-        }
-        self.normalise(input, mean, var)
-    }
-
-    fn forward_eval<const D: usize>(&self, input: Tensor<B, D>) -> Tensor<B, D> {
-        let device = input.device();
-        let mean = self.running_mean.value().to_device(&device);
-        let var = self.running_var.value().to_device(&device);
-        self.normalise(input, mean, var)
-    }
-
-    /// `(input - mean) / sqrt(var + eps) * gamma + beta`, with `[C]` statistics.
-    fn normalise<const D: usize>(
-        &self,
-        input: Tensor<B, D>,
-        mean: Tensor<B, 1>,
-        var: Tensor<B, 1>,
-    ) -> Tensor<B, D> {
-        let mut shape = [1; D];
-        shape[1] = input.dims()[1];
-        let inv_std = var.add_scalar(self.epsilon).sqrt().recip();
-        let scale = (self.gamma.val() * inv_std).reshape(shape);
-        let centred = input - mean.reshape(shape);
-        centred * scale + self.beta.val().reshape(shape)
+        let mean = Tensor::<B, 1>::from_primitive(TensorPrimitive::Float(mean));
+        let var = Tensor::<B, 1>::from_primitive(TensorPrimitive::Float(var));
+        let running_mean = self.running_mean.value_sync().to_device(device);
+        let running_var = self.running_var.value_sync().to_device(device);
+        self.running_mean
+            .update(running_mean.mul_scalar(1.0 - self.momentum) + mean.mul_scalar(self.momentum));
+        self.running_var.update(
+            running_var.mul_scalar(1.0 - self.momentum)
+                + var.mul_scalar(self.momentum * unbiased),
+        );
     }
 }
 

@@ -1,6 +1,9 @@
 use burn::module::{Module, Param};
 use burn::prelude::{Backend, Config};
-use burn::tensor::Tensor;
+use burn::tensor::{Tensor, TensorPrimitive};
+
+use super::kernels::{Act, Grouping, View};
+use super::ops::{self, Statistics};
 
 use crate::fp16::{Fp16, Fp16Module, HasFp16Flag, Precision};
 
@@ -56,30 +59,51 @@ pub struct GroupNorm<B: Backend> {
 }
 
 impl<B: Backend> GroupNorm<B> {
-    /// Normalises `input` over each group of channels and its spatial positions.
+    /// Normalises `input` over each group of channels and its positions.
     ///
-    /// - input: `[batch, channels, ...]`, fp32 (or half when the fp16 flag is on)
-    /// - output: the shape of `input`; fp32, or half when the flag is on
+    /// - input: `[batch, channels, ...]`, fp32, or half when the fp16 flag is on (kept half;
+    ///   statistics and arithmetic fp32)
+    /// - output: the shape of `input`; its float type, or half when the flag is on
     pub fn forward<const D: usize>(&self, input: Tensor<B, D>) -> Tensor<B, D> {
+        self.forward_act(input, Act::Identity)
+    }
+
+    /// `relu(self.forward(input))` as one operation that keeps only the input.
+    pub fn forward_relu<const D: usize>(&self, input: Tensor<B, D>) -> Tensor<B, D> {
+        self.forward_act(input, Act::Relu)
+    }
+
+    fn forward_act<const D: usize>(&self, input: Tensor<B, D>, act: Act) -> Tensor<B, D> {
         assert!(
             D >= 2,
             "GroupNorm takes [batch, channels, ...], got a {D}-d tensor"
         );
-        let input = self.fp16_enabled.to_fp32(input);
-        let shape = input.shape();
         let dims = input.dims();
-        let (batch, channels) = (dims[0], dims[1]);
-        let group_size = shape.num_elements() / (batch * self.num_groups);
-        // [N, G, C/G * spatial]: one row per (sample, group).
-        let rows = input.reshape([batch, self.num_groups, group_size]);
-        let mean = rows.clone().mean_dim(2);
-        let centred = rows - mean;
-        let var = centred.clone().square().mean_dim(2);
-        let normalised = (centred / var.add_scalar(self.epsilon).sqrt()).reshape(shape);
-        let mut affine = [1; D];
-        affine[1] = channels;
-        let output =
-            normalised * self.gamma.val().reshape(affine) + self.beta.val().reshape(affine);
+        let view = View {
+            outer: dims[0],
+            channels: dims[1],
+            inner: dims[2..].iter().product(),
+        };
+        assert_eq!(
+            view.channels,
+            self.gamma.shape().num_elements(),
+            "GroupNorm over {} channels got an input with {}",
+            self.gamma.shape().num_elements(),
+            view.channels
+        );
+        let out = ops::normalise::<B>(
+            input.into_primitive().tensor(),
+            self.gamma.val().into_primitive().tensor(),
+            self.beta.val().into_primitive().tensor(),
+            Statistics::Batch,
+            view,
+            Grouping::PerSampleGroup {
+                groups: self.num_groups,
+            },
+            act,
+            self.epsilon,
+        );
+        let output = Tensor::from_primitive(TensorPrimitive::Float(out.output));
         self.fp16_enabled.to_half(output)
     }
 }

@@ -1,15 +1,25 @@
-//! Layers that memsave models need beyond `burn::nn`.
+//! Layers that memsave models need beyond `burn::nn`, and the operations under them.
 //!
-//! [`BatchNorm`] and [`GroupNorm`] stay in fp32 inside a half-precision model, as MMCV's
-//! `wrap_fp16_model` keeps them: with the flag on, the input is cast to fp32, normalised with
-//! fp32 weights and statistics, and the output is cast back to half. [`BatchNorm`] and
-//! [`Dropout`] also behave under gradient checkpointing: statistics updated once per step,
-//! masks reused by the recomputation.
+//! [`BatchNorm`], [`GroupNorm`] and [`LayerNorm`] stay in fp32 inside a half-precision model, as
+//! MMCV's `wrap_fp16_model` keeps its norms: with the flag on, a half input is read as it is,
+//! normalised with fp32 statistics and parameters in fp32 arithmetic, and written back as half.
+//! Each is one autodiff operation with a hand-written backward that keeps only its input and
+//! two fp32 numbers per group; `forward_relu` fuses the ReLU that usually follows. [`Relu`]
+//! keeps its output instead of its input. [`BatchNorm`] and [`Dropout`] also behave under
+//! gradient checkpointing: statistics updated once per step, masks reused by the recomputation.
 
 mod batch_norm;
+mod conv;
 mod dropout;
 mod group_norm;
+pub mod kernels;
+mod layer_norm;
+mod ops;
+mod relu;
 
 pub use batch_norm::{BatchNorm, BatchNormConfig};
+pub use conv::conv2d;
 pub use dropout::{Dropout, DropoutConfig};
 pub use group_norm::{GroupNorm, GroupNormConfig};
+pub use layer_norm::{LayerNorm, LayerNormConfig};
+pub use relu::{relu, Relu};

@@ -24,129 +24,14 @@
 //! Then [`reset_peak`] after the model and optimizer are built, run, and read [`peak_bytes`]
 //! minus the baseline [`current_bytes`] taken at the reset.
 
-use std::alloc::{GlobalAlloc, Layout, System};
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+mod allocator;
+mod tags;
 
-static CURRENT: AtomicUsize = AtomicUsize::new(0);
-static PEAK: AtomicUsize = AtomicUsize::new(0);
-static INSTALLED: AtomicBool = AtomicBool::new(false);
+pub use allocator::{current_bytes, is_counting, peak_bytes, reset_peak, CountingAllocator};
+pub use tags::{live_by_tag, peak_by_tag, scope, scope_path, snapshot_peaks, TagBytes};
 
-/// The system allocator, counting live bytes and their peak.
-pub struct CountingAllocator;
-
-impl CountingAllocator {
-    fn grew(size: usize) {
-        let now = CURRENT.fetch_add(size, Ordering::Relaxed) + size;
-        PEAK.fetch_max(now, Ordering::Relaxed);
-    }
-
-    fn shrank(size: usize) {
-        CURRENT.fetch_sub(size, Ordering::Relaxed);
-    }
-}
-
-/// Says, before the process aborts on a failed allocation, how big it was and what to change
-/// (Rust aborts on allocation failure; nothing can be returned to the caller). Writes to stderr
-/// from a stack buffer: allocating here could fail again.
-fn report_failed_allocation(size: usize) {
-    use std::io::Write;
-    struct Buffer {
-        bytes: [u8; 512],
-        len: usize,
-    }
-    impl std::fmt::Write for Buffer {
-        fn write_str(&mut self, text: &str) -> std::fmt::Result {
-            let room = self.bytes.len() - self.len;
-            let n = text.len().min(room);
-            self.bytes[self.len..self.len + n].copy_from_slice(&text.as_bytes()[..n]);
-            self.len += n;
-            Ok(())
-        }
-    }
-    let mut buffer = Buffer {
-        bytes: [0; 512],
-        len: 0,
-    };
-    let gib = size as f64 / (1024.0 * 1024.0 * 1024.0);
-    let live = CURRENT.load(Ordering::Relaxed) as f64 / (1024.0 * 1024.0 * 1024.0);
-    let _ = std::fmt::write(
-        &mut buffer,
-        format_args!(
-            "memsave: error: out of memory: a buffer of {size} bytes ({gib:.1} GiB) could not be \
-             allocated, with {live:.1} GiB already in use. Lower the batch size or the image \
-             size, or save memory with a strategy: mixed precision, gradient accumulation over \
-             smaller batches, gradient checkpointing.\n"
-        ),
-    );
-    let _ = std::io::stderr().write_all(&buffer.bytes[..buffer.len]);
-}
-
-// SAFETY: every call is forwarded to `System` unchanged; only counters are updated around it
-// (and a message written to stderr, without allocating, when the system allocator fails).
-unsafe impl GlobalAlloc for CountingAllocator {
-    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
-        let pointer = unsafe { System.alloc(layout) };
-        if !pointer.is_null() {
-            INSTALLED.store(true, Ordering::Relaxed);
-            Self::grew(layout.size());
-        } else {
-            report_failed_allocation(layout.size());
-        }
-        pointer
-    }
-
-    unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
-        let pointer = unsafe { System.alloc_zeroed(layout) };
-        if !pointer.is_null() {
-            INSTALLED.store(true, Ordering::Relaxed);
-            Self::grew(layout.size());
-        } else {
-            report_failed_allocation(layout.size());
-        }
-        pointer
-    }
-
-    unsafe fn dealloc(&self, pointer: *mut u8, layout: Layout) {
-        unsafe { System.dealloc(pointer, layout) };
-        Self::shrank(layout.size());
-    }
-
-    unsafe fn realloc(&self, pointer: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
-        let new = unsafe { System.realloc(pointer, layout, new_size) };
-        if new.is_null() {
-            report_failed_allocation(new_size);
-        } else {
-            if new_size >= layout.size() {
-                Self::grew(new_size - layout.size());
-            } else {
-                Self::shrank(layout.size() - new_size);
-            }
-        }
-        new
-    }
-}
-
-/// Whether a [`CountingAllocator`] is this program's global allocator.
-pub fn is_counting() -> bool {
-    INSTALLED.load(Ordering::Relaxed)
-}
-
-/// Live heap bytes now.
-pub fn current_bytes() -> usize {
-    CURRENT.load(Ordering::Relaxed)
-}
-
-/// The most live heap bytes since the last [`reset_peak`].
-pub fn peak_bytes() -> usize {
-    PEAK.load(Ordering::Relaxed)
-}
-
-/// Starts a new peak at the current live bytes, and returns them (the baseline).
-pub fn reset_peak() -> usize {
-    let now = CURRENT.load(Ordering::Relaxed);
-    PEAK.store(now, Ordering::Relaxed);
-    now
-}
+use allocator::{CURRENT, PEAK};
+use std::sync::atomic::Ordering;
 
 /// Runs `f` without letting it raise the peak: for work outside what is measured, such as
 /// writing a checkpoint between training steps. Afterwards the peak is what it was before, or
