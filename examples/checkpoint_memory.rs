@@ -24,9 +24,9 @@ use burn::prelude::*;
 use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::Distribution;
 use clap::{Parser, ValueEnum};
+use memsave::auto_fp16;
 use memsave::checkpoint::{join_helpers, set_with_cp};
 use memsave::fp16::{wrap_fp16_model, Fp16, Precision};
-use memsave::auto_fp16;
 use memsave::memory::{self, CountingAllocator};
 use memsave_models::resnet::{ResNet, ResNetConfig};
 
@@ -184,14 +184,15 @@ fn run<B: AutodiffBackend + memsave::Backend>(
         })
         .filter(|variant| args.f16 || variant.half.is_none())
         .collect::<Vec<_>>();
-    let mut variants: Vec<Variant> = variants
-        .into_iter()
-        .fold(Vec::new(), |mut unique, variant| {
-            if !unique.contains(&variant) {
-                unique.push(variant);
-            }
-            unique
-        });
+    let mut variants: Vec<Variant> =
+        variants
+            .into_iter()
+            .fold(Vec::new(), |mut unique, variant| {
+                if !unique.contains(&variant) {
+                    unique.push(variant);
+                }
+                unique
+            });
     // One model and optimizer per precision (SGD straight on the half weights, as MMCV's
     // `wrap_fp16_model` + SGD would).
     let new_optimizer = || {

@@ -13,16 +13,18 @@
 use burn::backend::{Autodiff, Flex};
 use burn::module::Module;
 use burn::nn::conv::{Conv2d, Conv2dConfig};
-use burn::nn::{BatchNorm as BurnBatchNorm, BatchNormConfig as BurnBatchNormConfig, PaddingConfig2d};
+use burn::nn::loss::CrossEntropyLossConfig;
+use burn::nn::{
+    BatchNorm as BurnBatchNorm, BatchNormConfig as BurnBatchNormConfig, PaddingConfig2d,
+};
+use burn::nn::{Linear, LinearConfig};
+use burn::optim::momentum::MomentumConfig;
+use burn::optim::{GradientsParams, Optimizer, SgdConfig};
 use burn::prelude::*;
 use burn::tensor::Distribution;
 use clap::Parser;
 use memsave::memory::{self, live_by_tag, scope, CountingAllocator};
 use memsave::nn::{BatchNorm, BatchNormConfig};
-use burn::nn::loss::CrossEntropyLossConfig;
-use burn::nn::{Linear, LinearConfig};
-use burn::optim::momentum::MomentumConfig;
-use burn::optim::{GradientsParams, Optimizer, SgdConfig};
 use memsave_models::resnet::{ResNet, ResNetConfig};
 
 #[global_allocator]
@@ -124,7 +126,9 @@ fn main() {
     // Part 2: a ResNet classifier, block by block, after a warm-up step (weights initialised,
     // optimizer state made).
     let mut model = Classifier {
-        backbone: ResNetConfig::new(args.depth).init::<B>(&device).expect("a ResNet depth"),
+        backbone: ResNetConfig::new(args.depth)
+            .init::<B>(&device)
+            .expect("a ResNet depth"),
         fc: LinearConfig::new(if args.depth >= 50 { 2048 } else { 512 }, 1000).init(&device),
     };
     let mut optimizer = SgdConfig::new()
@@ -142,8 +146,10 @@ fn main() {
     let criterion = CrossEntropyLossConfig::new().init(&device);
     memory::snapshot_peaks(true);
     for measured in [false, true] {
-        let at_start: std::collections::HashMap<String, i64> =
-            live_by_tag().into_iter().map(|row| (row.tag, row.live)).collect();
+        let at_start: std::collections::HashMap<String, i64> = live_by_tag()
+            .into_iter()
+            .map(|row| (row.tag, row.live))
+            .collect();
         let live_at_start = |tag: &str| at_start.get(tag).copied().unwrap_or(0);
         let baseline = memory::reset_peak();
         let logits = scope("forward", || model.forward(images.clone()));
@@ -167,20 +173,32 @@ fn main() {
                     );
                 }
             }
-            println!("| all (live bytes above the step's start) | {:.1} | 100% |\n", mib(kept as i64));
+            println!(
+                "| all (live bytes above the step's start) | {:.1} | 100% |\n",
+                mib(kept as i64)
+            );
         }
-        let grads = scope("backward", || GradientsParams::from_grads(loss.backward(), &model));
+        let grads = scope("backward", || {
+            GradientsParams::from_grads(loss.backward(), &model)
+        });
         model = scope("optimizer", || optimizer.step(0.01, model, grads));
         if measured {
             let peak = memory::peak_bytes() - baseline;
-            println!("Part 3: the same step's peak ({:.1} MiB above its start), by what holds it\n", mib(peak as i64));
+            println!(
+                "Part 3: the same step's peak ({:.1} MiB above its start), by what holds it\n",
+                mib(peak as i64)
+            );
             println!("| allocated in | live at the peak, MiB |");
             println!("|---|---|");
             for row in memory::peak_by_tag() {
                 let live_then = live_at_start(&row.tag);
                 let above = row.live - live_then;
                 if above.abs() >= 1 << 16 {
-                    let tag = if row.tag.is_empty() { "(outside any scope)" } else { &row.tag };
+                    let tag = if row.tag.is_empty() {
+                        "(outside any scope)"
+                    } else {
+                        &row.tag
+                    };
                     println!("| {tag} | {:.1} |", mib(above));
                 }
             }
@@ -198,6 +216,8 @@ struct Classifier<B: Backend> {
 impl<B: memsave::Backend> Classifier<B> {
     fn forward(&self, images: Tensor<B, 4>) -> Tensor<B, 2> {
         let last = self.backbone.forward(images).pop().expect("four maps");
-        scope("head", || self.fc.forward(last.mean_dim(3).mean_dim(2).flatten(1, 3)))
+        scope("head", || {
+            self.fc.forward(last.mean_dim(3).mean_dim(2).flatten(1, 3))
+        })
     }
 }

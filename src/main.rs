@@ -117,7 +117,7 @@ fn run<B: AutodiffBackend + memsave::Backend>(
     B::seed(&device, config.seed);
     let ModelType::ImageClassifier = config.model.kind;
     let num_classes = config.model.num_classes;
-    let model = ImageClassifier::<B>::new(&config.model.backbone.resnet(), num_classes, &device)?;
+    let model = ImageClassifier::<B>::new(&config.model.backbone, num_classes, &device)?;
     let data = match &config.data {
         DataSection::SyntheticClassification(data) => {
             SyntheticClassification::<B>::new(data.clone(), num_classes, device.clone())?

@@ -29,6 +29,8 @@ type = "EpochBasedRunner"
 max_epochs = 2
 [log_config]
 interval = 1
+[checkpoint_config]
+max_keep_ckpts = -1   # the base config keeps one; these tests resume from the first
 "#;
 
 fn tiny_config(dir: &std::path::Path) -> PathBuf {

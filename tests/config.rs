@@ -292,3 +292,99 @@ fn the_shipped_configs_load() {
         assert_eq!(config.model.backbone.with_cp, with_cp, "{file}");
     }
 }
+
+/// One default per setting: an empty section is the runtime type's `Default`.
+#[test]
+fn the_defaults_of_an_empty_section_are_the_runtime_types_defaults() {
+    use memsave::config::{Fp16Section, GradScalerParams, OptimizerHookSection};
+    use memsave::hooks::{LogConfig, LrSchedule, SnapshotConfig};
+    use memsave::models::resnet::ResNetConfig;
+    let config =
+        parse("[optimizer_config]\n[fp16]\n[lr_config]\n[checkpoint_config]\n[log_config]")
+            .unwrap();
+    assert_eq!(config.optimizer_config, OptimizerHookSection::default());
+    assert_eq!(config.fp16.clone().unwrap(), Fp16Section::default());
+    assert_eq!(
+        config.lr_config,
+        LrSchedule {
+            base_lr: 0.01,
+            ..LrSchedule::default()
+        }
+    );
+    assert_eq!(config.checkpoint_config, SnapshotConfig::default());
+    assert_eq!(config.log_config, LogConfig::default());
+    // Absent sections too.
+    let bare = parse("").unwrap();
+    assert_eq!(bare.optimizer_config, OptimizerHookSection::default());
+    assert_eq!(bare.checkpoint_config, SnapshotConfig::default());
+    // The table form of the loss scale, empty, is GradScaler's defaults, as "dynamic" is.
+    let table = parse("[fp16]\nloss_scale = {}").unwrap();
+    assert_eq!(
+        table.fp16.unwrap().loss_scale,
+        LossScaleSpec::Table(GradScalerParams::default())
+    );
+    assert_eq!(
+        LossScaleSpec::Table(GradScalerParams::default())
+            .scaler()
+            .unwrap(),
+        LossScaleSpec::Dynamic.scaler().unwrap()
+    );
+    // The backbone section is the backbone's own configuration.
+    let backbone: ResNetConfig = toml::from_str("").unwrap();
+    assert_eq!(backbone, ResNetConfig::default());
+}
+
+#[test]
+fn a_bad_set_value_is_blamed_on_the_set_argument() {
+    let message = Cfg::parse(
+        BASE,
+        Path::new("test.toml"),
+        &["optimizer.lr=\"abc\"".into()],
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(
+        message.starts_with("`--set optimizer.lr=\"abc\"`") && message.contains("optimizer.lr"),
+        "{message}"
+    );
+    assert!(!message.contains("test.toml"), "{message}");
+    let message = Cfg::parse(
+        BASE,
+        Path::new("test.toml"),
+        &["optimizer_config.grad_clip={ max_norm = -1 }".into()],
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(
+        message.contains("--set optimizer_config.grad_clip")
+            && message.contains("optimizer_config.grad_clip.max_norm"),
+        "{message}"
+    );
+    // A mistake in the file itself is still the file's.
+    let message = error("[optimizer_config]\ngrad_clip = { max_norm = 0 }");
+    assert!(message.contains("test.toml"), "{message}");
+}
+
+#[test]
+fn unknown_optimizer_parameters_suggest_the_closest_one() {
+    let message = Cfg::parse(
+        &BASE.replace("momentum = 0.9", "momentun = 0.9"),
+        Path::new("test.toml"),
+        &[],
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(message.contains("did you mean `momentum`"), "{message}");
+}
+
+#[test]
+fn a_missing_base_file_names_the_config_that_includes_it() {
+    let dir = temp_configs();
+    let including = dir.join("includes-missing.toml");
+    std::fs::write(&including, "_base_ = \"no-such-base.toml\"\n").unwrap();
+    let message = Cfg::load(&including, &[]).unwrap_err().to_string();
+    assert!(
+        message.contains("includes-missing.toml") && message.contains("no-such-base.toml"),
+        "{message}"
+    );
+}

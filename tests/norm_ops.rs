@@ -47,8 +47,8 @@ fn composed_batch_norm(
         .square()
         .mean_dim(1)
         .reshape([1, c, 1, 1]);
-    let y = (x - mean) / (var + 1e-5).sqrt() * gamma.reshape([1, c, 1, 1])
-        + beta.reshape([1, c, 1, 1]);
+    let y =
+        (x - mean) / (var + 1e-5).sqrt() * gamma.reshape([1, c, 1, 1]) + beta.reshape([1, c, 1, 1]);
     if relu_after {
         burn::tensor::activation::relu(y)
     } else {
@@ -98,7 +98,9 @@ fn grads_of(
     ]
 }
 
-fn memsave_batch_norm(relu_after: bool) -> impl Fn(Tensor<AB, 4>, Tensor<AB, 1>, Tensor<AB, 1>) -> Tensor<AB, 4> {
+fn memsave_batch_norm(
+    relu_after: bool,
+) -> impl Fn(Tensor<AB, 4>, Tensor<AB, 1>, Tensor<AB, 1>) -> Tensor<AB, 4> {
     move |x, gamma, beta| {
         let c = x.dims()[1];
         let mut bn = BatchNormConfig::new(c).init::<AB>(&Default::default());
@@ -119,16 +121,17 @@ fn batch_norm_matches_the_composed_version_within_1e_5() {
     for relu_after in [false, true] {
         for case in &CASES {
             let ours = grads_of(memsave_batch_norm(relu_after), case);
-            let reference = grads_of(
-                |x, g, b| composed_batch_norm(x, g, b, relu_after),
-                case,
-            );
+            let reference = grads_of(|x, g, b| composed_batch_norm(x, g, b, relu_after), case);
             for (what, (a, b)) in ["output", "dx", "dgamma", "dbeta"]
                 .iter()
                 .zip(ours.iter().zip(&reference))
             {
                 let d = max_relative_difference(a, b);
-                assert!(d <= 1e-5, "{what}, {:?}, relu {relu_after}: {d}", case.shape);
+                assert!(
+                    d <= 1e-5,
+                    "{what}, {:?}, relu {relu_after}: {d}",
+                    case.shape
+                );
                 worst = worst.max(d);
             }
         }
@@ -137,15 +140,30 @@ fn batch_norm_matches_the_composed_version_within_1e_5() {
 }
 
 /// f64 reference of `sum(w * bn(x))` for finite differences.
-fn reference_loss(x: &[f64], gamma: &[f64], beta: &[f64], w: &[f64], shape: [usize; 4], relu_after: bool) -> f64 {
+fn reference_loss(
+    x: &[f64],
+    gamma: &[f64],
+    beta: &[f64],
+    w: &[f64],
+    shape: [usize; 4],
+    relu_after: bool,
+) -> f64 {
     let [n, c, h, wd] = shape;
     let s = h * wd;
     let mut loss = 0.0;
     for ch in 0..c {
         let idx = |b: usize, i: usize| (b * c + ch) * s + i;
         let m = n * s;
-        let mean: f64 = (0..n).flat_map(|b| (0..s).map(move |i| (b, i))).map(|(b, i)| x[idx(b, i)]).sum::<f64>() / m as f64;
-        let var: f64 = (0..n).flat_map(|b| (0..s).map(move |i| (b, i))).map(|(b, i)| (x[idx(b, i)] - mean).powi(2)).sum::<f64>() / m as f64;
+        let mean: f64 = (0..n)
+            .flat_map(|b| (0..s).map(move |i| (b, i)))
+            .map(|(b, i)| x[idx(b, i)])
+            .sum::<f64>()
+            / m as f64;
+        let var: f64 = (0..n)
+            .flat_map(|b| (0..s).map(move |i| (b, i)))
+            .map(|(b, i)| (x[idx(b, i)] - mean).powi(2))
+            .sum::<f64>()
+            / m as f64;
         for b in 0..n {
             for i in 0..s {
                 let mut y = (x[idx(b, i)] - mean) / (var + 1e-5).sqrt() * gamma[ch] + beta[ch];
@@ -243,9 +261,30 @@ fn half_inputs_stay_half_and_agree_with_fp32() {
 #[test]
 fn flex_kernels_agree_with_the_generic_ones() {
     let cases = [
-        (View { outer: 3, channels: 6, inner: 10 }, Grouping::PerChannel),
-        (View { outer: 3, channels: 6, inner: 10 }, Grouping::PerSampleGroup { groups: 3 }),
-        (View { outer: 7, channels: 1, inner: 12 }, Grouping::PerRow),
+        (
+            View {
+                outer: 3,
+                channels: 6,
+                inner: 10,
+            },
+            Grouping::PerChannel,
+        ),
+        (
+            View {
+                outer: 3,
+                channels: 6,
+                inner: 10,
+            },
+            Grouping::PerSampleGroup { groups: 3 },
+        ),
+        (
+            View {
+                outer: 7,
+                channels: 1,
+                inner: 12,
+            },
+            Grouping::PerRow,
+        ),
     ];
     for (view, grouping) in cases {
         for act in [Act::Identity, Act::Relu] {
@@ -263,27 +302,77 @@ fn flex_kernels_agree_with_the_generic_ones() {
             let (mean, var) = Flex::norm_stats(&x, view, grouping);
             let (gmean, gvar) = generic::stats::<Flex>(&x, view, grouping);
             let f = |t: burn::tensor::ops::FloatTensor<Flex>| {
-                values(Tensor::<Flex, 1>::from_primitive(burn::tensor::TensorPrimitive::Float(t)))
+                values(Tensor::<Flex, 1>::from_primitive(
+                    burn::tensor::TensorPrimitive::Float(t),
+                ))
             };
             assert!(max_relative_difference(&f(mean.clone()), &f(gmean)) <= 1e-5);
             assert!(max_relative_difference(&f(var.clone()), &f(gvar)) <= 1e-5);
-            let invstd = Tensor::<Flex, 1>::from_primitive(burn::tensor::TensorPrimitive::Float(var))
-                .add_scalar(1e-5)
-                .sqrt()
-                .recip()
-                .into_primitive()
-                .tensor();
-            let y = Flex::norm_apply(x.clone(), view, grouping, &mean, &invstd, &gamma, &beta, act);
-            let gy = generic::apply::<Flex>(x.clone(), view, grouping, &mean, &invstd, &gamma, &beta, act);
+            let invstd =
+                Tensor::<Flex, 1>::from_primitive(burn::tensor::TensorPrimitive::Float(var))
+                    .add_scalar(1e-5)
+                    .sqrt()
+                    .recip()
+                    .into_primitive()
+                    .tensor();
+            let y = Flex::norm_apply(
+                x.clone(),
+                view,
+                grouping,
+                &mean,
+                &invstd,
+                &gamma,
+                &beta,
+                act,
+            );
+            let gy = generic::apply::<Flex>(
+                x.clone(),
+                view,
+                grouping,
+                &mean,
+                &invstd,
+                &gamma,
+                &beta,
+                act,
+            );
             let d = max_relative_difference(&f(y), &f(gy));
             assert!(d <= 1e-5, "apply {grouping:?} {act:?}: {d}");
             for batch_stats in [true, false] {
-                let wanted = Wanted { input: true, affine: true, batch_stats };
-                let (dx, dg, db) = Flex::norm_backward(&x, dy.clone(), view, grouping, &mean, &invstd, &gamma, &beta, act, wanted);
-                let (gdx, gdg, gdb) = generic::backward::<Flex>(&x, dy.clone(), view, grouping, &mean, &invstd, &gamma, &beta, act, wanted);
+                let wanted = Wanted {
+                    input: true,
+                    affine: true,
+                    batch_stats,
+                };
+                let (dx, dg, db) = Flex::norm_backward(
+                    &x,
+                    dy.clone(),
+                    view,
+                    grouping,
+                    &mean,
+                    &invstd,
+                    &gamma,
+                    &beta,
+                    act,
+                    wanted,
+                );
+                let (gdx, gdg, gdb) = generic::backward::<Flex>(
+                    &x,
+                    dy.clone(),
+                    view,
+                    grouping,
+                    &mean,
+                    &invstd,
+                    &gamma,
+                    &beta,
+                    act,
+                    wanted,
+                );
                 for (what, a, b) in [("dx", dx, gdx), ("dgamma", dg, gdg), ("dbeta", db, gdb)] {
                     let d = max_relative_difference(&f(a.unwrap()), &f(b.unwrap()));
-                    assert!(d <= 1e-5, "{what} {grouping:?} {act:?} batch {batch_stats}: {d}");
+                    assert!(
+                        d <= 1e-5,
+                        "{what} {grouping:?} {act:?} batch {batch_stats}: {d}"
+                    );
                 }
             }
         }
@@ -310,7 +399,11 @@ fn group_norm_and_layer_norm_match_their_compositions() {
             gn.forward(x.clone())
         };
         let grads = (y.clone() * w.clone()).sum().backward();
-        (values(y.inner()), values(x.grad(&grads).unwrap()), values(gn.gamma.val().grad(&grads).unwrap()))
+        (
+            values(y.inner()),
+            values(x.grad(&grads).unwrap()),
+            values(gn.gamma.val().grad(&grads).unwrap()),
+        )
     };
     let (a, b) = (run(false), run(true));
     assert!(max_relative_difference(&a.0, &b.0) <= 1e-5);
@@ -327,12 +420,17 @@ fn group_norm_and_layer_norm_match_their_compositions() {
             let mean = x.clone().mean_dim(2);
             let centred = x.clone() - mean;
             let var = centred.clone().square().mean_dim(2);
-            centred / (var + 1e-5).sqrt() * ln.gamma.val().reshape([1, 1, 8]) + ln.beta.val().reshape([1, 1, 8])
+            centred / (var + 1e-5).sqrt() * ln.gamma.val().reshape([1, 1, 8])
+                + ln.beta.val().reshape([1, 1, 8])
         } else {
             ln.forward(x.clone())
         };
         let grads = (y.clone() * w.clone()).sum().backward();
-        (values(y.inner()), values(x.grad(&grads).unwrap()), values(ln.gamma.val().grad(&grads).unwrap()))
+        (
+            values(y.inner()),
+            values(x.grad(&grads).unwrap()),
+            values(ln.gamma.val().grad(&grads).unwrap()),
+        )
     };
     let (a, b) = (run(false), run(true));
     assert!(max_relative_difference(&a.0, &b.0) <= 1e-5);
@@ -373,11 +471,17 @@ fn relu_keeping_its_output_has_burns_gradient() {
 fn batch_norm_in_eval_mode_uses_the_running_statistics() {
     let device = Default::default();
     let mut bn = BatchNormConfig::new(3).init::<Flex>(&device);
-    bn.running_mean = burn::module::RunningState::new(Tensor::from_floats([1.0, -2.0, 0.5], &device));
-    bn.running_var = burn::module::RunningState::new(Tensor::from_floats([4.0, 0.25, 1.0], &device));
+    bn.running_mean =
+        burn::module::RunningState::new(Tensor::from_floats([1.0, -2.0, 0.5], &device));
+    bn.running_var =
+        burn::module::RunningState::new(Tensor::from_floats([4.0, 0.25, 1.0], &device));
     let x = Tensor::<Flex, 4>::from_floats([[[[3.0]], [[-1.0]], [[0.5]]]], &device);
     let y = bn.forward(x).into_data().to_vec::<f32>().unwrap();
-    let expect = [2.0 / (4.0f32 + 1e-5).sqrt(), 1.0 / (0.25f32 + 1e-5).sqrt(), 0.0];
+    let expect = [
+        2.0 / (4.0f32 + 1e-5).sqrt(),
+        1.0 / (0.25f32 + 1e-5).sqrt(),
+        0.0,
+    ];
     for (a, b) in y.iter().zip(expect) {
         assert!((a - b).abs() <= 1e-5, "{a} vs {b}");
     }

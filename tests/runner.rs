@@ -19,10 +19,11 @@ use memsave::hooks::{
 use memsave::models::classifier::ClassificationBatch;
 use memsave::models::data::{SyntheticClassification, SyntheticClassificationConfig};
 use memsave::scaler::{LossScaler, ScaleMode};
-use memsave::train::checkpoint::temporary_path;
-use memsave::train::optim::{global_norm, record_bytes};
+use memsave::train::grads::global_norm;
+use memsave::train::snapshot::codec::record_bytes;
+use memsave::train::snapshot::temporary_path;
 use memsave::train::{
-    Checkpoint, DataSource, Hook, IterLog, OptimizerKind, RunLength, Runner, TrainState,
+    DataSource, Hook, IterLog, OptimizerKind, RunLength, Runner, Snapshot as Checkpoint, TrainState,
 };
 
 type Net = TinyNet<AB>;
@@ -124,17 +125,14 @@ fn recorder() -> (Box<Recorder>, Arc<Mutex<Vec<IterLog>>>) {
     (Box::new(Recorder(log.clone())), log)
 }
 
-fn accumulate(c: usize) -> Box<GradientCumulativeOptimizerHook> {
+fn accumulate(c: usize) -> Box<OptimizerHook> {
     let mut hook = GradientCumulativeOptimizerHook::new(c).unwrap();
     hook.grad_clip = Some(GradClip::new(0.5, 2.0).unwrap());
     Box::new(hook)
 }
 
 fn plain() -> Box<OptimizerHook> {
-    Box::new(OptimizerHook {
-        grad_clip: Some(GradClip::new(0.5, 2.0).unwrap()),
-        detect_anomalous_params: false,
-    })
+    Box::new(OptimizerHook::new().with_grad_clip(Some(GradClip::new(0.5, 2.0).unwrap())))
 }
 
 // --- Accumulation ----------------------------------------------------------------------------
@@ -589,10 +587,7 @@ fn bad_checkpoints_are_errors_naming_the_file_never_panics() {
 #[test]
 fn parameters_without_gradient_are_reported_by_path() {
     let dir = work_dir("anomalous");
-    let hook = OptimizerHook {
-        grad_clip: None,
-        detect_anomalous_params: true,
-    };
+    let hook = OptimizerHook::new().with_detect_anomalous_params(true);
     let model = TinyNet::<AB>::new(4, true, &Default::default());
     let mut runner = runner(model, Box::new(hook), data(2, 4), RunLength::Iters(1), &dir);
     runner.run().unwrap();
@@ -630,10 +625,7 @@ fn clipping_scales_every_gradient_by_max_norm_over_the_global_norm() {
     let start = net();
     let dir = work_dir("clip");
     let step = |clip: Option<GradClip>| {
-        let hook = OptimizerHook {
-            grad_clip: clip,
-            detect_anomalous_params: false,
-        };
+        let hook = OptimizerHook::new().with_grad_clip(clip);
         let mut runner = runner_with(
             start.clone(),
             &OptimizerKind::Sgd {
@@ -760,4 +752,24 @@ fn any_other_panic_in_a_step_is_not_taken_for_out_of_memory() {
     run.register_hook(Box::new(Broken));
     let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| run.run()));
     assert!(outcome.is_err(), "the panic goes on");
+}
+
+#[test]
+fn max_keep_ckpts_keeps_the_newest_snapshots_and_latest_names_the_last() {
+    let dir = work_dir("max-keep");
+    let mut runner = runner(net(), plain(), data(2, 8), RunLength::Iters(12), &dir);
+    let mut hook = memsave::hooks::SnapshotHook::new(3, false);
+    hook.max_keep = Some(2);
+    runner.register_hook(Box::new(hook));
+    runner.run().unwrap();
+    let mut names: Vec<String> = std::fs::read_dir(&dir)
+        .unwrap()
+        .map(|entry| entry.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|name| name.ends_with(".ckpt"))
+        .collect();
+    names.sort();
+    assert_eq!(names, ["iter_12.ckpt", "iter_9.ckpt", "latest.ckpt"]);
+    let latest = Checkpoint::load(&dir.join("latest.ckpt")).unwrap();
+    assert_eq!(latest.meta.iter, 12);
+    assert_eq!(latest, Checkpoint::load(&dir.join("iter_12.ckpt")).unwrap());
 }

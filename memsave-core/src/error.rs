@@ -11,10 +11,12 @@ pub enum Error {
         /// What is wrong and what is expected.
         message: String,
     },
-    /// A checkpoint that cannot be loaded: not one, corrupt, truncated, or of another model.
+    /// A snapshot that cannot be written or loaded: not one, corrupt, truncated, of another
+    /// model, or with a state that fails its checks. Users call these files checkpoints (MMCV's
+    /// word, `--resume`), and so does the message.
     #[error("checkpoint {}: {message}", path.display())]
-    Checkpoint {
-        /// The checkpoint file.
+    Snapshot {
+        /// The snapshot file.
         path: PathBuf,
         /// What is wrong with it.
         message: String,
@@ -25,6 +27,14 @@ pub enum Error {
         /// The configuration file.
         path: PathBuf,
         /// The key and what is wrong with it.
+        message: String,
+    },
+    /// A `--set key=value` argument that cannot be applied, or whose value is wrong.
+    #[error("`--set {argument}`: {message}")]
+    Override {
+        /// The argument as written.
+        argument: String,
+        /// What is wrong with it.
         message: String,
     },
     /// Training data that cannot be read.

@@ -5,8 +5,13 @@
 //!   `cast_tensor_type`).
 //! - [`fp16`]: the `fp16_enabled` flag, [`fp16::Fp16Module`] and [`fp16::wrap_fp16_model`].
 //! - [`checkpoint`]: recompute-in-backward segments (MMCV's `with_cp`).
-//! - [`memory`]: peak live bytes on the CPU (a counting global allocator).
-//! - [`nn`]: normalisation layers that stay in fp32 inside a half-precision model.
+//! - [`memory`]: peak live bytes on the CPU (a counting global allocator), live bytes by the
+//!   code that allocated them, the memory available.
+//! - [`nn`]: layers and operations that keep only what backward needs (norms, ReLU, the
+//!   convolution's weight gradient), norms that stay fp32 inside a half-precision model, and
+//!   dropout replayed under checkpointing.
+//! - [`scaler`], [`hooks`], [`train`], [`config`]: loss scaling, MMCV's runner and hooks,
+//!   snapshots, and the TOML configuration.
 
 pub mod cast;
 pub mod checkpoint;

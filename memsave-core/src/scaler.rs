@@ -151,6 +151,14 @@ impl LossScaler {
         Ok(self)
     }
 
+    /// A scaler from its stored state (as `serde_json` wrote it), checked as [`LossScaler::new`]
+    /// checks its arguments; errors name the field.
+    pub fn from_state(state: serde_json::Value) -> Result<Self> {
+        let state: ScalerState = serde_json::from_value(state)
+            .map_err(|error| Error::invalid("loss scaler state", error.to_string()))?;
+        Self::try_from(state)
+    }
+
     /// A static scaler (MMCV's `loss_scale = 512.0`).
     pub fn fixed(scale: f64) -> Result<Self> {
         Self::new(scale, ScaleMode::Static, 2.0, 1000)

@@ -4,6 +4,7 @@
 
 use proc_macro::TokenStream;
 
+mod args;
 mod crate_path;
 mod ctxt;
 mod fp16;
@@ -46,11 +47,18 @@ pub fn with_cp(args: TokenStream, item: TokenStream) -> TokenStream {
     with_cp::with_cp_attribute(args.into(), item.into()).into()
 }
 
-/// Makes a struct a memsave model: implements `Fp16Module` (so that `wrap_fp16_model` reaches
-/// every field) and, when the struct has a field `fp16_enabled: Fp16`, `HasFp16Flag`.
+/// Makes a struct, or an enum of modules, a memsave model. It implements:
+/// - `Fp16Module`, so that `wrap_fp16_model` reaches every field (and switches the flag on);
+/// - `HasFp16Flag`, when the struct has a field `fp16_enabled: Fp16` (for `#[auto_fp16]` and
+///   `#[force_fp32]`);
+/// - `CheckpointModule`, when the struct has a field `with_cp: bool` or fields marked
+///   `#[with_cp]` (for `set_with_cp`);
+/// - `HasWithCp`, when the struct has the `with_cp` flag (for `#[with_cp]` methods).
 ///
-/// Put it above `#[derive(Module)]`. Field attributes: `#[fp16(skip)]` leaves a field exactly as
-/// it is under `wrap_fp16_model` (so does Burn's `#[module(skip)]`).
+/// Put it above `#[derive(Module)]`. Field attributes: `#[with_cp]` marks a field (a block, or a
+/// `Vec` of them) that `set_with_cp` switches in turn; `#[fp16(skip)]` leaves a field exactly as
+/// it is under `wrap_fp16_model` (so does Burn's `#[module(skip)]`). On an enum, the variants'
+/// fields take the same attributes (`Bottleneck(#[with_cp] Bottleneck<B>)`).
 #[proc_macro_attribute]
 pub fn model(args: TokenStream, item: TokenStream) -> TokenStream {
     model::model_attribute(args.into(), item.into()).into()

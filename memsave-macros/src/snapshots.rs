@@ -156,3 +156,19 @@ fn model_with_checkpointed_fields() {
         }
     )));
 }
+
+#[test]
+fn model_enum_of_blocks() {
+    insta::assert_snapshot!(pretty(model_attribute(
+        quote!(),
+        quote! {
+            #[derive(Module, Debug)]
+            pub enum Block<B: Backend> {
+                Basic(#[with_cp] BasicBlock<B>),
+                Bottleneck(#[with_cp] Bottleneck<B>),
+                Projected { #[with_cp] block: Bottleneck<B>, #[fp16(skip)] scale: Linear<B> },
+                Identity,
+            }
+        }
+    )));
+}

@@ -10,27 +10,71 @@ use burn::module::Module;
 use burn::nn::conv::{Conv2d, Conv2dConfig};
 use burn::nn::pool::{MaxPool2d, MaxPool2dConfig};
 use burn::nn::PaddingConfig2d;
-use burn::prelude::{Backend, Config, Tensor};
-use memsave::checkpoint::{CheckpointModule, HasWithCp};
-use memsave::fp16::{Fp16, Fp16Module, Precision};
+use burn::prelude::{Backend, Tensor};
+use memsave::checkpoint::HasWithCp;
+use memsave::fp16::Fp16;
 use memsave::memory;
 use memsave::nn::{conv2d, BatchNorm, BatchNormConfig, Relu};
 use memsave::{auto_fp16, with_cp};
+use serde::{Deserialize, Serialize};
 
-/// Configuration of a [`ResNet`] (MMDetection's `backbone` section).
-#[derive(Config, Debug)]
+/// Configuration of a [`ResNet`]: MMDetection's `backbone = dict(type='ResNet', depth=50,
+/// ...)`, read straight from a config's `[model.backbone]`; unset keys take the values of
+/// `ResNetConfig::default()` (a ResNet-50).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
 pub struct ResNetConfig {
+    /// `"ResNet"`.
+    #[serde(rename = "type")]
+    pub kind: BackboneType,
     /// 18, 34 (basic blocks), 50, 101 or 152 (bottlenecks).
     pub depth: usize,
     /// Channels of the input image.
-    #[config(default = 3)]
     pub in_channels: usize,
     /// Checkpoint every block (recompute it in backward).
-    #[config(default = false)]
     pub with_cp: bool,
 }
 
+impl Default for ResNetConfig {
+    fn default() -> Self {
+        ResNetConfig {
+            kind: BackboneType::ResNet,
+            depth: 50,
+            in_channels: 3,
+            with_cp: false,
+        }
+    }
+}
+
+/// The backbones.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub enum BackboneType {
+    /// He et al.'s residual network.
+    #[default]
+    ResNet,
+}
+
 impl ResNetConfig {
+    /// A ResNet of `depth`, the other settings at their defaults.
+    pub fn new(depth: usize) -> Self {
+        ResNetConfig {
+            depth,
+            ..Self::default()
+        }
+    }
+
+    /// With `with_cp` set.
+    pub fn with_with_cp(mut self, with_cp: bool) -> Self {
+        self.with_cp = with_cp;
+        self
+    }
+
+    /// With `in_channels` set.
+    pub fn with_in_channels(mut self, in_channels: usize) -> Self {
+        self.in_channels = in_channels;
+        self
+    }
+
     /// Blocks per stage and block kind for the configured depth.
     fn layout(&self) -> memsave::Result<([usize; 4], BlockKind)> {
         Ok(match self.depth {
@@ -290,12 +334,13 @@ impl<B: memsave::Backend> Bottleneck<B> {
 /// A residual block of either kind.
 // A few dozen blocks per network: the size difference between variants does not matter.
 #[allow(clippy::large_enum_variant)]
+#[memsave::model]
 #[derive(Module, Debug)]
 pub enum Block<B: Backend> {
     /// ResNet-18/34.
-    Basic(BasicBlock<B>),
+    Basic(#[with_cp] BasicBlock<B>),
     /// ResNet-50/101/152.
-    Bottleneck(Bottleneck<B>),
+    Bottleneck(#[with_cp] Bottleneck<B>),
 }
 
 impl<B: memsave::Backend> Block<B> {
@@ -304,24 +349,6 @@ impl<B: memsave::Backend> Block<B> {
         match self {
             Block::Basic(block) => block.forward(x),
             Block::Bottleneck(block) => block.forward(x),
-        }
-    }
-}
-
-impl<B: Backend> Fp16Module for Block<B> {
-    fn wrap_fp16(self, precision: Precision) -> Self {
-        match self {
-            Block::Basic(block) => Block::Basic(block.wrap_fp16(precision)),
-            Block::Bottleneck(block) => Block::Bottleneck(block.wrap_fp16(precision)),
-        }
-    }
-}
-
-impl<B: Backend> CheckpointModule for Block<B> {
-    fn set_with_cp(self, on: bool) -> Self {
-        match self {
-            Block::Basic(block) => Block::Basic(block.set_with_cp(on)),
-            Block::Bottleneck(block) => Block::Bottleneck(block.set_with_cp(on)),
         }
     }
 }

@@ -15,8 +15,8 @@
 
 mod autodiff;
 mod context;
-mod helpers;
 mod segment;
+mod threads;
 
 use burn::backend::Flex;
 use burn::module::Module;
@@ -24,8 +24,8 @@ use burn::prelude::Backend;
 use burn::tensor::ops::FloatTensor;
 
 pub use context::{is_recomputing, random};
-pub use helpers::{join_helpers, live_helpers, recomputations};
 pub use segment::{floats, Segment};
+pub use threads::{join_helpers, live_helpers, recomputations};
 
 /// A backend on which memsave can checkpoint segments. In generic model code, bound the backend
 /// with `B: memsave::Backend` (this trait) where a `#[with_cp]` method is defined or called.

@@ -9,6 +9,20 @@ use crate::memory;
 use crate::train::{Hook, TrainModel, TrainState};
 use crate::{Error, Result};
 
+/// How often to log (MMCV's `log_config`).
+#[derive(Clone, Debug, PartialEq, Eq, serde::Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct LogConfig {
+    /// Iterations between log lines.
+    pub interval: usize,
+}
+
+impl Default for LogConfig {
+    fn default() -> Self {
+        LogConfig { interval: 50 }
+    }
+}
+
 /// A log line every `interval` iterations (loss averaged over them, learning rate, gradient
 /// norm, loss scale, peak memory as [`memory::device_peak_bytes`] reads it, time since the
 /// start) to stderr and `train.log` in the work directory, and a progress bar on a terminal

@@ -1,24 +1,24 @@
 use burn::tensor::backend::AutodiffBackend;
+use serde::Deserialize;
 
 use crate::train::{Hook, TrainModel, TrainState};
 use crate::{Error, Result};
 
-/// How the learning rate decays after warm-up.
-#[derive(Clone, Debug, PartialEq)]
-pub enum StepPolicy {
+/// How the learning rate decays after warm-up (MMCV's `lr_config.policy`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Policy {
     /// Constant.
+    #[default]
     Fixed,
-    /// Multiplied by `gamma` at each milestone (MMDetection's 1x schedule: `step = [8, 11]`).
-    Step {
-        /// Epochs (or iterations, when the schedule is not by epoch) where it decays.
-        steps: Vec<usize>,
-        /// The decay factor.
-        gamma: f64,
-    },
+    /// Multiplied by `gamma` at each milestone of `step` (MMDetection's 1x schedule:
+    /// `step = [8, 11]`).
+    Step,
 }
 
-/// The warm-up at the start of training.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+/// The warm-up at the start of training (MMCV's `lr_config.warmup`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
 pub enum Warmup {
     /// `ratio * lr` during warm-up.
     Constant,
@@ -28,15 +28,22 @@ pub enum Warmup {
     Exp,
 }
 
-/// The learning rate of every iteration (MMCV's `StepLrUpdaterHook` with warm-up).
-#[derive(Clone, Debug, PartialEq)]
+/// The learning rate of every iteration (MMCV's `StepLrUpdaterHook` with warm-up), as
+/// `lr_config` writes it; the base rate is the optimizer's `lr`.
+#[derive(Clone, Debug, PartialEq, Deserialize)]
+#[serde(default, deny_unknown_fields)]
 pub struct LrSchedule {
-    /// The learning rate before any decay.
+    /// The learning rate before any decay (the optimizer's `lr`).
+    #[serde(skip)]
     pub base_lr: f64,
     /// The decay.
-    pub policy: StepPolicy,
-    /// Whether `policy`'s steps count epochs (else iterations).
-    pub by_epoch: bool,
+    pub policy: Policy,
+    /// Milestones of the `step` policy: epochs, or iterations when not counted by epoch.
+    pub step: Vec<usize>,
+    /// The decay factor at each milestone.
+    pub gamma: f64,
+    /// Whether the milestones count epochs; `None`: as the runner counts.
+    pub by_epoch: Option<bool>,
     /// The warm-up, if any.
     pub warmup: Option<Warmup>,
     /// Iterations of warm-up.
@@ -45,44 +52,57 @@ pub struct LrSchedule {
     pub warmup_ratio: f64,
 }
 
+impl Default for LrSchedule {
+    /// A constant rate (0 until the optimizer's is set), no warm-up; `gamma` 0.1 and
+    /// `warmup_ratio` 0.1 as MMCV's.
+    fn default() -> Self {
+        LrSchedule {
+            base_lr: 0.0,
+            policy: Policy::Fixed,
+            step: Vec::new(),
+            gamma: 0.1,
+            by_epoch: None,
+            warmup: None,
+            warmup_iters: 0,
+            warmup_ratio: 0.1,
+        }
+    }
+}
+
 impl LrSchedule {
     /// A constant learning rate.
     pub fn constant(lr: f64) -> Self {
         LrSchedule {
             base_lr: lr,
-            policy: StepPolicy::Fixed,
-            by_epoch: true,
-            warmup: None,
-            warmup_iters: 0,
-            warmup_ratio: 1.0,
+            ..Self::default()
         }
     }
 
-    /// Checks the values.
+    /// Checks the values; errors name the parameter.
     pub fn validate(&self) -> Result<()> {
         if !(self.base_lr.is_finite() && self.base_lr >= 0.0) {
             return Err(Error::invalid(
-                "optimizer.lr",
+                "lr",
                 format!("must be a non-negative number, got {}", self.base_lr),
             ));
         }
         if self.warmup.is_some() && !(self.warmup_ratio > 0.0 && self.warmup_ratio <= 1.0) {
             return Err(Error::invalid(
-                "lr_config.warmup_ratio",
+                "warmup_ratio",
                 format!("must be in (0, 1], got {}", self.warmup_ratio),
             ));
         }
-        if let StepPolicy::Step { steps, gamma } = &self.policy {
-            if !(gamma.is_finite() && *gamma > 0.0) {
+        if self.policy == Policy::Step {
+            if !(self.gamma.is_finite() && self.gamma > 0.0) {
                 return Err(Error::invalid(
-                    "lr_config.gamma",
-                    format!("must be a positive number, got {gamma}"),
+                    "gamma",
+                    format!("must be a positive number, got {}", self.gamma),
                 ));
             }
-            if steps.windows(2).any(|pair| pair[0] >= pair[1]) {
+            if self.step.windows(2).any(|pair| pair[0] >= pair[1]) {
                 return Err(Error::invalid(
-                    "lr_config.step",
-                    format!("milestones must increase, got {steps:?}"),
+                    "step",
+                    format!("milestones must increase, got {:?}", self.step),
                 ));
             }
         }
@@ -90,13 +110,19 @@ impl LrSchedule {
     }
 
     /// The learning rate at iteration `iter` of epoch `epoch`.
+    ///
+    /// `by_epoch` unset counts milestones in epochs.
     pub fn lr_at(&self, iter: usize, epoch: usize) -> f64 {
-        let regular = match &self.policy {
-            StepPolicy::Fixed => self.base_lr,
-            StepPolicy::Step { steps, gamma } => {
-                let progress = if self.by_epoch { epoch } else { iter };
-                let passed = steps.iter().filter(|&&step| progress >= step).count();
-                self.base_lr * gamma.powi(passed as i32)
+        let regular = match self.policy {
+            Policy::Fixed => self.base_lr,
+            Policy::Step => {
+                let progress = if self.by_epoch.unwrap_or(true) {
+                    epoch
+                } else {
+                    iter
+                };
+                let passed = self.step.iter().filter(|&&step| progress >= step).count();
+                self.base_lr * self.gamma.powi(passed as i32)
             }
         };
         match self.warmup {
@@ -125,6 +151,11 @@ impl<B: AutodiffBackend, M: TrainModel<B>> Hook<B, M> for LrUpdaterHook {
         "lr"
     }
 
+    fn before_run(&mut self, state: &mut TrainState<B, M>) -> Result<()> {
+        self.schedule.by_epoch.get_or_insert(state.by_epoch);
+        Ok(())
+    }
+
     fn before_iter(&mut self, state: &mut TrainState<B, M>) -> Result<()> {
         state.lr = self.schedule.lr_at(state.iter, state.epoch);
         Ok(())
@@ -138,11 +169,10 @@ mod tests {
     fn schedule() -> LrSchedule {
         LrSchedule {
             base_lr: 0.01,
-            policy: StepPolicy::Step {
-                steps: vec![8, 11],
-                gamma: 0.1,
-            },
-            by_epoch: true,
+            policy: Policy::Step,
+            step: vec![8, 11],
+            gamma: 0.1,
+            by_epoch: Some(true),
             warmup: Some(Warmup::Linear),
             warmup_iters: 500,
             warmup_ratio: 0.001,
@@ -169,14 +199,7 @@ mod tests {
     #[test]
     fn invalid_milestones_are_errors_naming_the_key() {
         let mut s = schedule();
-        s.policy = StepPolicy::Step {
-            steps: vec![11, 8],
-            gamma: 0.1,
-        };
-        assert!(s
-            .validate()
-            .unwrap_err()
-            .to_string()
-            .contains("lr_config.step"));
+        s.step = vec![11, 8];
+        assert!(s.validate().unwrap_err().to_string().contains("`step`"));
     }
 }

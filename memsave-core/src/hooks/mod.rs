@@ -1,17 +1,17 @@
-//! The hooks of MMCV's runner, on Burn: the optimizer hooks (plain, mixed precision, gradient
-//! accumulation, and the last two together), the learning-rate schedule, checkpoints and the
+//! The hooks of MMCV's runner, on Burn: the optimizer hook (fp32 or mixed precision, every
+//! iteration or accumulating, with clipping), the learning-rate schedule, snapshots and the
 //! log. Each is a policy plugged into [`crate::train::Runner`].
 
-mod checkpoint;
-mod cumulative;
-mod fp16;
 mod logger;
 mod lr;
 mod optimizer;
+mod snapshot;
 
-pub use checkpoint::CheckpointHook;
-pub use cumulative::{GradientCumulativeFp16OptimizerHook, GradientCumulativeOptimizerHook};
-pub use fp16::Fp16OptimizerHook;
-pub use logger::LoggerHook;
-pub use lr::{LrSchedule, LrUpdaterHook, StepPolicy, Warmup};
-pub use optimizer::{GradClip, OptimizerHook};
+pub use crate::train::grads::GradClip;
+pub use logger::{LogConfig, LoggerHook};
+pub use lr::{LrSchedule, LrUpdaterHook, Policy, Warmup};
+pub use optimizer::{
+    Fp16OptimizerHook, GradientCumulativeFp16OptimizerHook, GradientCumulativeOptimizerHook,
+    Groups, OptimizerHook,
+};
+pub use snapshot::{CheckpointHook, SnapshotConfig, SnapshotHook};

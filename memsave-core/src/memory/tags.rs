@@ -26,7 +26,9 @@ thread_local! {
 }
 
 fn names() -> std::sync::MutexGuard<'static, Vec<String>> {
-    NAMES.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+    NAMES
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
 /// The id of a tag path, registered on first use; 0 once every id is taken.

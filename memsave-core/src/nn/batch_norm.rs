@@ -107,8 +107,18 @@ impl<B: Backend> BatchNorm<B> {
             Statistics::Batch
         } else {
             Statistics::Running {
-                mean: self.running_mean.value().to_device(&device).into_primitive().tensor(),
-                var: self.running_var.value().to_device(&device).into_primitive().tensor(),
+                mean: self
+                    .running_mean
+                    .value()
+                    .to_device(&device)
+                    .into_primitive()
+                    .tensor(),
+                var: self
+                    .running_var
+                    .value()
+                    .to_device(&device)
+                    .into_primitive()
+                    .tensor(),
             }
         };
         let out = ops::normalise::<B>(
@@ -153,8 +163,7 @@ impl<B: Backend> BatchNorm<B> {
         self.running_mean
             .update(running_mean.mul_scalar(1.0 - self.momentum) + mean.mul_scalar(self.momentum));
         self.running_var.update(
-            running_var.mul_scalar(1.0 - self.momentum)
-                + var.mul_scalar(self.momentum * unbiased),
+            running_var.mul_scalar(1.0 - self.momentum) + var.mul_scalar(self.momentum * unbiased),
         );
     }
 }

@@ -166,7 +166,11 @@ fn retype<F: 'static, T: 'static>(value: F) -> T {
 
 fn inv_std<K: Backend>(var: FloatTensor<K>, epsilon: f64) -> FloatTensor<K> {
     let var = Tensor::<K, 1>::from_primitive(TensorPrimitive::Float(var));
-    var.add_scalar(epsilon).sqrt().recip().into_primitive().tensor()
+    var.add_scalar(epsilon)
+        .sqrt()
+        .recip()
+        .into_primitive()
+        .tensor()
 }
 
 /// Without autodiff: statistics, then the output.
@@ -429,11 +433,7 @@ impl<K: ConvKernels> Backward<K, 3> for Conv2dBackward {
     fn backward(self, ops: Ops<Self::State, 3>, grads: &mut Gradients, _: &mut Checkpointer) {
         let [px, pw, pb] = ops.parents;
         let dy = grads.consume::<K>(&ops.node);
-        let ConvState {
-            x,
-            weight,
-            options,
-        } = ops.state;
+        let ConvState { x, weight, options } = ops.state;
         if let Some(node) = pb {
             let dy = Tensor::<K, 4>::from_primitive(TensorPrimitive::Float(dy.clone()));
             let channels = dy.dims()[1];

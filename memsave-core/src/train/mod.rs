@@ -1,11 +1,14 @@
-//! Training: the runner and its state, optimizers, gradient operations, checkpoints.
+//! Training: the runner and its state, the optimizers, the gradient operations of the
+//! optimizer hook, and snapshots of a run on disk.
 
-pub mod checkpoint;
+pub mod grads;
 pub mod optim;
+pub mod params;
 pub mod runner;
+pub mod snapshot;
 pub mod state;
 
-pub use checkpoint::{Checkpoint, CheckpointMeta};
 pub use optim::{Optim, OptimizerKind};
 pub use runner::{Hook, RunLength, Runner};
+pub use snapshot::{Snapshot, SnapshotMeta};
 pub use state::{BatchFootprint, DataSource, IterLog, TrainModel, TrainState};

@@ -1,6 +1,6 @@
 //! The training loop (MMCV's `EpochBasedRunner` / `IterBasedRunner`). The loop owns the order of
 //! things; hooks own the policies: the optimizer hook (precision, accumulation, clipping), the
-//! learning-rate schedule, checkpoints, logging. A new strategy is a new hook, never an `if`
+//! learning-rate schedule, snapshots, logging. A new strategy is a new hook, never an `if`
 //! here.
 
 use std::collections::BTreeMap;
@@ -8,14 +8,16 @@ use std::path::{Path, PathBuf};
 
 use burn::tensor::backend::AutodiffBackend;
 
-use super::checkpoint::{Checkpoint, CheckpointMeta};
-use super::optim::{load_bytes, param_bytes, param_shapes, record_bytes, Optim, OptimizerKind};
+use super::optim::{Optim, OptimizerKind};
+use super::params::{param_bytes, param_shapes};
+use super::snapshot::codec::{load_bytes, record_bytes};
+use super::snapshot::{Snapshot, SnapshotMeta};
 use super::state::{DataSource, IterLog, TrainModel, TrainState};
 use crate::{Error, Result};
 
 /// A policy that acts at the runner's hook points.
 pub trait Hook<B: AutodiffBackend, M: TrainModel<B>> {
-    /// The name its state is saved under in checkpoints.
+    /// The name its state is saved under in snapshots.
     fn name(&self) -> &'static str;
 
     /// Once, before the first iteration (after a resume).
@@ -48,24 +50,78 @@ pub trait Hook<B: AutodiffBackend, M: TrainModel<B>> {
         Ok(())
     }
 
-    /// State to keep in checkpoints.
+    /// State to keep in snapshots.
     fn state_dict(&self) -> Option<serde_json::Value> {
         None
     }
 
-    /// Restores the state from a checkpoint.
+    /// Restores the state from a snapshot.
     fn load_state_dict(&mut self, _value: serde_json::Value) -> Result<()> {
+        Ok(())
+    }
+
+    /// After the runner wrote a snapshot to `path` (whole, renamed into place).
+    fn after_save(&mut self, _state: &mut TrainState<B, M>, _path: &Path) -> Result<()> {
         Ok(())
     }
 }
 
-/// How long a run is.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+/// How long a run is (MMCV's `runner = dict(type='EpochBasedRunner', max_epochs=12)`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Deserialize)]
+#[serde(try_from = "RunnerFields")]
 pub enum RunLength {
     /// `max_epochs` passes over the data (MMCV's `EpochBasedRunner`).
     Epochs(usize),
     /// `max_iters` iterations (MMCV's `IterBasedRunner`).
     Iters(usize),
+}
+
+/// [`RunLength`] as written.
+#[derive(serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RunnerFields {
+    #[serde(rename = "type")]
+    kind: RunnerType,
+    #[serde(default)]
+    max_epochs: Option<usize>,
+    #[serde(default)]
+    max_iters: Option<usize>,
+}
+
+#[derive(serde::Deserialize)]
+enum RunnerType {
+    EpochBasedRunner,
+    IterBasedRunner,
+}
+
+impl TryFrom<RunnerFields> for RunLength {
+    type Error = Error;
+
+    fn try_from(fields: RunnerFields) -> Result<Self> {
+        match (fields.kind, fields.max_epochs, fields.max_iters) {
+            (RunnerType::EpochBasedRunner, Some(epochs), None) if epochs > 0 => {
+                Ok(RunLength::Epochs(epochs))
+            }
+            (RunnerType::IterBasedRunner, None, Some(iters)) if iters > 0 => {
+                Ok(RunLength::Iters(iters))
+            }
+            (RunnerType::EpochBasedRunner, _, _) => Err(Error::invalid(
+                "max_epochs",
+                "an EpochBasedRunner needs `max_epochs` (a positive integer) and no `max_iters`",
+            )),
+            (RunnerType::IterBasedRunner, _, _) => Err(Error::invalid(
+                "max_iters",
+                "an IterBasedRunner needs `max_iters` (a positive integer) and no `max_epochs`",
+            )),
+        }
+    }
+}
+
+impl RunLength {
+    /// Whether the run counts epochs.
+    pub fn by_epoch(self) -> bool {
+        matches!(self, RunLength::Epochs(_))
+    }
 }
 
 /// The training loop.
@@ -252,19 +308,24 @@ where
 
     fn save_if_requested(&mut self) -> Result<()> {
         if let Some(path) = self.state.save_request.take() {
-            self.save_checkpoint(&path)?;
+            self.save_snapshot(&path)?;
+            self.call(|hook, state| hook.after_save(state, &path))?;
         }
         Ok(())
     }
 
-    /// Writes a checkpoint of the run as it stands after the current iteration, to `path` and to
+    /// Writes a snapshot of the run as it stands after the current iteration, to `path` and to
     /// `latest.ckpt` beside it.
-    pub fn save_checkpoint(&mut self, path: &Path) -> Result<()> {
+    pub fn save_snapshot(&mut self, path: &Path) -> Result<()> {
         // Serialising is not training: keep it out of the peak memory the log reports.
-        crate::memory::without_peak(|| self.write_checkpoint(path))
+        crate::memory::without_peak(|| self.write_snapshot(path))
     }
 
-    fn write_checkpoint(&self, path: &Path) -> Result<()> {
+    fn write_snapshot(&self, path: &Path) -> Result<()> {
+        let bad = |error: super::snapshot::codec::CodecError| Error::Snapshot {
+            path: path.to_path_buf(),
+            message: error.to_string(),
+        };
         let completed = (self.state.iter + 1).min(self.state.max_iters);
         let mut hooks = BTreeMap::new();
         for hook in std::iter::once(&self.optimizer_hook).chain(&self.hooks) {
@@ -272,30 +333,30 @@ where
                 hooks.insert(hook.name().to_string(), value);
             }
         }
-        let checkpoint = Checkpoint {
-            meta: CheckpointMeta {
+        let snapshot = Snapshot {
+            meta: SnapshotMeta {
                 memsave_version: env!("CARGO_PKG_VERSION").to_string(),
                 iter: completed,
                 epoch: completed / self.state.iters_per_epoch,
                 param_shapes: shapes::<B, M>(&self.state.model),
                 hooks,
             },
-            model: record_bytes::<B, _>(self.state.model.clone().into_record())?,
-            optimizer: self.state.optimizer.to_bytes()?,
+            model: record_bytes::<B, _>(self.state.model.clone().into_record()).map_err(bad)?,
+            optimizer: self.state.optimizer.to_bytes().map_err(bad)?,
         };
-        checkpoint.save(path)?;
+        snapshot.save(path)?;
         let latest = path.with_file_name("latest.ckpt");
         if latest != path {
-            checkpoint.save(&latest)?;
+            super::snapshot::link_or_copy(path, &latest, &snapshot)?;
         }
         Ok(())
     }
 
-    /// Restores weights, optimizer state, hook states and position from a checkpoint. Call it
+    /// Restores weights, optimizer state, hook states and position from a snapshot. Call it
     /// before [`Runner::run`].
     pub fn resume(&mut self, path: &Path) -> Result<()> {
-        let checkpoint = Checkpoint::load(path)?;
-        let bad = |message: String| Error::Checkpoint {
+        let checkpoint = Snapshot::load(path)?;
+        let bad = |message: String| Error::Snapshot {
             path: path.to_path_buf(),
             message,
         };
@@ -325,8 +386,12 @@ where
         let mut hook_states = checkpoint.meta.hooks;
         for hook in std::iter::once(&mut self.optimizer_hook).chain(&mut self.hooks) {
             if let Some(value) = hook_states.remove(hook.name()) {
-                hook.load_state_dict(value)
-                    .map_err(|error| bad(format!("hook `{}`: {error}", hook.name())))?;
+                hook.load_state_dict(value).map_err(|error| match error {
+                    Error::InvalidValue { field, message } => {
+                        bad(format!("`hooks.{}.{field}`: {message}", hook.name()))
+                    }
+                    other => bad(format!("hook `{}`: {other}", hook.name())),
+                })?;
             }
         }
         self.state.iter = checkpoint.meta.iter;

@@ -3,7 +3,7 @@
 use proc_macro2::{Span, TokenStream};
 use quote::{format_ident, quote, quote_spanned};
 use syn::spanned::Spanned;
-use syn::{FnArg, ImplItemFn, ReturnType, Type};
+use syn::{ImplItemFn, ReturnType, Type};
 
 use super::attr::Kind;
 use super::valid::{ArgCast, Plan};
@@ -48,14 +48,7 @@ pub fn expand(
             },
             ArgCast::Pattern { index } => {
                 let renamed = format_ident!("__arg{}", index, span = Span::mixed_site());
-                let arg = method
-                    .sig
-                    .inputs
-                    .iter_mut()
-                    .filter_map(|arg| match arg {
-                        FnArg::Typed(pat_type) => Some(pat_type),
-                        FnArg::Receiver(_) => None,
-                    })
+                let arg = crate::args::typed_mut(&mut method.sig)
                     .nth(*index)
                     .expect("validated: the pattern's index is in range");
                 let pattern = std::mem::replace(&mut *arg.pat, syn::parse_quote!(#renamed));

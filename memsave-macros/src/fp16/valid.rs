@@ -1,6 +1,6 @@
 //! Checks of a cast attribute against the method it is on.
 
-use syn::{FnArg, Ident, ImplItemFn, Pat, Type};
+use syn::{Ident, ImplItemFn, Pat, Type};
 
 use super::attr::{CastAttr, Kind};
 use crate::ctxt::Ctxt;
@@ -23,7 +23,8 @@ pub struct Plan {
     pub out: bool,
 }
 
-/// Validates `attr` on `method`, recording every mistake; `None` when there was one.
+/// Validates `attr` on `method`, recording every mistake in `cx`; the plan is meaningful only
+/// when `cx` holds no error.
 pub fn validate(cx: &mut Ctxt, kind: Kind, attr: &CastAttr, method: &ImplItemFn) -> Plan {
     let sig = &method.sig;
     let name = &sig.ident;
@@ -65,14 +66,7 @@ pub fn validate(cx: &mut Ctxt, kind: Kind, attr: &CastAttr, method: &ImplItemFn)
         );
     }
 
-    let typed: Vec<&syn::PatType> = sig
-        .inputs
-        .iter()
-        .filter_map(|arg| match arg {
-            FnArg::Typed(pat_type) => Some(pat_type),
-            FnArg::Receiver(_) => None,
-        })
-        .collect();
+    let typed = crate::args::typed(sig);
     let arg_names: Vec<String> = typed
         .iter()
         .filter_map(|arg| ident_of(&arg.pat).map(|(ident, _)| ident.to_string()))

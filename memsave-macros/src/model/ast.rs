@@ -1,7 +1,7 @@
-//! The typed model of a `#[memsave::model]` struct.
+//! The typed model of a `#[memsave::model]` item: a struct, or an enum of modules.
 
 use proc_macro2::{Span, TokenStream};
-use syn::{Fields, Ident, ItemStruct, Type};
+use syn::{Fields, Generics, Ident, Item, Member, Type};
 
 use crate::ctxt::Ctxt;
 use crate::suggest;
@@ -12,13 +12,36 @@ pub const FP16_FLAG: &str = "fp16_enabled";
 pub const CP_FLAG: &str = "with_cp";
 
 pub struct Model {
-    /// The struct as it is emitted: memsave's field attributes removed.
-    pub item: ItemStruct,
+    /// The item as it is emitted: memsave's field attributes removed.
+    pub item: Item,
+    pub ident: Ident,
+    pub generics: Generics,
+    pub body: Body,
+}
+
+pub enum Body {
+    /// A struct with named fields.
+    Struct(Vec<Field>),
+    /// An enum: one module per variant, usually (`Block::{Basic, Bottleneck}`).
+    Enum(Vec<Variant>),
+}
+
+pub struct Variant {
+    pub ident: Ident,
+    pub style: Style,
     pub fields: Vec<Field>,
 }
 
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub enum Style {
+    Named,
+    Unnamed,
+    Unit,
+}
+
 pub struct Field {
-    pub ident: Ident,
+    /// The field's name, or its position in a tuple variant.
+    pub member: Member,
     pub ty: Type,
     /// `#[fp16(skip)]` or `#[module(skip)]`: left as it is by `wrap_fp16_model`.
     pub fp16_skip: bool,
@@ -28,90 +51,159 @@ pub struct Field {
     pub with_cp: Option<syn::Attribute>,
 }
 
+impl Field {
+    /// The field's name, for named fields.
+    pub fn ident(&self) -> Option<&Ident> {
+        match &self.member {
+            Member::Named(ident) => Some(ident),
+            Member::Unnamed(_) => None,
+        }
+    }
+
+    fn is(&self, name: &str) -> bool {
+        self.ident().is_some_and(|ident| ident == name)
+    }
+}
+
 impl Model {
     pub fn parse(cx: &mut Ctxt, tokens: TokenStream) -> Option<Model> {
-        let mut item: ItemStruct = match syn::parse2(tokens) {
-            Ok(item) => item,
-            Err(_) => {
+        let mut item: Item = match syn::parse2(tokens) {
+            Ok(item @ (Item::Struct(_) | Item::Enum(_))) => item,
+            _ => {
                 cx.syn_error(syn::Error::new(
                     Span::call_site(),
-                    "`#[memsave::model]` goes on a struct with named fields (a Burn module)",
+                    "`#[memsave::model]` goes on a struct with named fields or on an enum (a Burn \
+                     module)",
                 ));
                 return None;
             }
         };
-        let Fields::Named(named) = &mut item.fields else {
-            cx.error_spanned_by(
-                &item.ident,
-                "`#[memsave::model]` needs named fields: the generated code reaches each \
-                 submodule by its name",
-            );
-            return None;
+        let body = match &mut item {
+            Item::Struct(item) => {
+                let Fields::Named(named) = &mut item.fields else {
+                    cx.error_spanned_by(
+                        &item.ident,
+                        "`#[memsave::model]` needs named fields: the generated code reaches each \
+                         submodule by its name",
+                    );
+                    return None;
+                };
+                Body::Struct(parse_fields(cx, named.named.iter_mut()))
+            }
+            Item::Enum(item) => Body::Enum(
+                item.variants
+                    .iter_mut()
+                    .map(|variant| {
+                        let style = match &variant.fields {
+                            Fields::Named(_) => Style::Named,
+                            Fields::Unnamed(_) => Style::Unnamed,
+                            Fields::Unit => Style::Unit,
+                        };
+                        Variant {
+                            ident: variant.ident.clone(),
+                            style,
+                            fields: parse_fields(cx, variant.fields.iter_mut()),
+                        }
+                    })
+                    .collect(),
+            ),
+            _ => unreachable!("matched above"),
         };
+        let (ident, generics) = match &item {
+            Item::Struct(item) => (item.ident.clone(), item.generics.clone()),
+            Item::Enum(item) => (item.ident.clone(), item.generics.clone()),
+            _ => unreachable!("matched above"),
+        };
+        Some(Model {
+            item,
+            ident,
+            generics,
+            body,
+        })
+    }
 
-        let mut fields = Vec::new();
-        for field in named.named.iter_mut() {
-            let ident = field.ident.clone().expect("named fields have names");
-            let mut fp16_skip = false;
-            let mut module_skip = false;
-            let mut with_cp = None;
-            field.attrs.retain(|attr| {
-                let path = attr.path();
-                if path.is_ident("fp16") {
-                    fp16_skip |= parse_fp16_attr(cx, attr);
-                    false
-                } else if is_with_cp(path) {
-                    if !matches!(attr.meta, syn::Meta::Path(_)) {
-                        cx.error_spanned_by(
-                            attr,
-                            "`#[with_cp]` on a field takes no options: it marks the block(s) \
-                             that `set_with_cp` switches checkpointing on in",
-                        );
-                    }
-                    with_cp = Some(attr.clone());
-                    false
-                } else {
-                    if path.is_ident("module") && mentions_skip(attr) {
-                        module_skip = true;
-                    }
-                    true
-                }
-            });
-            fields.push(Field {
-                ident,
-                ty: field.ty.clone(),
-                fp16_skip: fp16_skip || module_skip,
-                module_skip,
-                with_cp,
-            });
+    /// The struct's fields (none for an enum).
+    pub fn fields(&self) -> &[Field] {
+        match &self.body {
+            Body::Struct(fields) => fields,
+            Body::Enum(_) => &[],
         }
-        Some(Model { item, fields })
     }
 
     /// The `fp16_enabled` field, if the struct has one.
     pub fn flag(&self) -> Option<&Field> {
-        self.fields.iter().find(|field| field.ident == FP16_FLAG)
+        self.fields().iter().find(|field| field.is(FP16_FLAG))
     }
 
     /// The `with_cp` field, if the struct has one.
     pub fn cp_flag(&self) -> Option<&Field> {
-        self.fields.iter().find(|field| field.ident == CP_FLAG)
+        self.fields().iter().find(|field| field.is(CP_FLAG))
     }
 
-    /// Whether checkpointing can be switched on in this struct.
+    /// Whether checkpointing can be switched on in this item: a flag, or a marked field.
     pub fn checkpointable(&self) -> bool {
-        self.cp_flag().is_some() || self.fields.iter().any(|field| field.with_cp.is_some())
+        match &self.body {
+            Body::Struct(fields) => {
+                self.cp_flag().is_some() || fields.iter().any(|field| field.with_cp.is_some())
+            }
+            Body::Enum(variants) => variants
+                .iter()
+                .any(|variant| variant.fields.iter().any(|field| field.with_cp.is_some())),
+        }
     }
 
     /// The first field that is a layer: not a flag, not skipped, not a plain value.
     pub fn first_layer(&self) -> Option<&Field> {
-        self.fields.iter().find(|field| {
-            field.ident != FP16_FLAG
-                && field.ident != CP_FLAG
+        self.fields().iter().find(|field| {
+            !field.is(FP16_FLAG)
+                && !field.is(CP_FLAG)
                 && !field.module_skip
                 && !is_plain_value(&field.ty)
         })
     }
+}
+
+fn parse_fields<'a>(cx: &mut Ctxt, fields: impl Iterator<Item = &'a mut syn::Field>) -> Vec<Field> {
+    let mut out = Vec::new();
+    for (index, field) in fields.enumerate() {
+        let member = match &field.ident {
+            Some(ident) => Member::Named(ident.clone()),
+            None => Member::Unnamed(index.into()),
+        };
+        let mut fp16_skip = false;
+        let mut module_skip = false;
+        let mut with_cp = None;
+        field.attrs.retain(|attr| {
+            let path = attr.path();
+            if path.is_ident("fp16") {
+                fp16_skip |= parse_fp16_attr(cx, attr);
+                false
+            } else if is_with_cp(path) {
+                if !matches!(attr.meta, syn::Meta::Path(_)) {
+                    cx.error_spanned_by(
+                        attr,
+                        "`#[with_cp]` on a field takes no options: it marks the block(s) that \
+                         `set_with_cp` switches checkpointing on in",
+                    );
+                }
+                with_cp = Some(attr.clone());
+                false
+            } else {
+                if path.is_ident("module") && mentions_skip(attr) {
+                    module_skip = true;
+                }
+                true
+            }
+        });
+        out.push(Field {
+            member,
+            ty: field.ty.clone(),
+            fp16_skip: fp16_skip || module_skip,
+            module_skip,
+            with_cp,
+        });
+    }
+    out
 }
 
 /// `#[with_cp]` or `#[memsave::with_cp]`.

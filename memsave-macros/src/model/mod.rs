@@ -2,6 +2,7 @@
 
 mod ast;
 mod expand;
+mod fallback;
 mod valid;
 
 use proc_macro2::TokenStream;
@@ -9,8 +10,8 @@ use quote::quote;
 
 use crate::ctxt::Ctxt;
 
-/// The whole macro: the struct (with memsave's field attributes removed) and its impls; on
-/// error, the struct, fallback impls that keep the rest of the crate quiet, and every error.
+/// The whole macro: the struct or enum (with memsave's field attributes removed) and its impls;
+/// on error, the item, fallback impls that keep the rest of the crate quiet, and every error.
 pub fn model_attribute(args: TokenStream, item: TokenStream) -> TokenStream {
     let mut cx = Ctxt::default();
     if !args.is_empty() {
@@ -29,7 +30,7 @@ pub fn model_attribute(args: TokenStream, item: TokenStream) -> TokenStream {
     match cx.check() {
         None => expand::expand(&memsave, &model),
         Some(errors) => {
-            let fallback = expand::fallback(&memsave, &model);
+            let fallback = fallback::fallback(&memsave, &model);
             quote!(#fallback #errors)
         }
     }

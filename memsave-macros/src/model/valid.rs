@@ -27,7 +27,7 @@ fn validate_with_cp(cx: &mut Ctxt, model: &Model) {
     }
     if let Some(first) = model.first_layer() {
         if let Some(attr) = &first.with_cp {
-            let name = &first.ident;
+            let name = first.ident().expect("a struct's fields have names");
             cx.error_spanned_by(
                 attr,
                 format!(
@@ -59,7 +59,7 @@ fn validate_fp16(cx: &mut Ctxt, model: &Model) {
         }
         if flag.fp16_skip {
             cx.error_spanned_by(
-                &flag.ident,
+                &flag.member,
                 format!("`{FP16_FLAG}` is the fp16 flag itself; it cannot be skipped"),
             );
         }

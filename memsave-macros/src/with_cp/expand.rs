@@ -2,7 +2,7 @@
 
 use proc_macro2::{Delimiter, Group, Ident, Span, TokenStream, TokenTree};
 use quote::{format_ident, quote};
-use syn::{FnArg, ImplItemFn};
+use syn::ImplItemFn;
 
 use super::valid::Plan;
 
@@ -25,15 +25,7 @@ pub fn expand(memsave: &TokenStream, plan: &Plan, method: ImplItemFn) -> TokenSt
     let segment = Ident::new("__segment", Span::mixed_site());
 
     // The closure's parameter: the arguments' own patterns and types.
-    let typed: Vec<&syn::PatType> = method
-        .sig
-        .inputs
-        .iter()
-        .filter_map(|arg| match arg {
-            FnArg::Typed(arg) => Some(arg),
-            FnArg::Receiver(_) => None,
-        })
-        .collect();
+    let typed = crate::args::typed(&method.sig);
     let patterns: Vec<&syn::Pat> = typed.iter().map(|arg| &*arg.pat).collect();
     let types: Vec<&syn::Type> = typed.iter().map(|arg| &*arg.ty).collect();
     let (param_pattern, param_type) = match (patterns.as_slice(), types.as_slice()) {
@@ -58,12 +50,8 @@ pub fn expand(memsave: &TokenStream, plan: &Plan, method: ImplItemFn) -> TokenSt
                 .unwrap_or_else(|| format_ident!("__arg{}", index, span = Span::mixed_site()))
         })
         .collect();
-    let mut renamed = names.iter();
-    for arg in dispatcher.sig.inputs.iter_mut() {
-        if let FnArg::Typed(arg) = arg {
-            let name = renamed.next().expect("one name per typed argument");
-            *arg.pat = syn::parse_quote!(#name);
-        }
+    for (arg, name) in crate::args::typed_mut(&mut dispatcher.sig).zip(&names) {
+        *arg.pat = syn::parse_quote!(#name);
     }
     let input = match names.as_slice() {
         [single] => quote!(#single),

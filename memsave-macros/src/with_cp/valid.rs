@@ -1,6 +1,6 @@
 //! Checks of `#[with_cp]` against the method it is on.
 
-use syn::{FnArg, Ident, ImplItemFn, Pat, ReturnType, Type};
+use syn::{Ident, ImplItemFn, Pat, ReturnType, Type};
 
 use crate::ctxt::Ctxt;
 
@@ -52,14 +52,7 @@ pub fn validate(cx: &mut Ctxt, method: &ImplItemFn) -> Plan {
         );
     }
 
-    let args: Vec<&syn::PatType> = sig
-        .inputs
-        .iter()
-        .filter_map(|arg| match arg {
-            FnArg::Typed(arg) => Some(arg),
-            FnArg::Receiver(_) => None,
-        })
-        .collect();
+    let args = crate::args::typed(sig);
     if args.is_empty() {
         cx.error_spanned_by(
             name,

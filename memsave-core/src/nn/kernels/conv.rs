@@ -77,7 +77,11 @@ pub(crate) fn weight_grad(
         && ho == h
         && wo == w;
     let mut dw = vec![0.0f32; co * k];
-    let mut col = if direct { Vec::new() } else { vec![0.0f32; k * p] };
+    let mut col = if direct {
+        Vec::new()
+    } else {
+        vec![0.0f32; k * p]
+    };
     for sample in 0..n {
         let xn = &xs[sample * ci * h * w..(sample + 1) * ci * h * w];
         let dyn_ = &dys[sample * co * p..(sample + 1) * co * p];

@@ -132,14 +132,14 @@ pub fn backward<B: Backend>(
             Grouping::PerRow => {
                 let f = view.inner;
                 (
-                    (dz.clone() * xhat.clone()).sum_dim(0).sum_dim(1).reshape([f]),
+                    (dz.clone() * xhat.clone())
+                        .sum_dim(0)
+                        .sum_dim(1)
+                        .reshape([f]),
                     dz.clone().sum_dim(0).sum_dim(1).reshape([f]),
                 )
             }
-            _ => (
-                sum_0_2(dz.clone() * xhat.clone()),
-                sum_0_2(dz.clone()),
-            ),
+            _ => (sum_0_2(dz.clone() * xhat.clone()), sum_0_2(dz.clone())),
         };
         (Some(unwrap(dg)), Some(unwrap(db)))
     } else {

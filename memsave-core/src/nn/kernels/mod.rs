@@ -180,7 +180,9 @@ impl NormKernels for burn::backend::Flex {
         Option<FloatTensor<Self>>,
         Option<FloatTensor<Self>>,
     ) {
-        flex::backward(x, dy, view, grouping, mean, invstd, gamma, beta, act, wanted)
+        flex::backward(
+            x, dy, view, grouping, mean, invstd, gamma, beta, act, wanted,
+        )
     }
 }
 

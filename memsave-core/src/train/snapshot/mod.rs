@@ -1,10 +1,12 @@
-//! Training checkpoints on disk: the model, the optimizer state, every hook's state (the loss
-//! scaler, the accumulation position) and the position in the run.
+//! Snapshots of a run on disk (MMCV's checkpoint files: `checkpoint_config`, `--resume`): the
+//! model, the optimizer state, every hook's state (the loss scaler, the accumulation position)
+//! and the position in the run. ("Checkpoint" in memsave's code means recomputation, as in
+//! `torch.utils.checkpoint`.)
 //!
 //! Layout: the magic `MEMSAVE\0`, a format version (u32), then three length-prefixed (u64)
 //! sections: a JSON header, the model record, the optimizer record; then a CRC32 of everything
 //! before it. Little-endian. A file is written to a temporary sibling, synced, then renamed over
-//! the target, so a crash leaves the previous checkpoint whole; a truncated or corrupted file is
+//! the target, so a crash leaves the previous snapshot whole; a truncated or corrupted file is
 //! an error that names it, never a panic.
 
 use std::collections::BTreeMap;
@@ -16,40 +18,44 @@ use serde::{Deserialize, Serialize};
 
 use crate::{Error, Result};
 
+pub mod codec;
+
 const MAGIC: &[u8; 8] = b"MEMSAVE\0";
 const FORMAT: u32 = 1;
 
-/// The header of a checkpoint.
+/// The header of a snapshot.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-pub struct CheckpointMeta {
+pub struct SnapshotMeta {
     /// The memsave version that wrote it.
     pub memsave_version: String,
     /// Completed iterations: the run resumes at this one.
     pub iter: usize,
     /// The epoch of `iter`.
     pub epoch: usize,
-    /// The shape of every parameter, in order: a checkpoint only loads into the same model.
+    /// The shape of every parameter, in order: a snapshot only loads into the same model.
     pub param_shapes: Vec<Vec<usize>>,
     /// Each hook's state, by hook name.
     pub hooks: BTreeMap<String, serde_json::Value>,
 }
 
-/// A checkpoint in memory.
+/// A snapshot in memory.
 #[derive(Clone, Debug, PartialEq)]
-pub struct Checkpoint {
+pub struct Snapshot {
     /// The header.
-    pub meta: CheckpointMeta,
+    pub meta: SnapshotMeta,
     /// The model record (full precision).
     pub model: Vec<u8>,
     /// The optimizer record.
     pub optimizer: Vec<u8>,
 }
 
-impl Checkpoint {
+impl Snapshot {
     /// The file's bytes.
     pub fn to_bytes(&self) -> Result<Vec<u8>> {
-        let meta = serde_json::to_vec(&self.meta)
-            .map_err(|error| Error::invalid("checkpoint", format!("header: {error}")))?;
+        let meta = serde_json::to_vec(&self.meta).map_err(|error| Error::Snapshot {
+            path: PathBuf::new(),
+            message: format!("the header could not be written: {error}"),
+        })?;
         let mut out = Vec::with_capacity(32 + meta.len() + self.model.len() + self.optimizer.len());
         out.extend_from_slice(MAGIC);
         out.extend_from_slice(&FORMAT.to_le_bytes());
@@ -64,7 +70,7 @@ impl Checkpoint {
 
     /// Parses a file's bytes; `path` names the file in errors.
     pub fn from_bytes(bytes: &[u8], path: &Path) -> Result<Self> {
-        let bad = |why: String| Error::Checkpoint {
+        let bad = |why: String| Error::Snapshot {
             path: path.to_path_buf(),
             message: why,
         };
@@ -100,21 +106,28 @@ impl Checkpoint {
                 take(&mut rest, length).ok_or_else(|| bad(format!("truncated {name} section")))?;
             sections.push(section);
         }
-        let meta: CheckpointMeta = serde_json::from_slice(sections[0])
+        let meta: SnapshotMeta = serde_json::from_slice(sections[0])
             .map_err(|error| bad(format!("unreadable header: {error}")))?;
-        Ok(Checkpoint {
+        Ok(Snapshot {
             meta,
             model: sections[1].to_vec(),
             optimizer: sections[2].to_vec(),
         })
     }
 
-    /// Writes the checkpoint to `path` atomically (temporary file, sync, rename).
+    /// Writes the snapshot to `path` atomically (temporary file, sync, rename).
     pub fn save(&self, path: &Path) -> Result<()> {
-        write_atomically(path, &self.to_bytes()?)
+        let bytes = self.to_bytes().map_err(|error| match error {
+            Error::Snapshot { message, .. } => Error::Snapshot {
+                path: path.to_path_buf(),
+                message,
+            },
+            other => other,
+        })?;
+        write_atomically(path, &bytes)
     }
 
-    /// Reads and checks the checkpoint at `path`.
+    /// Reads and checks the snapshot at `path`.
     pub fn load(path: &Path) -> Result<Self> {
         let bytes = std::fs::read(path).map_err(|source| Error::Io {
             path: path.to_path_buf(),
@@ -173,4 +186,19 @@ pub fn write_atomically(path: &Path, bytes: &[u8]) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// Makes `link` name the same snapshot as `target`: a hard link (no second copy on disk) put in
+/// place by a rename, so that readers see the old `link` or the new one; where the file system
+/// has no hard links, a copy written atomically.
+pub fn link_or_copy(target: &Path, link: &Path, snapshot: &Snapshot) -> Result<()> {
+    let temporary = temporary_path(link);
+    let _ = std::fs::remove_file(&temporary);
+    if std::fs::hard_link(target, &temporary).is_ok() {
+        return std::fs::rename(&temporary, link).map_err(|source| Error::Io {
+            path: link.to_path_buf(),
+            source,
+        });
+    }
+    snapshot.save(link)
 }

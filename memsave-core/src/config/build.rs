@@ -1,0 +1,105 @@
+//! From a configuration to the runner's parts: the optimizer hook, the other hooks, the run's
+//! length, the optimizer. The checks that span sections live here too.
+
+use burn::tensor::backend::AutodiffBackend;
+
+use super::{under, Config};
+use crate::hooks::{Groups, LoggerHook, LrSchedule, LrUpdaterHook, OptimizerHook, SnapshotHook};
+use crate::train::{Hook, OptimizerKind, RunLength, TrainModel};
+use crate::{Error, Result};
+
+impl<M, D> Config<M, D> {
+    /// Every check that serde's types do not make themselves; errors name the key.
+    pub(super) fn validate(&self) -> Result<()> {
+        let hook = &self.optimizer_config;
+        match (hook.kind.accumulates(), hook.cumulative_iters) {
+            (false, Some(_)) => {
+                return Err(Error::invalid(
+                    "optimizer_config.cumulative_iters",
+                    "only GradientCumulativeOptimizerHook takes it: set \
+                     `optimizer_config.type = \"GradientCumulativeOptimizerHook\"`",
+                ))
+            }
+            (true, Some(iters)) => {
+                Groups::new(iters).map_err(|e| under("optimizer_config", e))?;
+            }
+            _ => {}
+        }
+        if let Some(fp16) = &self.fp16 {
+            fp16.loss_scale.scaler().map_err(|error| match error {
+                Error::InvalidValue { field, message } => {
+                    Error::invalid(fp16.loss_scale.key(&field), message)
+                }
+                other => other,
+            })?;
+        }
+        self.lr_schedule().validate().map_err(|error| match error {
+            Error::InvalidValue { field, message } if field == "lr" => {
+                Error::invalid("optimizer.lr", message)
+            }
+            other => under("lr_config", other),
+        })
+    }
+
+    /// The optimizer.
+    pub fn optimizer_kind(&self) -> OptimizerKind {
+        self.optimizer.kind.clone()
+    }
+
+    /// How long the run is.
+    pub fn run_length(&self) -> Result<RunLength> {
+        Ok(self.runner)
+    }
+
+    /// The learning-rate schedule, its base rate the optimizer's.
+    pub fn lr_schedule(&self) -> LrSchedule {
+        LrSchedule {
+            base_lr: self.optimizer.lr,
+            ..self.lr_config.clone()
+        }
+    }
+
+    /// The optimizer hook: the configured corner, made mixed-precision by an `[fp16]` section.
+    pub fn optimizer_hook<B: AutodiffBackend, Mo: TrainModel<B>>(
+        &self,
+    ) -> Result<Box<dyn Hook<B, Mo>>> {
+        Ok(Box::new(self.optimizer_hook_of()?))
+    }
+
+    /// [`Config::optimizer_hook`], as its concrete type.
+    pub fn optimizer_hook_of(&self) -> Result<OptimizerHook> {
+        let section = &self.optimizer_config;
+        let mut hook = OptimizerHook::new()
+            .with_grad_clip(section.grad_clip)
+            .with_detect_anomalous_params(section.detect_anomalous_params);
+        if section.kind.accumulates() {
+            let groups = Groups::new(section.cumulative_iters.unwrap_or(1))
+                .map_err(|e| under("optimizer_config", e))?;
+            hook = hook.with_groups(groups);
+        }
+        let fp16 = match (&self.fp16, section.kind.is_fp16()) {
+            (Some(fp16), _) => Some(fp16.clone()),
+            (None, true) => Some(Default::default()),
+            (None, false) => None,
+        };
+        if let Some(fp16) = fp16 {
+            let scaler = fp16.loss_scale.scaler()?;
+            hook = hook.with_mixed_precision(scaler, fp16.precision);
+        }
+        Ok(hook)
+    }
+
+    /// The other hooks: learning rate, snapshots, log.
+    pub fn hooks<B: AutodiffBackend, Mo: TrainModel<B>>(&self) -> Vec<Box<dyn Hook<B, Mo>>> {
+        vec![
+            Box::new(LrUpdaterHook {
+                schedule: self.lr_schedule(),
+            }),
+            Box::new(SnapshotHook::from_config(
+                &self.checkpoint_config,
+                self.runner.by_epoch(),
+            )),
+            Box::new(LoggerHook::new(self.log_config.interval)),
+        ]
+    }
+}

@@ -1,0 +1,222 @@
+//! The sections of a configuration that are not a runtime type as they stand: the optimizer
+//! (its learning rate beside the optimizer's kind), the optimizer hook (MMCV's hook names, each
+//! a corner of [`crate::hooks::OptimizerHook`]), and mixed precision (MMCV's three forms of
+//! `loss_scale`). Every other section deserialises straight into its runtime type.
+
+use serde::de::{MapAccess, Visitor};
+use serde::{Deserialize, Deserializer};
+
+use crate::fp16::Precision;
+use crate::hooks::GradClip;
+use crate::scaler::{LossScaler, ScaleMode};
+use crate::train::OptimizerKind;
+use crate::Result;
+
+/// `[optimizer]`: `type`, `lr` and the optimizer's parameters.
+#[derive(Clone, Debug, PartialEq, Deserialize)]
+pub struct OptimizerSection {
+    /// The base learning rate (the schedule's).
+    pub lr: f64,
+    /// The optimizer and its parameters.
+    #[serde(flatten)]
+    pub kind: OptimizerKind,
+}
+
+/// `[optimizer_config]`.
+#[derive(Clone, Debug, Default, PartialEq, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct OptimizerHookSection {
+    /// `OptimizerHook` (default) or `GradientCumulativeOptimizerHook`; with `[fp16]`, the fp16
+    /// variant of either.
+    #[serde(rename = "type")]
+    pub kind: OptimizerHookType,
+    /// Micro-batches per optimizer step (accumulation only).
+    pub cumulative_iters: Option<usize>,
+    /// Global-norm gradient clipping: `{ max_norm = 35.0, norm_type = 2.0 }`.
+    pub grad_clip: Option<GradClip>,
+    /// Report trainable parameters without a gradient.
+    pub detect_anomalous_params: bool,
+}
+
+/// The optimizer hooks, by MMCV's names.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize)]
+pub enum OptimizerHookType {
+    /// Backward, clip, step.
+    #[default]
+    OptimizerHook,
+    /// Mixed precision (also chosen by an `[fp16]` section).
+    Fp16OptimizerHook,
+    /// Gradient accumulation.
+    GradientCumulativeOptimizerHook,
+    /// Accumulation under mixed precision.
+    GradientCumulativeFp16OptimizerHook,
+}
+
+impl OptimizerHookType {
+    /// Whether the hook accumulates.
+    pub fn accumulates(self) -> bool {
+        matches!(
+            self,
+            OptimizerHookType::GradientCumulativeOptimizerHook
+                | OptimizerHookType::GradientCumulativeFp16OptimizerHook
+        )
+    }
+
+    /// Whether the hook runs in mixed precision by its name alone.
+    pub fn is_fp16(self) -> bool {
+        matches!(
+            self,
+            OptimizerHookType::Fp16OptimizerHook
+                | OptimizerHookType::GradientCumulativeFp16OptimizerHook
+        )
+    }
+}
+
+/// `[fp16]`.
+#[derive(Clone, Debug, Default, PartialEq, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct Fp16Section {
+    /// A number (static), `"dynamic"`, or a table of the scaler's parameters.
+    pub loss_scale: LossScaleSpec,
+    /// `"f16"` (default) or `"bf16"`.
+    pub precision: Precision,
+}
+
+/// The forms of `fp16.loss_scale`.
+#[derive(Clone, Debug, PartialEq)]
+pub enum LossScaleSpec {
+    /// A fixed scale: `loss_scale = 512.0` (an integer is accepted).
+    Static(f64),
+    /// `loss_scale = "dynamic"`: PyTorch's `GradScaler` defaults.
+    Dynamic,
+    /// `loss_scale = { ... }`: the scaler's parameters.
+    Table(GradScalerParams),
+}
+
+impl Default for LossScaleSpec {
+    /// MMCV's `Fp16OptimizerHook(loss_scale=512.)`.
+    fn default() -> Self {
+        LossScaleSpec::Static(512.0)
+    }
+}
+
+/// The table form, with PyTorch's `GradScaler` names (and MMCV's `LossScaler` names as
+/// aliases); unset ones take `GradScaler`'s defaults.
+#[derive(Clone, Debug, PartialEq, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct GradScalerParams {
+    /// Starting scale.
+    pub init_scale: f64,
+    /// `"dynamic"` or `"static"`.
+    pub mode: ScaleMode,
+    /// Growth factor (MMCV: `scale_factor`).
+    #[serde(alias = "scale_factor")]
+    pub growth_factor: f64,
+    /// Back-off factor on overflow (unset: `1 / growth_factor`).
+    pub backoff_factor: Option<f64>,
+    /// Clean iterations before growing (MMCV: `scale_window`).
+    #[serde(alias = "scale_window")]
+    pub growth_interval: u64,
+}
+
+impl Default for GradScalerParams {
+    /// PyTorch's `GradScaler()`: 65536, dynamic, growth 2, back-off 0.5, interval 2000.
+    fn default() -> Self {
+        GradScalerParams {
+            init_scale: 65536.0,
+            mode: ScaleMode::Dynamic,
+            growth_factor: 2.0,
+            backoff_factor: None,
+            growth_interval: 2000,
+        }
+    }
+}
+
+impl<'de> Deserialize<'de> for LossScaleSpec {
+    fn deserialize<De: Deserializer<'de>>(
+        deserializer: De,
+    ) -> std::result::Result<Self, De::Error> {
+        struct Spec;
+        impl<'de> Visitor<'de> for Spec {
+            type Value = LossScaleSpec;
+
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("a number, \"dynamic\", or a table of the scaler's parameters")
+            }
+
+            fn visit_f64<E: serde::de::Error>(
+                self,
+                value: f64,
+            ) -> std::result::Result<Self::Value, E> {
+                Ok(LossScaleSpec::Static(value))
+            }
+
+            fn visit_i64<E: serde::de::Error>(
+                self,
+                value: i64,
+            ) -> std::result::Result<Self::Value, E> {
+                Ok(LossScaleSpec::Static(value as f64))
+            }
+
+            fn visit_u64<E: serde::de::Error>(
+                self,
+                value: u64,
+            ) -> std::result::Result<Self::Value, E> {
+                Ok(LossScaleSpec::Static(value as f64))
+            }
+
+            fn visit_str<E: serde::de::Error>(
+                self,
+                value: &str,
+            ) -> std::result::Result<Self::Value, E> {
+                if value == "dynamic" {
+                    Ok(LossScaleSpec::Dynamic)
+                } else {
+                    Err(E::invalid_value(serde::de::Unexpected::Str(value), &self))
+                }
+            }
+
+            fn visit_map<A: MapAccess<'de>>(
+                self,
+                map: A,
+            ) -> std::result::Result<Self::Value, A::Error> {
+                GradScalerParams::deserialize(serde::de::value::MapAccessDeserializer::new(map))
+                    .map(LossScaleSpec::Table)
+            }
+        }
+        deserializer.deserialize_any(Spec)
+    }
+}
+
+impl LossScaleSpec {
+    /// The scaler it describes. Errors name the scaler's parameter; [`super::Config`] puts
+    /// the key in front.
+    pub fn scaler(&self) -> Result<LossScaler> {
+        match self {
+            LossScaleSpec::Static(scale) => LossScaler::fixed(*scale),
+            LossScaleSpec::Dynamic => LossScaleSpec::Table(GradScalerParams::default()).scaler(),
+            LossScaleSpec::Table(table) => {
+                let scaler = LossScaler::new(
+                    table.init_scale,
+                    table.mode,
+                    table.growth_factor,
+                    table.growth_interval,
+                )?;
+                match table.backoff_factor {
+                    Some(backoff) => scaler.with_backoff_factor(backoff),
+                    None => Ok(scaler),
+                }
+            }
+        }
+    }
+
+    /// The key under `fp16.loss_scale` that a scaler's `parameter` was written as.
+    pub(super) fn key(&self, parameter: &str) -> String {
+        match (self, parameter) {
+            (LossScaleSpec::Table(_), "scale_factor") => "fp16.loss_scale.growth_factor".into(),
+            (LossScaleSpec::Table(_), "scale_window") => "fp16.loss_scale.growth_interval".into(),
+            (LossScaleSpec::Table(_), other) => format!("fp16.loss_scale.{other}"),
+            _ => "fp16.loss_scale".into(),
+        }
+    }
+}

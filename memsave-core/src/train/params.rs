@@ -1,0 +1,54 @@
+//! What the runner reads off a model: its parameters' shapes (a snapshot's signature), their
+//! bytes (the memory check), and whether it has BatchNorm (a warning).
+
+use burn::module::{AutodiffModule, ModuleVisitor, Param, ParamId};
+use burn::tensor::backend::AutodiffBackend;
+use burn::tensor::Tensor;
+
+/// Bytes of `model`'s float parameters: all of them, and the trainable ones.
+pub fn param_bytes<B: AutodiffBackend, M: AutodiffModule<B>>(model: &M) -> (u64, u64) {
+    struct Bytes(u64, u64);
+    impl<B: AutodiffBackend> ModuleVisitor<B> for Bytes {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+            let value = param.val();
+            let bytes = (value.shape().num_elements() * value.dtype().size()) as u64;
+            self.0 += bytes;
+            if value.is_require_grad() {
+                self.1 += bytes;
+            }
+        }
+    }
+    let mut bytes = Bytes(0, 0);
+    model.visit(&mut bytes);
+    (bytes.0, bytes.1)
+}
+
+/// Whether `model` contains a BatchNorm (memsave's or Burn's), found by its type name.
+pub fn has_batch_norm<B: AutodiffBackend, M: AutodiffModule<B>>(model: &M) -> bool {
+    struct Find(bool);
+    impl<B: AutodiffBackend> ModuleVisitor<B> for Find {
+        fn enter_module(&mut self, _name: &str, container_type: &str) {
+            self.0 |= container_type == "Struct:BatchNorm";
+        }
+    }
+    let mut find = Find(false);
+    model.visit(&mut find);
+    find.0
+}
+
+/// Parameter ids with their shapes, in visiting order: a model's signature, to check that a
+/// checkpoint belongs to it.
+pub fn param_shapes<B: AutodiffBackend, M: AutodiffModule<B>>(
+    model: &M,
+) -> Vec<(ParamId, Vec<usize>)> {
+    struct Shapes(Vec<(ParamId, Vec<usize>)>);
+    impl<B: AutodiffBackend> ModuleVisitor<B> for Shapes {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+            self.0
+                .push((param.id, param.lazy_shape().dims::<D>().to_vec()));
+        }
+    }
+    let mut shapes = Shapes(Vec::new());
+    model.visit(&mut shapes);
+    shapes.0
+}

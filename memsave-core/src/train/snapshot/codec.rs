@@ -1,0 +1,78 @@
+//! Records as bytes: the model's (Burn's binary record format, full precision) and the
+//! optimizer's, entry by entry in parameter order so that the same state always gives the same
+//! bytes. Errors say what is wrong; the caller names the file.
+
+use burn::module::ParamId;
+use burn::record::{BinBytesRecorder, FullPrecisionSettings, Recorder};
+
+/// What is wrong with a record's bytes.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{0}")]
+pub struct CodecError(pub String);
+
+/// A record as bytes (full precision, so that a resumed run continues exactly).
+pub fn record_bytes<B: burn::prelude::Backend, R: burn::record::Record<B>>(
+    record: R,
+) -> Result<Vec<u8>, CodecError> {
+    BinBytesRecorder::<FullPrecisionSettings>::default()
+        .record(record, ())
+        .map_err(|error| CodecError(format!("could not encode a record: {error}")))
+}
+
+/// A record from bytes written by [`record_bytes`].
+pub fn load_bytes<B: burn::prelude::Backend, R: burn::record::Record<B>>(
+    bytes: &[u8],
+    device: &B::Device,
+) -> Result<R, CodecError> {
+    BinBytesRecorder::<FullPrecisionSettings>::default()
+        .load(bytes.to_vec(), device)
+        .map_err(|error| CodecError(format!("could not decode a record: {error}")))
+}
+
+/// A per-parameter record as bytes, entries sorted by parameter id: a count (u64), then per
+/// entry the id and the record, each length-prefixed (u64, little-endian).
+pub fn encode_by_param<B: burn::prelude::Backend, R: burn::record::Record<B>>(
+    record: impl IntoIterator<Item = (ParamId, R)>,
+) -> Result<Vec<u8>, CodecError> {
+    let mut entries: Vec<(ParamId, R)> = record.into_iter().collect();
+    entries.sort_by_key(|(id, _)| id.val());
+    let mut out = (entries.len() as u64).to_le_bytes().to_vec();
+    for (id, record) in entries {
+        for part in [id.serialize().into_bytes(), record_bytes::<B, _>(record)?] {
+            out.extend_from_slice(&(part.len() as u64).to_le_bytes());
+            out.extend_from_slice(&part);
+        }
+    }
+    Ok(out)
+}
+
+/// The entries written by [`encode_by_param`].
+pub fn decode_by_param<B, R, Map>(mut bytes: &[u8], device: &B::Device) -> Result<Map, CodecError>
+where
+    B: burn::prelude::Backend,
+    R: burn::record::Record<B>,
+    Map: FromIterator<(ParamId, R)>,
+{
+    let truncated = || CodecError("the optimizer state is truncated".into());
+    let next = |bytes: &mut &[u8]| -> Result<Vec<u8>, CodecError> {
+        let (length, rest) = bytes.split_at_checked(8).ok_or_else(truncated)?;
+        let length = u64::from_le_bytes(length.try_into().expect("eight bytes")) as usize;
+        let (part, rest) = rest.split_at_checked(length).ok_or_else(truncated)?;
+        *bytes = rest;
+        Ok(part.to_vec())
+    };
+    let (count, rest) = bytes.split_at_checked(8).ok_or_else(truncated)?;
+    let count = u64::from_le_bytes(count.try_into().expect("eight bytes"));
+    bytes = rest;
+    let mut record = Vec::new();
+    for _ in 0..count {
+        let id = String::from_utf8(next(&mut bytes)?)
+            .ok()
+            .and_then(|id| ParamId::try_deserialize(&id))
+            .ok_or_else(|| {
+                CodecError("a parameter id in the optimizer state is unreadable".into())
+            })?;
+        record.push((id, load_bytes::<B, R>(&next(&mut bytes)?, device)?));
+    }
+    Ok(record.into_iter().collect())
+}
