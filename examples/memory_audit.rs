@@ -43,6 +43,9 @@ struct Args {
     /// Image side, in pixels.
     #[arg(long, default_value_t = 224)]
     size: usize,
+    /// Audit the step with every block checkpointed.
+    #[arg(long)]
+    checkpointed: bool,
 }
 
 fn mib(bytes: i64) -> f64 {
@@ -127,6 +130,7 @@ fn main() {
     // optimizer state made).
     let mut model = Classifier {
         backbone: ResNetConfig::new(args.depth)
+            .with_with_cp(args.checkpointed)
             .init::<B>(&device)
             .expect("a ResNet depth"),
         fc: LinearConfig::new(if args.depth >= 50 { 2048 } else { 512 }, 1000).init(&device),
@@ -144,6 +148,14 @@ fn main() {
         &device,
     );
     let criterion = CrossEntropyLossConfig::new().init(&device);
+    eprintln!(
+        "checkpointed blocks: {}",
+        model
+            .backbone
+            .blocks()
+            .filter(|block| block.with_cp())
+            .count()
+    );
     memory::snapshot_peaks(true);
     for measured in [false, true] {
         let at_start: std::collections::HashMap<String, i64> = live_by_tag()

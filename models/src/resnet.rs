@@ -14,7 +14,7 @@ use burn::prelude::{Backend, Tensor};
 use memsave::checkpoint::HasWithCp;
 use memsave::fp16::Fp16;
 use memsave::memory;
-use memsave::nn::{conv2d, BatchNorm, BatchNormConfig, Relu};
+use memsave::nn::{conv2d, max_pool2d, BatchNorm, BatchNormConfig, Relu};
 use memsave::{auto_fp16, with_cp};
 use serde::{Deserialize, Serialize};
 
@@ -195,8 +195,7 @@ pub struct Stem<B: Backend> {
 impl<B: Backend> Stem<B> {
     /// `[N, C, H, W]` -> `[N, 64, H/4, W/4]`.
     pub fn forward(&self, x: Tensor<B, 4>) -> Tensor<B, 4> {
-        self.pool
-            .forward(self.bn.forward_relu(conv2d(&self.conv, x)))
+        max_pool2d(&self.pool, self.bn.forward_relu(conv2d(&self.conv, x)))
     }
 }
 

@@ -40,7 +40,7 @@ pub fn conv2d<B: Backend>(conv: &Conv2d<B>, x: Tensor<B, 4>) -> Tensor<B, 4> {
 }
 
 /// PyTorch's and Burn's `same`: `(start, end)` padding keeping `ceil(size / stride)` outputs.
-fn same_padding(kernel: usize, stride: usize, size: usize) -> (usize, usize) {
+pub(super) fn same_padding(kernel: usize, stride: usize, size: usize) -> (usize, usize) {
     let out = size.div_ceil(stride);
     let total = if out > 0 {
         ((out - 1) * stride + kernel).saturating_sub(size)

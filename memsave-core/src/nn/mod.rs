@@ -15,6 +15,7 @@ mod group_norm;
 pub mod kernels;
 mod layer_norm;
 mod ops;
+mod pool;
 mod relu;
 
 pub use batch_norm::{BatchNorm, BatchNormConfig};
@@ -22,4 +23,5 @@ pub use conv::conv2d;
 pub use dropout::{Dropout, DropoutConfig};
 pub use group_norm::{GroupNorm, GroupNormConfig};
 pub use layer_norm::{LayerNorm, LayerNormConfig};
+pub use pool::max_pool2d;
 pub use relu::{relu, Relu};

@@ -27,7 +27,8 @@ use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
 use burn::backend::{Autodiff, Flex};
 use burn::prelude::{Backend, Tensor};
 use burn::tensor::backend::AutodiffBackend;
-use burn::tensor::ops::{ConvOptions, FloatTensor};
+use burn::tensor::ops::{ConvOptions, FloatTensor, FloatTensorOps, ModuleOps};
+use burn::tensor::TensorMetadata;
 use burn::tensor::TensorPrimitive;
 
 use super::kernels::{generic, Act, ConvKernels, Grouping, NormKernels, View, Wanted};
@@ -141,6 +142,29 @@ pub(crate) fn conv2d<B: Backend>(
         ));
     }
     B::conv2d(x, weight, bias, options)
+}
+
+/// `max_pool2d(x)` that keeps only the maxima's indices and the input's shape for backward (on
+/// `Autodiff<Flex>`, whose backward reads nothing else of the input).
+pub(crate) fn max_pool2d<B: Backend>(
+    x: FloatTensor<B>,
+    kernel: [usize; 2],
+    stride: [usize; 2],
+    padding: [usize; 2],
+    dilation: [usize; 2],
+    ceil_mode: bool,
+) -> FloatTensor<B> {
+    if same::<B, Autodiff<Flex>>() {
+        let options = PoolOptions {
+            kernel,
+            stride,
+            padding,
+            dilation,
+            ceil_mode,
+        };
+        return retype(tracked_max_pool2d(retype(x), options));
+    }
+    B::max_pool2d(x, kernel, stride, padding, dilation, ceil_mode)
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -448,5 +472,87 @@ impl<K: ConvKernels> Backward<K, 3> for Conv2dBackward {
         if let Some(node) = pw {
             grads.register::<K>(node.id, K::conv2d_weight_grad(x, weight, dy, options));
         }
+    }
+}
+
+#[derive(Clone, Debug)]
+struct PoolOptions {
+    kernel: [usize; 2],
+    stride: [usize; 2],
+    padding: [usize; 2],
+    dilation: [usize; 2],
+    ceil_mode: bool,
+}
+
+fn tracked_max_pool2d(
+    x: FloatTensor<Autodiff<Flex>>,
+    o: PoolOptions,
+) -> FloatTensor<Autodiff<Flex>> {
+    let xi = Autodiff::<Flex>::inner(x.clone());
+    let (shape, dtype) = (xi.shape(), xi.dtype());
+    let pooled =
+        Flex::max_pool2d_with_indices(xi, o.kernel, o.stride, o.padding, o.dilation, o.ceil_mode);
+    match MaxPoolBackward
+        .prepare::<NoCheckpointing>([x.node.clone()])
+        .compute_bound()
+        .stateful()
+    {
+        OpsKind::Tracked(prep) => prep.finish(
+            PoolState {
+                indices: pooled.indices,
+                shape,
+                dtype,
+                options: o,
+            },
+            pooled.output,
+        ),
+        OpsKind::UnTracked(prep) => prep.finish(pooled.output),
+    }
+}
+
+#[derive(Clone)]
+struct PoolState {
+    indices: burn::tensor::ops::IntTensor<Flex>,
+    shape: burn::tensor::Shape,
+    dtype: burn::tensor::DType,
+    options: PoolOptions,
+}
+
+impl fmt::Debug for PoolState {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "PoolState({:?})", self.options)
+    }
+}
+
+#[derive(Debug)]
+struct MaxPoolBackward;
+
+impl Backward<Flex, 1> for MaxPoolBackward {
+    type State = PoolState;
+
+    fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let [parent] = ops.parents;
+        let grad = grads.consume::<Flex>(&ops.node);
+        let Some(parent) = parent else { return };
+        let s = ops.state;
+        // Flex reads only the input's shape (and type): a broadcast zero stands in for it.
+        let zero = Flex::float_zeros(
+            burn::tensor::Shape::new([1, 1, 1, 1]),
+            &Default::default(),
+            s.dtype.into(),
+        );
+        let stand_in = Flex::float_expand(zero, s.shape);
+        let o = s.options;
+        let dx = Flex::max_pool2d_with_indices_backward(
+            stand_in,
+            o.kernel,
+            o.stride,
+            o.padding,
+            o.dilation,
+            o.ceil_mode,
+            grad,
+            s.indices,
+        );
+        grads.register::<Flex>(parent.id, dx.x_grad);
     }
 }

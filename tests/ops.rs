@@ -1,4 +1,5 @@
-//! memsave's normalisation operations (one autodiff node each, hand-written backward) against
+//! memsave's lean operations (one autodiff node each, hand-written backward: the norms, ReLU,
+//! the convolution's weight gradient, max pooling) against
 //! references: the composition of Burn tensor ops that memsave used before (gradients within
 //! 1e-5), a finite-difference check in f64 (1e-5 relative), the generic tensor-op kernels that
 //! CUDA runs (Flex's fused loops must agree), and half inputs against fp32.
@@ -484,5 +485,84 @@ fn batch_norm_in_eval_mode_uses_the_running_statistics() {
     ];
     for (a, b) in y.iter().zip(expect) {
         assert!((a - b).abs() <= 1e-5, "{a} vs {b}");
+    }
+}
+
+/// The convolution with memsave's weight gradient against Burn's, on the shapes a ResNet has
+/// (1x1, 3x3, strided, padded, the 7x7 stem, with and without bias) and one with dilation.
+#[test]
+fn conv2d_gradients_match_burns() {
+    use burn::nn::conv::Conv2dConfig;
+    use burn::nn::PaddingConfig2d;
+    let device = Default::default();
+    let cases = [
+        (2, 8, 16, 1, 9, 1, 0, 1, false),
+        (2, 8, 8, 3, 9, 1, 1, 1, true),
+        (2, 8, 16, 3, 10, 2, 1, 1, false),
+        (2, 16, 8, 1, 10, 2, 0, 1, false),
+        (1, 3, 8, 7, 20, 2, 3, 1, false),
+        (2, 4, 4, 3, 11, 1, 2, 2, true),
+    ];
+    let mut worst = 0.0f32;
+    for (i, &(n, cin, cout, k, hw, stride, pad, dilation, bias)) in cases.iter().enumerate() {
+        let conv = Conv2dConfig::new([cin, cout], [k, k])
+            .with_stride([stride, stride])
+            .with_dilation([dilation, dilation])
+            .with_padding(PaddingConfig2d::Explicit(pad, pad, pad, pad))
+            .with_bias(bias)
+            .init::<AB>(&device);
+        let numel = n * cin * hw * hw;
+        let x0 = draws(numel, 60 + i as u64, 1.0, 0.0);
+        let run = |ours: bool| {
+            let x = tensor(x0.clone(), [n, cin, hw, hw]).require_grad();
+            let y = if ours {
+                memsave::nn::conv2d(&conv, x.clone())
+            } else {
+                conv.forward(x.clone())
+            };
+            let w = y.clone().detach().sin();
+            let grads = (y.clone() * w).sum().backward();
+            let mut out = vec![
+                values(y.inner()),
+                values(x.grad(&grads).unwrap()),
+                values(conv.weight.grad(&grads).unwrap()),
+            ];
+            if let Some(b) = &conv.bias {
+                out.push(values(b.grad(&grads).unwrap()));
+            }
+            out
+        };
+        let (ours, burns) = (run(true), run(false));
+        for (what, (a, b)) in ["y", "dx", "dw", "db"].iter().zip(ours.iter().zip(&burns)) {
+            let d = max_relative_difference(a, b);
+            assert!(d <= 1e-5, "case {i} {what}: {d}");
+            worst = worst.max(d);
+        }
+    }
+    eprintln!("conv2d vs Burn's: max relative difference {worst:e}");
+}
+
+#[test]
+fn max_pool_keeping_only_indices_has_burns_gradient() {
+    use burn::nn::pool::MaxPool2dConfig;
+    use burn::nn::PaddingConfig2d;
+    let pool = MaxPool2dConfig::new([3, 3])
+        .with_strides([2, 2])
+        .with_padding(PaddingConfig2d::Explicit(1, 1, 1, 1))
+        .init();
+    for dtype in [DType::F32, DType::F16] {
+        let x0 = draws(2 * 3 * 9 * 9, 71, 1.0, 0.0);
+        let run = |ours: bool| {
+            let x = tensor(x0.clone(), [2, 3, 9, 9]).cast(dtype).require_grad();
+            let y = if ours {
+                memsave::nn::max_pool2d(&pool, x.clone())
+            } else {
+                pool.forward(x.clone())
+            };
+            let w = tensor(draws(2 * 3 * 5 * 5, 72, 1.0, 0.0), [2, 3, 5, 5]).cast(dtype);
+            let grads = (y.clone() * w).sum().backward();
+            (values(y.inner()), values(x.grad(&grads).unwrap()))
+        };
+        assert_eq!(run(true), run(false), "{dtype:?}");
     }
 }

@@ -1,0 +1,81 @@
+//! What the lean operations and the in-graph accumulation keep, measured by the counting
+//! allocator. One test: the counters are process-wide, and parallel tests would move them.
+
+use burn::backend::{Autodiff, Flex};
+use burn::nn::conv::Conv2dConfig;
+use burn::nn::{BatchNormConfig as BurnBatchNormConfig, Linear, LinearConfig, PaddingConfig2d};
+use burn::prelude::*;
+use burn::tensor::Distribution;
+use memsave::memory::{self, CountingAllocator};
+use memsave::nn::{conv2d, BatchNormConfig};
+use memsave::train::grads;
+
+#[global_allocator]
+static ALLOCATOR: CountingAllocator = CountingAllocator;
+
+type AB = Autodiff<Flex>;
+
+#[test]
+fn lean_layers_keep_two_activations_per_conv_bn_relu_and_accumulation_keeps_one_gradient_set() {
+    let device = Default::default();
+    let (n, c, s) = (2, 16, 32);
+    let activation = (n * c * s * s * 4) as f64;
+    let conv = || {
+        Conv2dConfig::new([c, c], [3, 3])
+            .with_padding(PaddingConfig2d::Same)
+            .with_bias(false)
+            .init::<AB>(&device)
+    };
+    let (conv1, conv2) = (conv(), conv());
+    let bn = BatchNormConfig::new(c).init::<AB>(&device);
+    let burn_bn = BurnBatchNormConfig::new(c).init::<AB>(&device);
+    let x = Tensor::<AB, 4>::random([n, c, s, s], Distribution::Normal(0.0, 1.0), &device)
+        .require_grad();
+    // Lazy weights and one-time caches first.
+    let _ = conv2d(&conv2, bn.forward_relu(conv2d(&conv1, x.clone())))
+        .sum()
+        .backward();
+    let _ = conv2
+        .forward(burn::tensor::activation::relu(
+            burn_bn.forward(conv1.forward(x.clone())),
+        ))
+        .sum()
+        .backward();
+
+    // Kept between forward and backward, the chain's output excluded: memsave's keeps the conv
+    // output (for BN) and the BN-ReLU output (for the second conv); Burn's composition more.
+    let kept = |memsave_layers: bool| {
+        let before = memory::current_bytes();
+        let y = if memsave_layers {
+            conv2d(&conv2, bn.forward_relu(conv2d(&conv1, x.clone())))
+        } else {
+            conv2.forward(burn::tensor::activation::relu(
+                burn_bn.forward(conv1.forward(x.clone())),
+            ))
+        };
+        let kept = (memory::current_bytes() - before) as f64 / activation - 1.0;
+        let _ = y.sum().backward();
+        kept
+    };
+    let (ours, burns) = (kept(true), kept(false));
+    eprintln!("conv-BN-ReLU-conv keeps {ours:.2} activations (Burn's composition {burns:.2})");
+    assert!(ours <= 2.25, "{ours}");
+    assert!(burns >= ours + 1.5, "Burn's: {burns}, memsave's: {ours}");
+
+    // Accumulation: the sums of earlier micro-batches seed the backward pass, so the step's peak
+    // above its start is that of a backward without sums (no second set of gradients).
+    let model: Linear<AB> = LinearConfig::new(512, 512).init(&device);
+    let input = Tensor::<AB, 2>::random([4, 512], Distribution::Normal(0.0, 1.0), &device);
+    let step = |sums| grads::backward(model.forward(input.clone()).sum(), &model, sums);
+    let sums = step(None);
+    let base = memory::reset_peak();
+    drop(step(None));
+    let plain = memory::peak_bytes() - base;
+    let base = memory::reset_peak();
+    let summed = step(Some(sums));
+    let seeded = memory::peak_bytes() - base;
+    let weights = 512 * 512 * 4;
+    eprintln!("backward peak above its start: {plain} B alone, {seeded} B onto the sums");
+    assert!(seeded <= plain + weights / 8, "{seeded} vs {plain}");
+    drop(summed);
+}
