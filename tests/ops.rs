@@ -566,3 +566,64 @@ fn max_pool_keeping_only_indices_has_burns_gradient() {
         assert_eq!(run(true), run(false), "{dtype:?}");
     }
 }
+
+/// BN-ReLU and the convolution after it as one op that keeps only the BN's input: the same
+/// output and gradients (input, BN's and the convolution's parameters) as the two steps.
+#[test]
+fn fused_bn_relu_conv_matches_the_separate_steps() {
+    use burn::nn::conv::Conv2dConfig;
+    use burn::nn::PaddingConfig2d;
+    let device = Default::default();
+    let mut worst = 0.0f32;
+    for (k, stride, bias) in [(1, 1, false), (3, 1, true), (3, 2, false)] {
+        let conv = Conv2dConfig::new([6, 5], [k, k])
+            .with_stride([stride, stride])
+            .with_padding(PaddingConfig2d::Explicit(k / 2, k / 2, k / 2, k / 2))
+            .with_bias(bias)
+            .init::<AB>(&device);
+        let x0 = draws(2 * 6 * 7 * 7, 80 + k as u64, 2.0, 0.3);
+        let run = |fused: bool| {
+            let mut bn = memsave::nn::BatchNormConfig::new(6).init::<AB>(&device);
+            bn.gamma = Param::from_tensor(tensor(draws(6, 81, 0.5, 1.0), [6]).require_grad());
+            bn.beta = Param::from_tensor(tensor(draws(6, 82, 0.5, 0.1), [6]).require_grad());
+            let x = tensor(x0.clone(), [2, 6, 7, 7]).require_grad();
+            let y = if fused {
+                bn.forward_relu_conv(x.clone(), &conv)
+            } else {
+                memsave::nn::conv2d(&conv, bn.forward_relu(x.clone()))
+            };
+            let w = y.clone().detach().cos();
+            let grads = (y.clone() * w).sum().backward();
+            let mut out = vec![
+                values(y.inner()),
+                values(x.grad(&grads).unwrap()),
+                values(bn.gamma.val().grad(&grads).unwrap()),
+                values(bn.beta.val().grad(&grads).unwrap()),
+                values(conv.weight.grad(&grads).unwrap()),
+                values(bn.running_mean.value_sync().inner()),
+                values(bn.running_var.value_sync().inner()),
+            ];
+            if let Some(b) = &conv.bias {
+                out.push(values(b.grad(&grads).unwrap()));
+            }
+            out
+        };
+        let (fused, separate) = (run(true), run(false));
+        let names = [
+            "y",
+            "dx",
+            "dgamma",
+            "dbeta",
+            "dw",
+            "running mean",
+            "running var",
+            "db",
+        ];
+        for (what, (a, b)) in names.iter().zip(fused.iter().zip(&separate)) {
+            let d = max_relative_difference(a, b);
+            assert!(d <= 1e-5, "k{k} s{stride} {what}: {d}");
+            worst = worst.max(d);
+        }
+    }
+    eprintln!("fused BN-ReLU-conv vs separate: max relative difference {worst:e}");
+}

@@ -276,8 +276,11 @@ impl<B: memsave::Backend> BasicBlock<B> {
     #[with_cp]
     fn residual(&self, x: Tensor<B, 4>) -> Tensor<B, 4> {
         let identity = skip(&self.downsample, &x);
-        let y = self.bn1.forward_relu(conv2d(&self.conv1, x));
-        self.bn2.forward(conv2d(&self.conv2, y)) + identity
+        // Each BN-ReLU and the conv after it are one op keeping only the BN's input.
+        let y = self
+            .bn1
+            .forward_relu_conv(conv2d(&self.conv1, x), &self.conv2);
+        self.bn2.forward(y) + identity
     }
 }
 
@@ -324,9 +327,12 @@ impl<B: memsave::Backend> Bottleneck<B> {
     #[with_cp]
     fn residual(&self, x: Tensor<B, 4>) -> Tensor<B, 4> {
         let identity = skip(&self.downsample, &x);
-        let y = self.bn1.forward_relu(conv2d(&self.conv1, x));
-        let y = self.bn2.forward_relu(conv2d(&self.conv2, y));
-        self.bn3.forward(conv2d(&self.conv3, y)) + identity
+        // Each BN-ReLU and the conv after it are one op keeping only the BN's input.
+        let y = self
+            .bn1
+            .forward_relu_conv(conv2d(&self.conv1, x), &self.conv2);
+        let y = self.bn2.forward_relu_conv(y, &self.conv3);
+        self.bn3.forward(y) + identity
     }
 }
 

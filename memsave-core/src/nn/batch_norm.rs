@@ -3,8 +3,10 @@ use burn::prelude::{Backend, Config};
 use burn::tensor::ops::FloatTensor;
 use burn::tensor::{Tensor, TensorPrimitive};
 
+use super::conv::conv_options;
 use super::kernels::{Act, Grouping, View};
-use super::ops::{self, Statistics};
+use super::ops::{self, ConvSpec, NormSpec, Statistics};
+use burn::nn::conv::Conv2d;
 
 use crate::fp16::{Fp16, Fp16Module, HasFp16Flag, Precision};
 
@@ -83,7 +85,69 @@ impl<B: Backend> BatchNorm<B> {
         self.forward_act(input, Act::Relu)
     }
 
+    /// `conv.forward(relu(self.forward(input)))` as one operation that keeps only `input` (and
+    /// two numbers per channel): the ReLU's output, which the convolution would keep for its
+    /// weight gradient, is recomputed from `input` in backward. This is In-Place Activated
+    /// BatchNorm's saving, made exact for a ReLU (In-Place ABN inverts the activation). A convolution
+    /// with asymmetric `Same` padding, or a half model fed fp32, runs the two steps as they are.
+    ///
+    /// - input: `[batch, channels, height, width]`
+    /// - output: the convolution's, `[batch, channels_out, height_out, width_out]`
+    pub fn forward_relu_conv(&self, input: Tensor<B, 4>, conv: &Conv2d<B>) -> Tensor<B, 4> {
+        let half_mismatch = self
+            .fp16_enabled
+            .precision()
+            .is_some_and(|precision| input.dtype() != precision.dtype());
+        let Some(options) = conv_options(conv, input.dims()).filter(|_| !half_mismatch) else {
+            return crate::nn::conv2d(conv, self.forward_relu(input));
+        };
+        let device = input.device();
+        let (view, statistics) = self.prepare(&input);
+        let out = ops::norm_act_conv::<B>(
+            input.into_primitive().tensor(),
+            NormSpec {
+                gamma: self.gamma.val().into_primitive().tensor(),
+                beta: self.beta.val().into_primitive().tensor(),
+                statistics,
+                view,
+                grouping: Grouping::PerChannel,
+                act: Act::Relu,
+                epsilon: self.epsilon,
+            },
+            ConvSpec {
+                weight: conv.weight.val().into_primitive().tensor(),
+                bias: conv
+                    .bias
+                    .as_ref()
+                    .map(|bias| bias.val().into_primitive().tensor()),
+                options,
+            },
+        );
+        self.after(out.batch_stats, view, &device);
+        Tensor::from_primitive(TensorPrimitive::Float(out.output))
+    }
+
     fn forward_act<const D: usize>(&self, input: Tensor<B, D>, act: Act) -> Tensor<B, D> {
+        let device = input.device();
+        let (view, statistics) = self.prepare(&input);
+        let out = ops::normalise::<B>(
+            input.into_primitive().tensor(),
+            self.gamma.val().into_primitive().tensor(),
+            self.beta.val().into_primitive().tensor(),
+            statistics,
+            view,
+            Grouping::PerChannel,
+            act,
+            self.epsilon,
+        );
+        self.after(out.batch_stats, view, &device);
+        let output = Tensor::from_primitive(TensorPrimitive::Float(out.output));
+        self.fp16_enabled.to_half(output)
+    }
+
+    /// The view of `input` and the statistics to use: the batch's under autodiff (training),
+    /// the running ones otherwise.
+    fn prepare<const D: usize>(&self, input: &Tensor<B, D>) -> (View, Statistics<B>) {
         assert!(
             D >= 2,
             "BatchNorm takes [batch, channels, ...], got a {D}-d tensor"
@@ -102,8 +166,7 @@ impl<B: Backend> BatchNorm<B> {
             self.gamma.shape().num_elements(),
             view.channels
         );
-        let training = B::ad_enabled(&device);
-        let statistics = if training {
+        let statistics = if B::ad_enabled(&device) {
             Statistics::Batch
         } else {
             Statistics::Running {
@@ -121,25 +184,22 @@ impl<B: Backend> BatchNorm<B> {
                     .tensor(),
             }
         };
-        let out = ops::normalise::<B>(
-            input.into_primitive().tensor(),
-            self.gamma.val().into_primitive().tensor(),
-            self.beta.val().into_primitive().tensor(),
-            statistics,
-            view,
-            Grouping::PerChannel,
-            act,
-            self.epsilon,
-        );
-        // A checkpointed segment runs twice per step; the statistics move in its first
-        // forward only (PyTorch updates them in both).
-        if let Some((mean, var)) = out.batch_stats {
+        (view, statistics)
+    }
+
+    /// After a forward with batch statistics: the running ones move, in a checkpointed
+    /// segment's first forward only (PyTorch moves them in both).
+    fn after(
+        &self,
+        batch_stats: Option<(FloatTensor<B>, FloatTensor<B>)>,
+        view: View,
+        device: &B::Device,
+    ) {
+        if let Some((mean, var)) = batch_stats {
             if !crate::checkpoint::is_recomputing() {
-                self.update_running(mean, var, view.outer * view.inner, &device);
+                self.update_running(mean, var, view.outer * view.inner, device);
             }
         }
-        let output = Tensor::from_primitive(TensorPrimitive::Float(out.output));
-        self.fp16_enabled.to_half(output)
     }
 
     /// `running = (1 - momentum) * running + momentum * batch`, the variance unbiased (as

@@ -15,19 +15,9 @@ use super::ops;
 /// - x: `[batch, channels_in, height, width]`
 /// - output: `[batch, channels_out, height_out, width_out]`
 pub fn conv2d<B: Backend>(conv: &Conv2d<B>, x: Tensor<B, 4>) -> Tensor<B, 4> {
-    let [_, _, height, width] = x.dims();
-    let ((top, bottom), (left, right)) = match conv.padding {
-        PaddingConfig2d::Valid => ((0, 0), (0, 0)),
-        PaddingConfig2d::Explicit(top, left, bottom, right) => ((top, bottom), (left, right)),
-        PaddingConfig2d::Same => (
-            same_padding(conv.kernel_size[0], conv.stride[0], height),
-            same_padding(conv.kernel_size[1], conv.stride[1], width),
-        ),
-    };
-    if top != bottom || left != right {
+    let Some(options) = conv_options(conv, x.dims()) else {
         return conv.forward(x);
-    }
-    let options = ConvOptions::new(conv.stride, [top, left], conv.dilation, conv.groups);
+    };
     let output = ops::conv2d::<B>(
         x.into_primitive().tensor(),
         conv.weight.val().into_primitive().tensor(),
@@ -37,6 +27,24 @@ pub fn conv2d<B: Backend>(conv: &Conv2d<B>, x: Tensor<B, 4>) -> Tensor<B, 4> {
         options,
     );
     Tensor::from_primitive(TensorPrimitive::Float(output))
+}
+
+/// The backend's options for `conv` on an input of `dims`; `None` for asymmetric padding.
+pub(super) fn conv_options<B: Backend>(
+    conv: &Conv2d<B>,
+    dims: [usize; 4],
+) -> Option<ConvOptions<2>> {
+    let [_, _, height, width] = dims;
+    let ((top, bottom), (left, right)) = match conv.padding {
+        PaddingConfig2d::Valid => ((0, 0), (0, 0)),
+        PaddingConfig2d::Explicit(top, left, bottom, right) => ((top, bottom), (left, right)),
+        PaddingConfig2d::Same => (
+            same_padding(conv.kernel_size[0], conv.stride[0], height),
+            same_padding(conv.kernel_size[1], conv.stride[1], width),
+        ),
+    };
+    (top == bottom && left == right)
+        .then(|| ConvOptions::new(conv.stride, [top, left], conv.dilation, conv.groups))
 }
 
 /// PyTorch's and Burn's `same`: `(start, end)` padding keeping `ceil(size / stride)` outputs.

@@ -1,0 +1,51 @@
+//! ReLU that keeps its output.
+
+use std::fmt;
+
+use burn::backend::autodiff::checkpoint::base::Checkpointer;
+use burn::backend::autodiff::checkpoint::strategy::NoCheckpointing;
+use burn::backend::autodiff::grads::Gradients;
+use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
+use burn::backend::Autodiff;
+use burn::prelude::Backend;
+use burn::tensor::backend::AutodiffBackend;
+use burn::tensor::ops::FloatTensor;
+
+pub(super) fn relu_keeping_output<K: Backend>(
+    x: FloatTensor<Autodiff<K>>,
+) -> FloatTensor<Autodiff<K>> {
+    let output = K::relu(Autodiff::<K>::inner(x.clone()));
+    match ReluBackward
+        .prepare::<NoCheckpointing>([x.node.clone()])
+        .compute_bound()
+        .stateful()
+    {
+        OpsKind::Tracked(prep) => prep.finish(Output(output.clone()), output),
+        OpsKind::UnTracked(prep) => prep.finish(output),
+    }
+}
+
+#[derive(Clone)]
+pub(super) struct Output<K: Backend>(FloatTensor<K>);
+
+impl<K: Backend> fmt::Debug for Output<K> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("ReluOutput")
+    }
+}
+
+#[derive(Debug)]
+pub(super) struct ReluBackward;
+
+impl<K: Backend> Backward<K, 1> for ReluBackward {
+    type State = Output<K>;
+
+    fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let [parent] = ops.parents;
+        let grad = grads.consume::<K>(&ops.node);
+        if let Some(parent) = parent {
+            // `output > 0` is `input > 0`: the mask from the output is the same.
+            grads.register::<K>(parent.id, K::relu_backward(ops.state.0, grad));
+        }
+    }
+}
