@@ -458,6 +458,45 @@ fn resuming_mixed_precision_restores_the_loss_scale_and_the_weights() {
 }
 
 #[test]
+fn resuming_across_precisions_warns_naming_both() {
+    let dir = work_dir("resume-precision");
+    let fp16 = || {
+        Box::new(Fp16OptimizerHook::new(
+            LossScaler::new(1024.0, ScaleMode::Dynamic, 2.0, 2).unwrap(),
+        ))
+    };
+    let mut first = checkpointed_run(&dir, fp16(), net());
+    first.run().unwrap();
+
+    // An f16 checkpoint under an fp32 run.
+    let mut resumed = checkpointed_run(&dir.join("fp32"), plain(), net());
+    resumed.resume(&dir.join("iter_6.ckpt")).unwrap();
+    let warnings = resumed.state().warnings().join("\n");
+    assert!(
+        warnings.contains("trained in f16, and this config trains in fp32")
+            && warnings.contains("iter_6.ckpt"),
+        "{warnings}"
+    );
+    resumed.run().unwrap();
+
+    // And the reverse: fp32 checkpoint, f16 run.
+    let mut resumed = checkpointed_run(&dir.join("f16"), fp16(), net());
+    resumed
+        .resume(&dir.join("fp32").join("iter_9.ckpt"))
+        .unwrap();
+    let warnings = resumed.state().warnings().join("\n");
+    assert!(
+        warnings.contains("trained in fp32, and this config trains in f16"),
+        "{warnings}"
+    );
+
+    // The same precision: no warning.
+    let mut same = checkpointed_run(&dir.join("same"), fp16(), net());
+    same.resume(&dir.join("iter_6.ckpt")).unwrap();
+    assert!(same.state().warnings().is_empty());
+}
+
+#[test]
 fn resuming_adam_and_adamw_is_exact_and_the_accumulation_position_is_saved() {
     for optimizer in [
         OptimizerKind::Adam {

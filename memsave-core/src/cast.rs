@@ -41,6 +41,12 @@ use burn::tensor::{Bool, DType, Int, Tensor};
 pub trait CastFloat: Sized {
     /// Casts every float tensor of dtype `from` held by `self` to `to`.
     fn cast_float(self, from: DType, to: DType) -> Self;
+
+    /// Hands the dtype of every float tensor held by `self` to `f`, in order (nothing by
+    /// default). fp32 islands read it to cast their outputs back to the type their inputs had.
+    fn visit_float_dtypes(&self, f: &mut dyn FnMut(DType)) {
+        let _ = f;
+    }
 }
 
 /// Casts every float tensor of dtype `from` inside `value` to `to`; everything else is returned
@@ -56,6 +62,10 @@ impl<B: Backend, const D: usize> CastFloat for Tensor<B, D> {
         } else {
             self
         }
+    }
+
+    fn visit_float_dtypes(&self, f: &mut dyn FnMut(DType)) {
+        f(self.dtype())
     }
 }
 
@@ -122,11 +132,21 @@ impl<T: CastFloat> CastFloat for Option<T> {
     fn cast_float(self, from: DType, to: DType) -> Self {
         self.map(|value| value.cast_float(from, to))
     }
+
+    fn visit_float_dtypes(&self, f: &mut dyn FnMut(DType)) {
+        if let Some(value) = self {
+            value.visit_float_dtypes(f)
+        }
+    }
 }
 
 impl<T: CastFloat> CastFloat for Box<T> {
     fn cast_float(self, from: DType, to: DType) -> Self {
         Box::new((*self).cast_float(from, to))
+    }
+
+    fn visit_float_dtypes(&self, f: &mut dyn FnMut(DType)) {
+        (**self).visit_float_dtypes(f)
     }
 }
 
@@ -136,6 +156,10 @@ impl<T: CastFloat> CastFloat for Vec<T> {
             .map(|value| value.cast_float(from, to))
             .collect()
     }
+
+    fn visit_float_dtypes(&self, f: &mut dyn FnMut(DType)) {
+        self.iter().for_each(|value| value.visit_float_dtypes(f))
+    }
 }
 
 impl<T: CastFloat> CastFloat for VecDeque<T> {
@@ -144,11 +168,19 @@ impl<T: CastFloat> CastFloat for VecDeque<T> {
             .map(|value| value.cast_float(from, to))
             .collect()
     }
+
+    fn visit_float_dtypes(&self, f: &mut dyn FnMut(DType)) {
+        self.iter().for_each(|value| value.visit_float_dtypes(f))
+    }
 }
 
 impl<T: CastFloat, const N: usize> CastFloat for [T; N] {
     fn cast_float(self, from: DType, to: DType) -> Self {
         self.map(|value| value.cast_float(from, to))
+    }
+
+    fn visit_float_dtypes(&self, f: &mut dyn FnMut(DType)) {
+        self.iter().for_each(|value| value.visit_float_dtypes(f))
     }
 }
 
@@ -159,6 +191,10 @@ impl<K: Eq + Hash, V: CastFloat, S: BuildHasher + Default> CastFloat for HashMap
             .map(|(key, value)| (key, value.cast_float(from, to)))
             .collect()
     }
+
+    fn visit_float_dtypes(&self, f: &mut dyn FnMut(DType)) {
+        self.values().for_each(|value| value.visit_float_dtypes(f))
+    }
 }
 
 impl<K: Ord, V: CastFloat> CastFloat for BTreeMap<K, V> {
@@ -166,6 +202,10 @@ impl<K: Ord, V: CastFloat> CastFloat for BTreeMap<K, V> {
         self.into_iter()
             .map(|(key, value)| (key, value.cast_float(from, to)))
             .collect()
+    }
+
+    fn visit_float_dtypes(&self, f: &mut dyn FnMut(DType)) {
+        self.values().for_each(|value| value.visit_float_dtypes(f))
     }
 }
 
@@ -176,6 +216,12 @@ macro_rules! tuple {
             fn cast_float(self, from: DType, to: DType) -> Self {
                 let ($($name,)+) = self;
                 ($($name.cast_float(from, to),)+)
+            }
+
+            #[allow(non_snake_case)]
+            fn visit_float_dtypes(&self, f: &mut dyn FnMut(DType)) {
+                let ($($name,)+) = self;
+                $($name.visit_float_dtypes(f);)+
             }
         }
     };

@@ -41,7 +41,9 @@ pub fn force_fp32(args: TokenStream, item: TokenStream) -> TokenStream {
 /// method runs as written.
 ///
 /// On a field of a `#[memsave::model]` struct, marks the block(s) that `set_with_cp` switches
-/// checkpointing on in. Not on the first layer: its input (the image) does not require grad.
+/// checkpointing on in. Not on the layer that receives the network's input straight (in an
+/// `#[auto_fp16]` method, `self.stem.forward(images)`): that input does not require grad, and
+/// using such a field that way is a compile error naming the argument and the method.
 #[proc_macro_attribute]
 pub fn with_cp(args: TokenStream, item: TokenStream) -> TokenStream {
     with_cp::with_cp_attribute(args.into(), item.into()).into()
@@ -55,10 +57,18 @@ pub fn with_cp(args: TokenStream, item: TokenStream) -> TokenStream {
 ///   `#[with_cp]` (for `set_with_cp`);
 /// - `HasWithCp`, when the struct has the `with_cp` flag (for `#[with_cp]` methods).
 ///
+/// It also implements `RandomDraws` (whether a field draws from the backend's random stream,
+/// so that a `#[with_cp]` segment replays Burn's dropout), and, with the `with_cp` flag, rejects
+/// Burn's `Dropout` and `GaussianNoise` fields (the recomputation would draw anew; memsave's
+/// replay their draws).
+///
 /// Put it above `#[derive(Module)]`. Field attributes: `#[with_cp]` marks a field (a block, or a
-/// `Vec` of them) that `set_with_cp` switches in turn; `#[fp16(skip)]` leaves a field exactly as
-/// it is under `wrap_fp16_model` (so does Burn's `#[module(skip)]`). On an enum, the variants'
-/// fields take the same attributes (`Bottleneck(#[with_cp] Bottleneck<B>)`).
+/// `Vec` of them) that `set_with_cp` switches in turn; `#[fp16(fp32)]` keeps a layer in fp32 as
+/// an island (its type becomes `memsave::fp16::Fp32<T>`, built with `.into()`: inputs cast to
+/// fp32, outputs cast back); `#[fp16(skip)]` leaves a field exactly as it is under
+/// `wrap_fp16_model` (so does Burn's `#[module(skip)]`). On an enum, the variants' fields take
+/// the same attributes (`Bottleneck(#[with_cp] Bottleneck<B>)`). A struct without an fp16 flag
+/// takes any field type; `wrap_fp16_model` on a model holding it asks its fields to take part.
 #[proc_macro_attribute]
 pub fn model(args: TokenStream, item: TokenStream) -> TokenStream {
     model::model_attribute(args.into(), item.into()).into()

@@ -15,9 +15,10 @@ impl<B: memsave::Backend> Block<B> {
         Tensor::zeros([1], &Default::default())
     }
 
+    /// A plain number is a constant of the segment; a string is not a value it can keep.
     #[with_cp]
-    fn counts(&self, n: usize) -> Tensor<B, 1> {
-        Tensor::zeros([n], &Default::default())
+    fn counts(&self, n: usize, name: String) -> Tensor<B, 1> {
+        Tensor::zeros([n + name.len()], &Default::default())
     }
 }
 

@@ -14,7 +14,10 @@ pub(crate) type Draws = Vec<Box<dyn Any + Send>>;
 
 enum Frame {
     Record(Draws),
-    Replay(VecDeque<Box<dyn Any + Send>>),
+    /// The recorded draws, and whether to draw again anyway (and discard): in a segment that
+    /// runs under its own reseeded stream, so that the stream reaches Burn's layers where it
+    /// did in the first forward.
+    Replay(VecDeque<Box<dyn Any + Send>>, bool),
 }
 
 thread_local! {
@@ -28,7 +31,7 @@ pub fn is_recomputing() -> bool {
         frames
             .borrow()
             .iter()
-            .any(|frame| matches!(frame, Frame::Replay(_)))
+            .any(|frame| matches!(frame, Frame::Replay(..)))
     })
 }
 
@@ -39,12 +42,15 @@ pub fn random<T: Clone + Send + 'static>(draw: impl FnOnce() -> T) -> T {
         let mut frames = frames.borrow_mut();
         let replay = frames
             .iter()
-            .rposition(|frame| matches!(frame, Frame::Replay(_)));
+            .rposition(|frame| matches!(frame, Frame::Replay(..)));
         let value = match replay {
             Some(index) => {
-                let Frame::Replay(queue) = &mut frames[index] else {
+                let Frame::Replay(queue, redraw) = &mut frames[index] else {
                     unreachable!("rposition found a replay frame")
                 };
+                if *redraw {
+                    drop(draw());
+                }
                 let recorded = queue.pop_front().expect(
                     "a checkpointed segment drew more random values in its recomputation than \
                      in its first forward: its body must be deterministic given its input",
@@ -78,12 +84,13 @@ pub(crate) fn recording<R>(f: impl FnOnce() -> R) -> (R, Draws) {
     (result, draws)
 }
 
-/// Runs `f` as a recomputation that replays `draws`.
-pub(crate) fn replaying<R>(draws: Draws, f: impl FnOnce() -> R) -> R {
+/// Runs `f` as a recomputation that replays `draws`; with `redraw`, each replayed value is
+/// drawn again too (and discarded), to keep the global stream where the first forward had it.
+pub(crate) fn replaying<R>(draws: Draws, redraw: bool, f: impl FnOnce() -> R) -> R {
     FRAMES.with(|frames| {
         frames
             .borrow_mut()
-            .push(Frame::Replay(draws.into_iter().collect()))
+            .push(Frame::Replay(draws.into_iter().collect(), redraw))
     });
     let _pop = PopFrame;
     f()

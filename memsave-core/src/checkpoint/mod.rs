@@ -8,7 +8,9 @@
 //!
 //! Beyond PyTorch: BatchNorm ([`crate::nn::BatchNorm`]) updates its running statistics once per
 //! step, not twice, and dropout ([`crate::nn::Dropout`]) reuses its masks in the recomputation
-//! without touching the global random stream.
+//! without touching the global random stream. Burn's own random layers are replayed through a
+//! reseeded stream (see [`RandomDraws`]). Float tensors cross a segment with their gradients;
+//! int and bool tensors and plain numbers cross it as constants ([`Segment`]).
 //!
 //! After a backward pass, call [`join_helpers`] (the training hooks do) so that no recompute
 //! thread outlives its step.
@@ -16,6 +18,7 @@
 mod autodiff;
 mod context;
 mod segment;
+mod stream;
 mod threads;
 
 use burn::backend::Flex;
@@ -25,7 +28,15 @@ use burn::tensor::ops::FloatTensor;
 
 pub use context::{is_recomputing, random};
 pub use segment::{floats, Segment};
+pub use stream::RandomDraws;
 pub use threads::{join_helpers, live_helpers, recomputations};
+
+/// What the macros generate code against. Not a stable API.
+#[doc(hidden)]
+pub mod __private {
+    pub use super::stream::__private::*;
+    pub use super::with_cp_method;
+}
 
 /// A backend on which memsave can checkpoint segments. In generic model code, bound the backend
 /// with `B: memsave::Backend` (this trait) where a `#[with_cp]` method is defined or called.
@@ -42,9 +53,16 @@ pub trait CheckpointBackend: Backend {
     fn is_tracked(tensor: &FloatTensor<Self>) -> bool;
 
     /// Runs `segment(module, input)`; on an autodiff backend, keeps only `input` and recomputes
-    /// the segment in backward. `method` names the segment in warnings. Use [`checkpoint`],
-    /// which also applies MMCV's guard.
-    fn checkpoint_segment<M, I, O, F>(method: &'static str, module: &M, input: I, segment: F) -> O
+    /// the segment in backward. `method` names the segment in warnings. `stream`: the seed the
+    /// backend's random stream was given before this call, to give it again before the
+    /// recomputation (see [`RandomDraws`]). Use [`checkpoint`], which also applies MMCV's guard.
+    fn checkpoint_segment<M, I, O, F>(
+        method: &'static str,
+        module: &M,
+        input: I,
+        segment: F,
+        stream: Option<u64>,
+    ) -> O
     where
         M: Module<Self> + 'static,
         I: Segment<Self>,
@@ -57,7 +75,9 @@ pub trait CheckpointBackend: Backend {
 ///
 /// The rules (the same as `torch.utils.checkpoint`'s, with one more):
 /// - the segment must be deterministic given its input and the module: it runs twice. Random
-///   draws through [`random`] (memsave's `Dropout`) are replayed;
+///   draws through [`random`] (memsave's `Dropout`) are replayed; for a segment whose Burn layers
+///   draw from the backend's stream (Burn's `Dropout` inside `MultiHeadAttention`, say), use
+///   [`checkpoint_random`] (`#[with_cp]` does so by itself when its module [draws](RandomDraws));
 /// - every tracked tensor it uses must come in as its input or as a parameter (`Param`) of
 ///   `module`. One captured by the closure, or held in a bare `Tensor` field, cannot be
 ///   recomputed from fresh leaves: memsave sees it (an output of the untracked first forward is
@@ -74,8 +94,8 @@ where
     checkpoint_named("", module, input, segment)
 }
 
-/// [`checkpoint`] for the method `method` of `module` (`#[with_cp]` calls it), which names the
-/// segment `Type::method` in warnings.
+/// [`checkpoint`] for the method `method` of `module`, which names the segment `Type::method`
+/// in warnings.
 pub fn checkpoint_named<B, M, I, O, F>(method: &'static str, module: &M, input: I, segment: F) -> O
 where
     B: CheckpointBackend,
@@ -84,8 +104,77 @@ where
     O: Segment<B>,
     F: Fn(&M, I) -> O + Send + Sync + 'static,
 {
-    if floats(&input).iter().any(B::is_tracked) {
-        B::checkpoint_segment(method, module, input, segment)
+    run_segment(method, module, input, segment, true, false)
+}
+
+/// [`checkpoint`] for a segment whose layers draw from the backend's global random stream
+/// (Burn's `Dropout`, or a layer holding one, such as `MultiHeadAttention`): it runs under a
+/// stream of its own, seeded from the global one, and its recomputation draws the same values
+/// (see [`RandomDraws`]). `#[with_cp]` does this by itself when its module
+/// [draws](RandomDraws).
+pub fn checkpoint_random<B, M, I, O, F>(module: &M, input: I, segment: F) -> O
+where
+    B: CheckpointBackend,
+    M: Module<B> + 'static,
+    I: Segment<B>,
+    O: Segment<B>,
+    F: Fn(&M, I) -> O + Send + Sync + 'static,
+{
+    run_segment("", module, input, segment, true, true)
+}
+
+/// The body of a `#[with_cp]` method: checkpointed when `with_cp` is on (and the input
+/// requires grad), run as written otherwise; in both cases under the segment's own random
+/// stream when the module `draws`, so that both give the same gradients.
+#[doc(hidden)]
+pub fn with_cp_method<B, M, I, O, F>(
+    method: &'static str,
+    module: &M,
+    input: I,
+    segment: F,
+    with_cp: bool,
+    draws: bool,
+) -> O
+where
+    B: CheckpointBackend,
+    M: Module<B> + 'static,
+    I: Segment<B>,
+    O: Segment<B>,
+    F: Fn(&M, I) -> O + Send + Sync + 'static,
+{
+    run_segment(method, module, input, segment, with_cp, draws)
+}
+
+fn run_segment<B, M, I, O, F>(
+    method: &'static str,
+    module: &M,
+    input: I,
+    segment: F,
+    with_cp: bool,
+    draws: bool,
+) -> O
+where
+    B: CheckpointBackend,
+    M: Module<B> + 'static,
+    I: Segment<B>,
+    O: Segment<B>,
+    F: Fn(&M, I) -> O + Send + Sync + 'static,
+{
+    let floats = floats(&input);
+    // A stream of its own, in training only (Burn's random layers draw only then).
+    let stream = match floats.first() {
+        Some(first) if draws => {
+            let device = B::float_device(first);
+            B::ad_enabled(&device).then(|| {
+                let seed = stream::draw_seed::<B>(&device);
+                B::seed(&device, seed);
+                seed
+            })
+        }
+        _ => None,
+    };
+    if with_cp && floats.iter().any(B::is_tracked) {
+        B::checkpoint_segment(method, module, input, segment, stream)
     } else {
         segment(module, input)
     }
@@ -153,6 +242,7 @@ macro_rules! plain_backend {
                 module: &M,
                 input: I,
                 segment: F,
+                _stream: Option<u64>,
             ) -> O
             where
                 M: Module<Self> + 'static,

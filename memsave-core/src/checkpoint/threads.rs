@@ -60,6 +60,20 @@ pub(crate) fn spawn(work: impl FnOnce() + Send + 'static) -> std::io::Result<()>
     Ok(())
 }
 
+/// Runs `work` on a scoped helper thread, on the caller's device stream, and returns its result
+/// (a panic in `work` is resumed on the caller).
+pub(crate) fn run_on_helper<R: Send>(work: impl FnOnce() -> R + Send) -> R {
+    #[cfg(feature = "cuda")]
+    let work = {
+        let stream = cubecl::stream_id::StreamId::current();
+        move || stream.executes(work)
+    };
+    std::thread::scope(|scope| match scope.spawn(work).join() {
+        Ok(result) => result,
+        Err(payload) => std::panic::resume_unwind(payload),
+    })
+}
+
 /// Waits for every helper thread to end. Call it after `backward()` returned (the training
 /// hooks do); never from inside a backward pass, whose lock the helpers wait for.
 pub fn join_helpers() {

@@ -6,6 +6,7 @@ use burn::prelude::Backend;
 use burn::tensor::{BasicOps, Bool, DType, Int, Tensor};
 
 use super::{cast_leaf, cast_params, Fp16, Fp16Module, Precision};
+use crate::cast::cast_tensor_type;
 
 /// Values with nothing to cast and no flag: left as they are.
 macro_rules! unchanged {
@@ -36,14 +37,25 @@ unchanged!(
     nn::PaddingConfig1d,
     nn::PaddingConfig2d,
     nn::PaddingConfig3d,
-    // Layers without parameters: they compute in the dtype of their input.
+    // Layers without parameters that are safe in half precision: they compute in the dtype of
+    // their input. (Softplus is not: `exp(x)` overflows f16 from x = 11; see `Fp32`.)
     nn::Relu,
     nn::Gelu,
     nn::Sigmoid,
     nn::Tanh,
     nn::LeakyRelu,
     nn::HardSigmoid,
-    nn::Softplus,
+    nn::activation::HardSwish,
+    nn::Celu,
+    nn::Elu,
+    nn::Selu,
+    nn::GLU,
+    nn::Softsign,
+    nn::ThresholdedRelu,
+    nn::HardShrink,
+    nn::SoftShrink,
+    nn::Shrink,
+    // Its mask follows the input's dtype.
     nn::Dropout,
     nn::Unfold4d,
     nn::pool::MaxPool1d,
@@ -54,6 +66,16 @@ unchanged!(
     nn::pool::AdaptiveAvgPool2d,
     nn::interpolate::Interpolate1d,
     nn::interpolate::Interpolate2d,
+    // Losses without tensors: MMCV calls them from `force_fp32` methods, in fp32.
+    nn::loss::MseLoss,
+    nn::loss::LpLoss,
+    nn::loss::HuberLoss,
+    nn::loss::CosineEmbeddingLoss,
+    nn::loss::SmoothL1Loss,
+    nn::loss::KLDivLoss,
+    nn::loss::PoissonNllLoss,
+    nn::loss::CTCLoss,
+    nn::loss::RNNTLoss,
 );
 
 /// A field that is itself a flag but not the module's own `fp16_enabled` is left alone.
@@ -133,7 +155,7 @@ tuple!(A B C);
 tuple!(A B C D);
 
 /// Layers of `burn::nn` with parameters that run in half precision: every float parameter is
-/// cast (MMCV's `model.half()`; LayerNorm is not special in MMCV either).
+/// cast (MMCV's `model.half()`). The normalisations are not among them: see [`super::Fp32`].
 macro_rules! half_layer {
     ($($ty:ident)::+) => {
         impl<B: Backend> Fp16Module for $($ty)::+<B> {
@@ -146,11 +168,44 @@ macro_rules! half_layer {
 
 half_layer!(nn::Linear);
 half_layer!(nn::Embedding);
-half_layer!(nn::LayerNorm);
 half_layer!(nn::PRelu);
+half_layer!(nn::SwiGlu);
+half_layer!(nn::activation::Activation);
 half_layer!(nn::conv::Conv1d);
 half_layer!(nn::conv::Conv2d);
 half_layer!(nn::conv::Conv3d);
 half_layer!(nn::conv::ConvTranspose1d);
 half_layer!(nn::conv::ConvTranspose2d);
 half_layer!(nn::conv::ConvTranspose3d);
+half_layer!(nn::GateController);
+// Attention: Burn's softmax subtracts the row maximum and the mask fill (-1e4) fits f16.
+half_layer!(nn::attention::MultiHeadAttention);
+// Not here, because they make fp32 tensors of their own that then meet half ones (a dtype
+// mismatch): the RNNs (their zero initial state), CrossAttention, DeformConv2d, RotaryEncoding
+// and GaussianNoise (its noise). They run as fp32 islands (`Fp32`).
+half_layer!(nn::transformer::PositionWiseFeedForward);
+// RmsNorm computes its root mean square in fp32 itself (Burn 0.21), so it is safe in half.
+half_layer!(nn::RmsNorm);
+
+/// The sinusoids are a constant (not a parameter): cast so that `input + sinusoids` meets one
+/// dtype.
+impl<B: Backend> Fp16Module for nn::PositionalEncoding<B> {
+    fn wrap_fp16(mut self, precision: Precision) -> Self {
+        self.sinusoids = cast_tensor_type(self.sinusoids, DType::F32, precision.dtype());
+        self
+    }
+}
+
+/// Losses that hold class weights: the weights stay fp32, for a loss computed in fp32 (called
+/// from a `#[force_fp32]` method, as MMCV's heads do).
+impl<B: Backend> Fp16Module for nn::loss::CrossEntropyLoss<B> {
+    fn wrap_fp16(self, _precision: Precision) -> Self {
+        self
+    }
+}
+
+impl<B: Backend> Fp16Module for nn::loss::BinaryCrossEntropyLoss<B> {
+    fn wrap_fp16(self, _precision: Precision) -> Self {
+        self
+    }
+}

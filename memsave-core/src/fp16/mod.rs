@@ -6,12 +6,26 @@
 //! flag on in the model and every submodule, casts the float parameters to half, and keeps the
 //! normalisation layers ([`crate::nn::BatchNorm`], [`crate::nn::GroupNorm`]) in fp32.
 //!
-//! memsave goes further than MMCV in two ways: the half type is chosen per model
-//! ([`Precision::F16`] or [`Precision::Bf16`]), and a module that cannot take part (Burn's own
-//! BatchNorm, whose fp32 weights would meet half inputs) is a compile error, not a run-time
-//! dtype mismatch.
+//! memsave goes further than MMCV in three ways: the half type is chosen per model
+//! ([`Precision::F16`] or [`Precision::Bf16`]); any layer can be kept in fp32 as an *island*
+//! ([`Fp32`], `#[fp16(fp32)]` on a field), its inputs cast to fp32 and its outputs cast back;
+//! and a layer that is unsafe in half precision (Burn's normalisations, whose variance
+//! overflows f16, or `Softplus`) is a compile error that says so, not a silent zero at run time.
+//!
+//! | `burn::nn` layers | under `wrap_fp16_model` |
+//! |---|---|
+//! | Linear, Embedding, Conv*, ConvTranspose*, PRelu, SwiGlu, Activation, GateController, MultiHeadAttention, PositionWiseFeedForward, RmsNorm | parameters cast to half |
+//! | PositionalEncoding | its constant table cast to half |
+//! | parameter-free activations, Dropout, pools, Interpolate, Unfold4d, losses | unchanged (compute in their input's dtype; call losses from `#[force_fp32]` methods, as MMCV does) |
+//! | LayerNorm, BatchNorm, GroupNorm, InstanceNorm, LocalResponseNorm, Normalization, TransformerEncoder/Decoder (which hold LayerNorms), Softplus | not in half (f16 overflows their variance or `exp`): a compile error pointing to `#[fp16(fp32)]` or to memsave's norms |
+//! | Lstm, Gru, Rnn (and Bi*), CrossAttention, DeformConv2d, RotaryEncoding, GaussianNoise | not in half (they make fp32 tensors of their own, which meet half ones): a compile error pointing to `#[fp16(fp32)]` |
 
 mod impls;
+mod island;
+mod island_forward;
+
+pub use island::Fp32;
+pub use island_forward::{MhaInput, TransformerDecoderInput, TransformerEncoderInput};
 
 use std::fmt;
 
@@ -204,16 +218,23 @@ pub trait HasFp16Flag {
 /// recurses into its submodules.
 ///
 /// Implemented by `#[memsave::model]` structs, by memsave's layers, by the layers of `burn::nn`
-/// that run in half precision, by containers of such modules, and (doing nothing) by plain
-/// values. Burn's `BatchNorm` and `GroupNorm` are left out on purpose: use
-/// [`crate::nn::BatchNorm`] and [`crate::nn::GroupNorm`], which stay fp32.
+/// that run in half precision, by [`Fp32`] islands, by containers of such modules, and (doing
+/// nothing) by plain values. Left out on purpose (see the table in the [module docs](self)):
+/// Burn's normalisations, the transformers that hold them and `Softplus` (f16 overflows them),
+/// and the layers that make fp32 tensors of their own. Keep them fp32 with `#[fp16(fp32)]`, or
+/// use [`crate::nn::BatchNorm`], [`crate::nn::GroupNorm`] and [`crate::nn::LayerNorm`], which
+/// stay fp32 by themselves.
 #[diagnostic::on_unimplemented(
     message = "`{Self}` cannot be part of a mixed-precision model: it does not implement `Fp16Module`",
     label = "`wrap_fp16_model` must reach this field",
     note = "for a module of yours, put `#[memsave::model]` on its struct",
-    note = "for burn's BatchNorm or GroupNorm, use `memsave::nn::BatchNorm` / `memsave::nn::GroupNorm`, \
-            which keep fp32 weights and cast their input to fp32 (burn's would fail on a half input)",
-    note = "for a field that must stay exactly as it is, mark it `#[fp16(skip)]`"
+    note = "burn's normalisations (LayerNorm, BatchNorm, GroupNorm, InstanceNorm, LocalResponseNorm), \
+            the transformers that hold them and Softplus overflow in f16; its RNNs, CrossAttention, \
+            DeformConv2d, RotaryEncoding and GaussianNoise make fp32 tensors that meet half ones: \
+            keep such a field fp32 with `#[fp16(fp32)]` (an fp32 island: its input cast to fp32, \
+            its output cast back)",
+    note = "memsave's `nn::LayerNorm`, `nn::BatchNorm`, `nn::GroupNorm` and `nn::GaussianNoise` \
+            need no island: they take half inputs and keep fp32 statistics by themselves"
 )]
 pub trait Fp16Module: Sized {
     /// Switches mixed precision on for this module and its submodules (MMCV's
@@ -268,4 +289,14 @@ pub(crate) fn cast_leaf<B: Backend, const D: usize>(
     } else {
         cast
     }
+}
+
+/// What the macros generate code against. Not a stable API.
+#[doc(hidden)]
+pub mod __private {
+    /// The answer of `__memsave_mark_FIELD` for a field marked `#[with_cp]`.
+    pub struct Marked;
+
+    /// The answer for any other field (the method macro's fallback).
+    pub struct Unmarked;
 }

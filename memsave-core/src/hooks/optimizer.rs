@@ -278,6 +278,13 @@ impl<B: AutodiffBackend, M: TrainModel<B>> Hook<B, M> for OptimizerHook {
         Ok(())
     }
 
+    fn precision(&self) -> Option<String> {
+        Some(match &self.mixed {
+            None => "fp32".to_string(),
+            Some(mixed) => mixed.precision.to_string(),
+        })
+    }
+
     fn state_dict(&self) -> Option<serde_json::Value> {
         let groups = (self.groups.cumulative_iters > 1).then(|| {
             serde_json::json!({

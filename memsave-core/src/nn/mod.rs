@@ -5,8 +5,9 @@
 //! normalised with fp32 statistics and parameters in fp32 arithmetic, and written back as half.
 //! Each is one autodiff operation with a hand-written backward that keeps only its input and
 //! two fp32 numbers per group; `forward_relu` fuses the ReLU that usually follows. [`Relu`]
-//! keeps its output instead of its input. [`BatchNorm`] and [`Dropout`] also behave under
-//! gradient checkpointing: statistics updated once per step, masks reused by the recomputation.
+//! keeps its output instead of its input. [`BatchNorm`], [`Dropout`] and [`GaussianNoise`] also
+//! behave under gradient checkpointing: statistics updated once per step, masks and noise reused
+//! by the recomputation.
 
 mod batch_norm;
 mod conv;
@@ -14,6 +15,7 @@ mod dropout;
 mod group_norm;
 pub mod kernels;
 mod layer_norm;
+mod noise;
 mod ops;
 mod pool;
 mod relu;
@@ -23,5 +25,6 @@ pub use conv::conv2d;
 pub use dropout::{Dropout, DropoutConfig};
 pub use group_norm::{GroupNorm, GroupNormConfig};
 pub use layer_norm::{LayerNorm, LayerNormConfig};
+pub use noise::{GaussianNoise, GaussianNoiseConfig};
 pub use pool::max_pool2d;
 pub use relu::{relu, Relu};

@@ -64,6 +64,12 @@ pub trait Hook<B: AutodiffBackend, M: TrainModel<B>> {
     fn after_save(&mut self, _state: &mut TrainState<B, M>, _path: &Path) -> Result<()> {
         Ok(())
     }
+
+    /// The precision the model trains in, for the optimizer hook (`"fp32"`, `"f16"`, `"bf16"`):
+    /// written in snapshots, compared on resume.
+    fn precision(&self) -> Option<String> {
+        None
+    }
 }
 
 /// How long a run is (MMCV's `runner = dict(type='EpochBasedRunner', max_epochs=12)`).
@@ -339,6 +345,7 @@ where
                 iter: completed,
                 epoch: completed / self.state.iters_per_epoch,
                 param_shapes: shapes::<B, M>(&self.state.model),
+                precision: self.optimizer_hook.precision(),
                 hooks,
             },
             model: record_bytes::<B, _>(self.state.model.clone().into_record()).map_err(bad)?,
@@ -376,6 +383,25 @@ where
         }
         let record = load_bytes::<B, M::Record>(&checkpoint.model, &self.state.device)
             .map_err(|error| bad(error.to_string()))?;
+        if let (Some(saved), Some(now)) =
+            (&checkpoint.meta.precision, self.optimizer_hook.precision())
+        {
+            if *saved != now {
+                let scaler = if now == "fp32" {
+                    "its loss scaler is dropped"
+                } else if saved == "fp32" {
+                    "the loss scaler starts afresh at its `init_scale`"
+                } else {
+                    "the loss scaler carries on"
+                };
+                self.state.warn(format!(
+                    "checkpoint {} was trained in {saved}, and this config trains in {now}: the \
+                     weights load (they are kept in fp32), {scaler}; set `[fp16]` as the run that \
+                     wrote it did to resume it exactly",
+                    path.display()
+                ));
+            }
+        }
         self.state.model = self.state.model.clone().load_record(record);
         self.state.optimizer = self
             .state

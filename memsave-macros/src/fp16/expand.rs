@@ -14,6 +14,7 @@ pub fn expand(
     memsave: &TokenStream,
     kind: Kind,
     plan: &Plan,
+    guards: &[TokenStream],
     mut method: ImplItemFn,
 ) -> TokenStream {
     let flag = format_ident!("__fp16", span = Span::mixed_site());
@@ -69,6 +70,7 @@ pub fn expand(
             ReturnType::Default => quote!(move || -> () #block),
         };
         quote! {
+            #(#guards)*
             #read_flag
             #(#lets)*
             let #output = (#closure)();
@@ -77,6 +79,7 @@ pub fn expand(
     } else {
         let stmts = &block.stmts;
         quote! {
+            #(#guards)*
             #read_flag
             #(#lets)*
             #(#stmts)*

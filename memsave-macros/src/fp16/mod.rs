@@ -2,6 +2,7 @@
 
 mod attr;
 mod expand;
+mod input_guard;
 pub mod valid;
 
 pub use attr::Kind;
@@ -35,5 +36,10 @@ pub fn cast_attribute(kind: Kind, args: TokenStream, item: TokenStream) -> Token
             .retain(|attr| !valid::is_attr(attr, kind.other().name()));
         return quote!(#method #errors);
     }
-    expand::expand(&crate::crate_path::memsave(), kind, &plan, method)
+    let memsave = crate::crate_path::memsave();
+    let guards = match kind {
+        Kind::AutoFp16 => input_guard::checks(&memsave, &method),
+        Kind::ForceFp32 => Vec::new(),
+    };
+    expand::expand(&memsave, kind, &plan, &guards, method)
 }

@@ -1,6 +1,7 @@
 //! The typed model of a `#[memsave::model]` item: a struct, or an enum of modules.
 
 use proc_macro2::{Span, TokenStream};
+use syn::spanned::Spanned;
 use syn::{Fields, Generics, Ident, Item, Member, Type};
 
 use crate::ctxt::Ctxt;
@@ -42,9 +43,12 @@ pub enum Style {
 pub struct Field {
     /// The field's name, or its position in a tuple variant.
     pub member: Member,
+    /// The field's type as emitted (`Fp32<T>` for an island).
     pub ty: Type,
     /// `#[fp16(skip)]` or `#[module(skip)]`: left as it is by `wrap_fp16_model`.
     pub fp16_skip: bool,
+    /// `#[fp16(fp32)]`: the attribute, when the field is an fp32 island.
+    pub fp32: Option<syn::Attribute>,
     /// `#[module(skip)]`: not a module of Burn's.
     pub module_skip: bool,
     /// `#[with_cp]`: the attribute, when the field is marked for checkpointing.
@@ -152,14 +156,12 @@ impl Model {
         }
     }
 
-    /// The first field that is a layer: not a flag, not skipped, not a plain value.
-    pub fn first_layer(&self) -> Option<&Field> {
-        self.fields().iter().find(|field| {
-            !field.is(FP16_FLAG)
-                && !field.is(CP_FLAG)
-                && !field.module_skip
-                && !is_plain_value(&field.ty)
-        })
+    /// Every field, of the struct or of every variant.
+    pub fn all_fields(&self) -> Box<dyn Iterator<Item = &Field> + '_> {
+        match &self.body {
+            Body::Struct(fields) => Box::new(fields.iter()),
+            Body::Enum(variants) => Box::new(variants.iter().flat_map(|variant| &variant.fields)),
+        }
     }
 }
 
@@ -171,12 +173,17 @@ fn parse_fields<'a>(cx: &mut Ctxt, fields: impl Iterator<Item = &'a mut syn::Fie
             None => Member::Unnamed(index.into()),
         };
         let mut fp16_skip = false;
+        let mut fp32 = None;
         let mut module_skip = false;
         let mut with_cp = None;
         field.attrs.retain(|attr| {
             let path = attr.path();
             if path.is_ident("fp16") {
-                fp16_skip |= parse_fp16_attr(cx, attr);
+                match parse_fp16_attr(cx, attr) {
+                    Some(Fp16Option::Skip) => fp16_skip = true,
+                    Some(Fp16Option::Fp32) => fp32 = Some(attr.clone()),
+                    None => {}
+                }
                 false
             } else if is_with_cp(path) {
                 if !matches!(attr.meta, syn::Meta::Path(_)) {
@@ -195,10 +202,17 @@ fn parse_fields<'a>(cx: &mut Ctxt, fields: impl Iterator<Item = &'a mut syn::Fie
                 true
             }
         });
+        if fp32.is_some() && !module_skip {
+            // The island: `T` becomes `Fp32<T>`, spanned on the type as written.
+            let memsave = crate::crate_path::memsave();
+            let ty = &field.ty;
+            field.ty = syn::parse_quote_spanned!(ty.span()=> #memsave::fp16::Fp32<#ty>);
+        }
         out.push(Field {
             member,
             ty: field.ty.clone(),
             fp16_skip: fp16_skip || module_skip,
+            fp32,
             module_skip,
             with_cp,
         });
@@ -214,39 +228,49 @@ fn is_with_cp(path: &syn::Path) -> bool {
         && (path.segments.len() == 1 || path.segments[0].ident == "memsave")
 }
 
-/// Numbers, `bool`, `String`: configuration kept in a module, not layers.
-fn is_plain_value(ty: &Type) -> bool {
-    const PLAIN: &[&str] = &[
-        "bool", "u8", "u16", "u32", "u64", "usize", "i8", "i16", "i32", "i64", "isize", "f32",
-        "f64", "String",
-    ];
-    matches!(ty, Type::Path(path) if path.path.get_ident().is_some_and(|ident| PLAIN.iter().any(|p| ident == p)))
+/// The options of `#[fp16(...)]` on a field.
+enum Fp16Option {
+    /// Left exactly as it is: not cast, its inputs not cast either.
+    Skip,
+    /// An fp32 island: kept fp32, its inputs cast to fp32 and its outputs back.
+    Fp32,
 }
 
-/// `#[fp16(skip)]`: true; anything else is an error.
-fn parse_fp16_attr(cx: &mut Ctxt, attr: &syn::Attribute) -> bool {
-    let mut skip = false;
+/// `#[fp16(skip)]` or `#[fp16(fp32)]`; anything else is an error.
+fn parse_fp16_attr(cx: &mut Ctxt, attr: &syn::Attribute) -> Option<Fp16Option> {
+    const OPTIONS: &[&str] = &["fp32", "skip"];
+    let mut found = None;
     let result = attr.parse_nested_meta(|meta| {
-        if meta.path.is_ident("skip") {
-            skip = true;
-            Ok(())
+        let option = if meta.path.is_ident("skip") {
+            Fp16Option::Skip
+        } else if meta.path.is_ident("fp32") {
+            Fp16Option::Fp32
         } else {
             let name = meta
                 .path
                 .get_ident()
                 .map(ToString::to_string)
                 .unwrap_or_default();
-            let hint = match suggest::closest(&name, &["skip"]) {
+            let hint = match suggest::closest(&name, OPTIONS) {
                 Some(close) => format!("did you mean `{close}`?"),
-                None => "the only option is `skip`".to_string(),
+                None => "the options are `fp32` (keep the layer in fp32, its inputs cast to fp32 \
+                         and its outputs back) and `skip` (leave the field exactly as it is)"
+                    .to_string(),
             };
-            Err(meta.error(format!("unknown option `{name}` in `#[fp16(...)]`; {hint}")))
+            return Err(meta.error(format!("unknown option `{name}` in `#[fp16(...)]`; {hint}")));
+        };
+        if found.is_some() {
+            return Err(meta.error(
+                "`#[fp16(...)]` takes one option: `fp32` (an fp32 island) or `skip` (left as it is)",
+            ));
         }
+        found = Some(option);
+        Ok(())
     });
     if let Err(error) = result {
         cx.syn_error(error);
     }
-    skip
+    found
 }
 
 /// Whether `#[module(...)]` contains `skip`.

@@ -43,8 +43,14 @@ pub fn fallback(memsave: &TokenStream, model: &Model) -> TokenStream {
             }
         }
     });
+    let random_draws = header(quote!(#memsave::checkpoint::RandomDraws));
     quote! {
         #item
+        #random_draws {
+            fn draws_random(&self) -> bool {
+                false
+            }
+        }
         #fp16_module {
             fn wrap_fp16(self, _precision: #memsave::fp16::Precision) -> Self {
                 self

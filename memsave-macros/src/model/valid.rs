@@ -25,24 +25,34 @@ fn validate_with_cp(cx: &mut Ctxt, model: &Model) {
             );
         }
     }
-    if let Some(first) = model.first_layer() {
-        if let Some(attr) = &first.with_cp {
-            let name = first.ident().expect("a struct's fields have names");
-            cx.error_spanned_by(
-                attr,
-                format!(
-                    "`#[with_cp]` cannot go on `{name}`, the first layer: its input is the \
-                     network's input (the image), which does not require grad, so the segment \
-                     would run unrecorded and no gradient would reach the parameters of `{name}` \
-                     (PyTorch only warns: \"None of the inputs have requires_grad=True\"); \
-                     checkpoint the layers after it"
-                ),
-            );
-        }
-    }
 }
 
 fn validate_fp16(cx: &mut Ctxt, model: &Model) {
+    for field in model.all_fields() {
+        let Some(attr) = &field.fp32 else { continue };
+        if field
+            .ident()
+            .is_some_and(|ident| ident == FP16_FLAG || ident == CP_FLAG)
+        {
+            cx.error_spanned_by(
+                attr,
+                "`#[fp16(fp32)]` goes on a layer, not on a flag: it keeps the layer in fp32, its \
+                 inputs cast to fp32 and its outputs cast back",
+            );
+        } else if field.module_skip {
+            cx.error_spanned_by(
+                attr,
+                "`#[fp16(fp32)]` goes on a layer, and `#[module(skip)]` says this field is not \
+                 one: drop one of the two",
+            );
+        } else if field.fp16_skip {
+            cx.error_spanned_by(
+                attr,
+                "`#[fp16(fp32)]` and `#[fp16(skip)]` contradict each other: `fp32` casts the \
+                 layer's inputs to fp32 and its outputs back, `skip` leaves everything as it is",
+            );
+        }
+    }
     if let Some(flag) = model.flag() {
         if !is_fp16_type(&flag.ty) {
             let flag_ty = &flag.ty;

@@ -11,9 +11,13 @@ use super::valid::Plan;
 /// ```text
 /// fn forward(&self, x) -> y {
 ///     let segment = |this: &Self, x| -> y { body, with `self` read as `this` };
-///     if self.with_cp { checkpoint_named("forward", self, x, segment) } else { segment(self, x) }
+///     with_cp_method("forward", self, x, segment, self.with_cp, self draws random numbers)
 /// }
 /// ```
+///
+/// `with_cp_method` checkpoints when the flag is on (and the input requires grad) and runs the
+/// segment as written otherwise; when the module draws from the backend's random stream, both
+/// run under the segment's own stream, so that they give the same gradients.
 ///
 /// The body becomes a closure that captures nothing (so that the recomputation can keep it),
 /// not a second method: the expansion stays one method, so it works in a trait impl too. The
@@ -59,11 +63,16 @@ pub fn expand(memsave: &TokenStream, plan: &Plan, method: ImplItemFn) -> TokenSt
     };
     dispatcher.block = syn::parse_quote!({
         let #segment = |#this: &Self, #param_pattern: #param_type| #output { #body };
-        if #memsave::checkpoint::HasWithCp::with_cp(self) {
-            #memsave::checkpoint::checkpoint_named(#name, self, #input, #segment)
-        } else {
-            #segment(self, #input)
-        }
+        #[allow(unused_imports)]
+        use #memsave::checkpoint::__private::{ViaFallback as _, ViaTrait as _};
+        #memsave::checkpoint::__private::with_cp_method(
+            #name,
+            self,
+            #input,
+            #segment,
+            #memsave::checkpoint::HasWithCp::with_cp(self),
+            (&#memsave::checkpoint::__private::Probe(self)).draws_random(),
+        )
     });
     quote!(#dispatcher)
 }

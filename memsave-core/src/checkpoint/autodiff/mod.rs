@@ -99,7 +99,13 @@ impl<B: Backend, C: CheckpointStrategy> CheckpointBackend for Autodiff<B, C> {
         tensor.is_tracked()
     }
 
-    fn checkpoint_segment<M, I, O, F>(method: &'static str, module: &M, input: I, segment: F) -> O
+    fn checkpoint_segment<M, I, O, F>(
+        method: &'static str,
+        module: &M,
+        input: I,
+        segment: F,
+        stream: Option<u64>,
+    ) -> O
     where
         M: Module<Self> + 'static,
         I: Segment<Self>,
@@ -118,13 +124,30 @@ impl<B: Backend, C: CheckpointStrategy> CheckpointBackend for Autodiff<B, C> {
         let (output, draws) = context::recording(|| segment(&untracked, detached));
         drop(untracked);
 
+        if floats(&output).is_empty() {
+            // Nothing for a gradient to flow through: the first forward's output is the result.
+            return output;
+        }
         if floats(&output).iter().any(|tensor| tensor.is_tracked()) {
             // A tracked tensor entered other than as an input or a parameter: recomputing would
             // miss its gradient (or, inside a locked graph, wait forever). Run plainly, with
-            // the same random draws; running statistics moved in the first forward already.
+            // the same random draws, on a helper thread: Burn's `RunningState` keeps one update
+            // per thread and averages them, so the statistics moved in the first forward are
+            // not moved a second time.
             drop(output);
             super::warn_uncheckpointed(std::any::type_name::<M>(), method);
-            return context::replaying(draws, || segment(module, input));
+            let device = floats(&input)
+                .first()
+                .map(|tensor| B::float_device(&tensor.primitive));
+            let module = module.clone();
+            return threads::run_on_helper(move || {
+                context::replaying(draws, stream.is_some(), || {
+                    if let (Some(seed), Some(device)) = (stream, &device) {
+                        B::seed(device, seed);
+                    }
+                    segment(&module, input)
+                })
+            });
         }
 
         // The nodes the recomputation's gradients go to: the tracked inputs and parameters.
@@ -156,7 +179,7 @@ impl<B: Backend, C: CheckpointStrategy> CheckpointBackend for Autodiff<B, C> {
         let stash: Stash<B> = Arc::new(Mutex::new(vec![None; count]));
         let module = module.clone();
         let run: Run<B> = Box::new(move |output_grads| {
-            recompute::<B, C, M, I, O, F>(module, input, segment, draws, output_grads)
+            recompute::<B, C, M, I, O, F>(module, input, segment, draws, stream, output_grads)
         });
         let state = AnchorState {
             run: Arc::new(Mutex::new(Some(run))),

@@ -25,6 +25,7 @@ pub(super) fn recompute<B, C, M, I, O, F>(
     input: I,
     segment: F,
     draws: Draws,
+    stream: Option<u64>,
     output_grads: Vec<Option<FloatTensor<B>>>,
 ) -> Result<Grads<B>, String>
 where
@@ -40,8 +41,15 @@ where
     threads::spawn(move || {
         let report = sender.clone();
         let outcome = catch_unwind(AssertUnwindSafe(|| {
-            context::replaying(draws, || {
-                backprop_segment::<B, C, M, I, O, F>(module, input, segment, output_grads, sender)
+            context::replaying(draws, stream.is_some(), || {
+                backprop_segment::<B, C, M, I, O, F>(
+                    module,
+                    input,
+                    segment,
+                    stream,
+                    output_grads,
+                    sender,
+                )
             })
         }));
         if let Err(payload) = outcome {
@@ -90,6 +98,7 @@ pub(super) fn backprop_segment<B, C, M, I, O, F>(
     module: M,
     input: I,
     segment: F,
+    stream: Option<u64>,
     output_grads: Vec<Option<FloatTensor<B>>>,
     sender: mpsc::Sender<Message<B>>,
 ) where
@@ -117,6 +126,10 @@ pub(super) fn backprop_segment<B, C, M, I, O, F>(
         _strategy: std::marker::PhantomData,
     });
 
+    // The segment's own random stream, where its first forward started it.
+    if let (Some(seed), Some(first)) = (stream, floats(&input).first()) {
+        Ad::<B, C>::seed(&Ad::<B, C>::float_device(first), seed);
+    }
     let output = segment(&module, input);
 
     // The anchor only runs once an output has its gradient: there is one to size things by.

@@ -34,6 +34,9 @@ pub struct SnapshotMeta {
     pub epoch: usize,
     /// The shape of every parameter, in order: a snapshot only loads into the same model.
     pub param_shapes: Vec<Vec<usize>>,
+    /// The precision it trained in (`"fp32"`, `"f16"`, `"bf16"`); absent in older snapshots.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub precision: Option<String>,
     /// Each hook's state, by hook name.
     pub hooks: BTreeMap<String, serde_json::Value>,
 }
