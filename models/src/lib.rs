@@ -6,6 +6,7 @@ pub mod classifier;
 pub mod config;
 pub mod data;
 pub mod resnet;
+pub mod weights;
 
 /// memsave's runtime and macros under the name model code uses (`memsave::nn`, `#[memsave::model]`),
 /// without depending on the facade (which depends on this crate).

@@ -35,6 +35,7 @@ impl BatchNormConfig {
             running_var: RunningState::new(ones),
             momentum: self.momentum,
             epsilon: self.epsilon,
+            eval: false,
             fp16_enabled: Fp16::Off,
         }
     }
@@ -44,8 +45,9 @@ impl BatchNormConfig {
 /// fp32 inside a half-precision model.
 ///
 /// On an autodiff backend it normalises with the batch statistics and updates the running ones
-/// (running variance with the unbiased batch variance, as PyTorch); otherwise it normalises with
-/// the running statistics. Inside a checkpointed segment the running statistics are updated
+/// (running variance with the unbiased batch variance, as PyTorch); otherwise, or in eval mode
+/// ([`BatchNorm::with_eval`]: PyTorch's `.eval()`, MMDetection's `norm_eval`), it normalises
+/// with the running statistics and leaves them alone, gradients still flowing. Inside a checkpointed segment the running statistics are updated
 /// in the first forward only, not again in the recomputation.
 #[derive(Module, Debug)]
 pub struct BatchNorm<B: Backend> {
@@ -61,11 +63,18 @@ pub struct BatchNorm<B: Backend> {
     pub momentum: f64,
     /// Added to the variance for numerical stability.
     pub epsilon: f64,
+    /// Eval mode: the running statistics normalise, also in training, and do not move.
+    pub eval: bool,
     /// On: the input is cast to fp32 and the output back to half.
     pub fp16_enabled: Fp16,
 }
 
 impl<B: Backend> BatchNorm<B> {
+    /// In eval mode (`true`) or training mode (`false`), as PyTorch's `.eval()` / `.train()`.
+    pub fn with_eval(self, eval: bool) -> Self {
+        BatchNorm { eval, ..self }
+    }
+
     /// Normalises `input` per channel.
     ///
     /// - input: `[batch, channels, ...]`, fp32, or half when the fp16 flag is on (kept half:
@@ -166,7 +175,7 @@ impl<B: Backend> BatchNorm<B> {
             self.gamma.shape().num_elements(),
             view.channels
         );
-        let statistics = if B::ad_enabled(&device) {
+        let statistics = if B::ad_enabled(&device) && !self.eval {
             Statistics::Batch
         } else {
             Statistics::Running {
