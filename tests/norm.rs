@@ -95,3 +95,57 @@ fn group_norm_normalises_each_group_of_each_sample() {
     ];
     close(&out.into_data().to_vec::<f32>().unwrap(), &expected, 1e-5);
 }
+
+/// A fresh BatchNorm in eval mode (`norm_eval`, frozen stages) normalises with its running
+/// statistics as constants: its scale's gradient is `sum(dy * x / sqrt(1 + eps))`, and no
+/// gradient reaches the statistics (they once shared an autodiff node with the parameters).
+#[test]
+fn batch_norm_in_eval_mode_treats_fresh_running_statistics_as_constants() {
+    use burn::tensor::Distribution;
+    let device = Default::default();
+    let bn = memsave::nn::BatchNormConfig::new(3)
+        .init::<AB>(&device)
+        .with_eval(true);
+    let x = Tensor::<AB, 4>::random([2, 3, 4, 4], Distribution::Normal(0.5, 2.0), &device);
+    let w = Tensor::<AB, 4>::random([2, 3, 4, 4], Distribution::Normal(0.0, 1.0), &device);
+    for relu in [false, true] {
+        let y = if relu {
+            bn.forward_relu(x.clone())
+        } else {
+            bn.forward(x.clone())
+        };
+        let grads = (y.clone() * w.clone()).sum().backward();
+        let x_hat = x.clone().inner().div_scalar((1.0f64 + 1e-5).sqrt());
+        let mut dy = w.clone().inner();
+        if relu {
+            dy = dy.mask_fill(y.inner().lower_equal_elem(0.0), 0.0);
+        }
+        let expected: Vec<f32> = (dy * x_hat)
+            .sum_dim(0)
+            .sum_dim(2)
+            .sum_dim(3)
+            .flatten::<1>(0, 3)
+            .into_data()
+            .to_vec()
+            .unwrap();
+        let got: Vec<f32> = bn
+            .gamma
+            .val()
+            .grad(&grads)
+            .unwrap()
+            .into_data()
+            .to_vec()
+            .unwrap();
+        for (g, e) in got.iter().zip(&expected) {
+            assert!(
+                (g - e).abs() <= 1e-4 * e.abs().max(1.0),
+                "relu {relu}: {got:?} vs {expected:?}"
+            );
+        }
+        assert!(
+            bn.running_mean.value().grad(&grads).is_none(),
+            "relu {relu}"
+        );
+        assert!(bn.running_var.value().grad(&grads).is_none(), "relu {relu}");
+    }
+}

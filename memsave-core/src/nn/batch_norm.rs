@@ -26,13 +26,15 @@ pub struct BatchNormConfig {
 impl BatchNormConfig {
     /// A layer with `gamma = 1`, `beta = 0`, running mean 0 and running variance 1.
     pub fn init<B: Backend>(&self, device: &B::Device) -> BatchNorm<B> {
-        let ones = Tensor::ones([self.num_features], device);
-        let zeros = Tensor::zeros([self.num_features], device);
+        // Each its own tensor: under autodiff a clone shares its node, and marking the
+        // parameter as requiring grad would make the running statistics tracked too.
+        let ones = || Tensor::ones([self.num_features], device);
+        let zeros = || Tensor::zeros([self.num_features], device);
         BatchNorm {
-            gamma: Param::from_tensor(ones.clone()),
-            beta: Param::from_tensor(zeros.clone()),
-            running_mean: RunningState::new(zeros),
-            running_var: RunningState::new(ones),
+            gamma: Param::from_tensor(ones()),
+            beta: Param::from_tensor(zeros()),
+            running_mean: RunningState::new(zeros()),
+            running_var: RunningState::new(ones()),
             momentum: self.momentum,
             epsilon: self.epsilon,
             eval: false,
@@ -179,15 +181,18 @@ impl<B: Backend> BatchNorm<B> {
             Statistics::Batch
         } else {
             Statistics::Running {
+                // Constants: no gradient flows into the statistics, whatever they came from.
                 mean: self
                     .running_mean
                     .value()
+                    .detach()
                     .to_device(&device)
                     .into_primitive()
                     .tensor(),
                 var: self
                     .running_var
                     .value()
+                    .detach()
                     .to_device(&device)
                     .into_primitive()
                     .tensor(),
