@@ -284,6 +284,13 @@ pub trait HasWithCp {
             checkpoint the block that contains them"
 )]
 pub trait CheckpointModule: Sized {
+    /// Whether the module is itself a checkpointed segment ([`crate::fp16::__private::Marked`]:
+    /// it has the `with_cp` flag, or it is an enum of blocks) or only leads to some
+    /// ([`crate::fp16::__private::Unmarked`]: a container, such as a backbone whose stem runs
+    /// plainly). The first-layer guard of `#[auto_fp16]` asks it of the field that receives the
+    /// network's input.
+    type Mark: Default;
+
     /// Sets every `with_cp` flag of this module and of its `#[with_cp]` fields to `on`.
     fn set_with_cp(self, on: bool) -> Self;
 }
@@ -295,6 +302,8 @@ pub fn set_with_cp<M: CheckpointModule>(model: M, on: bool) -> M {
 }
 
 impl<T: CheckpointModule> CheckpointModule for Vec<T> {
+    type Mark = T::Mark;
+
     fn set_with_cp(self, on: bool) -> Self {
         self.into_iter()
             .map(|module| module.set_with_cp(on))
@@ -303,18 +312,24 @@ impl<T: CheckpointModule> CheckpointModule for Vec<T> {
 }
 
 impl<T: CheckpointModule> CheckpointModule for Option<T> {
+    type Mark = T::Mark;
+
     fn set_with_cp(self, on: bool) -> Self {
         self.map(|module| module.set_with_cp(on))
     }
 }
 
 impl<T: CheckpointModule> CheckpointModule for Box<T> {
+    type Mark = T::Mark;
+
     fn set_with_cp(self, on: bool) -> Self {
         Box::new((*self).set_with_cp(on))
     }
 }
 
 impl<T: CheckpointModule, const N: usize> CheckpointModule for [T; N] {
+    type Mark = T::Mark;
+
     fn set_with_cp(self, on: bool) -> Self {
         self.map(|module| module.set_with_cp(on))
     }

@@ -141,6 +141,8 @@ impl<M> Fp16Module for Fp32<M> {
 }
 
 impl<M: crate::checkpoint::CheckpointModule> crate::checkpoint::CheckpointModule for Fp32<M> {
+    type Mark = M::Mark;
+
     fn set_with_cp(self, on: bool) -> Self {
         Fp32 {
             inner: self.inner.set_with_cp(on),

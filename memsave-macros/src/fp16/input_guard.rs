@@ -118,8 +118,9 @@ impl<'ast> Visit<'ast> for Finder {
 /// receives an argument straight, a type error (before monomorphisation, so `cargo check` sees
 /// it) when that layer is marked `#[with_cp]`: the struct gives such a field a method
 /// `__memsave_mark_FIELD` returning `Marked`, which wins over the local fallback returning
-/// `Unmarked`, and only `Unmarked` satisfies the local trait whose message names the argument
-/// and the method.
+/// `Unmarked`; the field's type answers too (`Unmarked` for a container whose first layer
+/// runs plainly, such as a backbone with its stem); only `Unmarked` from either satisfies the
+/// local trait whose message names the argument and the method.
 pub fn checks(memsave: &TokenStream, method: &ImplItemFn) -> Vec<TokenStream> {
     let live = crate::args::typed(&method.sig)
         .iter()
@@ -150,6 +151,7 @@ pub fn checks(memsave: &TokenStream, method: &ImplItemFn) -> Vec<TokenStream> {
                         written; PyTorch only warns \"None of the inputs have \
                         requires_grad=True\"): checkpoint the layers after it";
             let mark = format_ident!("__memsave_mark_{}", field);
+            let field_ident = format_ident!("{}", field);
             quote_spanned! {span=>
                 #[allow(dead_code, non_camel_case_types)]
                 {
@@ -163,7 +165,13 @@ pub fn checks(memsave: &TokenStream, method: &ImplItemFn) -> Vec<TokenStream> {
                         }
                     }
                     impl<T: ?Sized> __MemsaveUnmarked for T {}
-                    __memsave_require(self.#mark());
+                    #[allow(unused_imports)]
+                    use #memsave::fp16::__private::{MarkViaFallback as _, MarkViaTrait as _};
+                    let __memsave_mark = #memsave::fp16::__private::both(
+                        self.#mark(),
+                        (&#memsave::fp16::__private::MarkProbe(&self.#field_ident)).cp_mark(),
+                    );
+                    __memsave_require(__memsave_mark);
                 }
             }
         })

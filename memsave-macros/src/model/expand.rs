@@ -168,8 +168,16 @@ fn checkpoint_module(memsave: &TokenStream, model: &Model) -> Option<TokenStream
             value
         }
     });
+    // A segment itself (the flag, or an enum dispatching to blocks), or a container.
+    let mark = if model.cp_flag().is_some() || matches!(model.body, Body::Enum(_)) {
+        quote!(#memsave::fp16::__private::Marked)
+    } else {
+        quote!(#memsave::fp16::__private::Unmarked)
+    };
     Some(quote! {
         #header {
+            type Mark = #mark;
+
             fn set_with_cp(self, on: bool) -> Self {
                 #body
             }
@@ -248,8 +256,9 @@ fn random_draws(memsave: &TokenStream, model: &Model) -> TokenStream {
 /// What the method macros and the compiler read across the two macros:
 /// - per field marked `#[with_cp]`, a hidden method `__memsave_mark_FIELD` returning
 ///   `Marked`: `#[auto_fp16]` asks it of a field that receives the forward's own input (a field
-///   without one answers `Unmarked` through the method macro's fallback), a type-checked, so
-///   pre-monomorphisation, question;
+///   without one answers `Unmarked` through the method macro's fallback), together with the
+///   field type's `CheckpointModule::Mark` (`Unmarked` for a container of segments, such as a
+///   backbone whose stem runs plainly), a type-checked, so pre-monomorphisation, question;
 /// - with the `with_cp` flag, a constant per field whose type names no generic parameter: its
 ///   evaluation fails, naming memsave's replacement, if the field is a layer that a
 ///   checkpointed segment would get wrong (Burn's `Dropout` and `GaussianNoise`, whose

@@ -27,6 +27,8 @@ pub fn fallback(memsave: &TokenStream, model: &Model) -> TokenStream {
         let header = header(quote!(#memsave::checkpoint::CheckpointModule));
         quote! {
             #header {
+                type Mark = #memsave::fp16::__private::Unmarked;
+
                 fn set_with_cp(self, _on: bool) -> Self {
                     self
                 }
