@@ -5,6 +5,8 @@
 pub mod classifier;
 pub mod config;
 pub mod data;
+pub mod detection;
+pub mod eval;
 pub mod resnet;
 pub mod weights;
 

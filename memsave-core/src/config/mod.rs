@@ -32,8 +32,8 @@ use serde::de::DeserializeOwned;
 use serde::Deserialize;
 
 pub use sections::{
-    Fp16Section, GradScalerParams, LossScaleSpec, OptimizerHookSection, OptimizerHookType,
-    OptimizerSection,
+    EvaluationSection, Fp16Section, GradScalerParams, LossScaleSpec, OptimizerHookSection,
+    OptimizerHookType, OptimizerSection,
 };
 
 use crate::hooks::{LogConfig, LrSchedule, SnapshotConfig};
@@ -73,6 +73,10 @@ pub struct Config<M, D> {
     /// How often to log.
     #[serde(default)]
     pub log_config: LogConfig,
+    /// Evaluation during training (MMDetection's `evaluation = dict(interval=1,
+    /// metric='mAP')`); absent: none.
+    #[serde(default)]
+    pub evaluation: Option<EvaluationSection>,
 }
 
 impl<M: DeserializeOwned, D: DeserializeOwned> Config<M, D> {

@@ -220,3 +220,24 @@ impl LossScaleSpec {
         }
     }
 }
+
+/// `[evaluation]`: evaluate the model on the validation data every `interval` epochs (or
+/// iterations, for an iteration-based run).
+#[derive(Clone, Debug, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct EvaluationSection {
+    /// Epochs (iterations) between evaluations.
+    #[serde(default = "one")]
+    pub interval: usize,
+    /// `"mAP"` (the only metric of a VOC detector).
+    #[serde(default = "map")]
+    pub metric: String,
+}
+
+fn one() -> usize {
+    1
+}
+
+fn map() -> String {
+    "mAP".to_string()
+}

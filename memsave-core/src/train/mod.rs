@@ -10,5 +10,5 @@ pub mod state;
 
 pub use optim::{Optim, OptimizerKind};
 pub use runner::{Hook, RunLength, Runner};
-pub use snapshot::{Snapshot, SnapshotMeta};
+pub use snapshot::{load_weights, Snapshot, SnapshotMeta};
 pub use state::{BatchFootprint, DataSource, IterLog, TrainModel, TrainState};

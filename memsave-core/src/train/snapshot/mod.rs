@@ -140,6 +140,40 @@ impl Snapshot {
     }
 }
 
+/// `model` with the weights of the snapshot at `path`, on any backend (a model trained with
+/// autodiff, loaded for inference): the parameter shapes must be the snapshot's.
+pub fn load_weights<B, M>(model: M, path: &Path, device: &B::Device) -> Result<M>
+where
+    B: burn::prelude::Backend,
+    M: burn::module::Module<B>,
+{
+    use burn::module::{ModuleVisitor, Param};
+    use burn::prelude::Tensor;
+    struct Shapes(Vec<Vec<usize>>);
+    impl<B: burn::prelude::Backend> ModuleVisitor<B> for Shapes {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+            self.0.push(param.lazy_shape().dims::<D>().to_vec());
+        }
+    }
+    let snapshot = Snapshot::load(path)?;
+    let mut shapes = Shapes(Vec::new());
+    model.visit(&mut shapes);
+    let bad = |message: String| Error::Snapshot {
+        path: path.to_path_buf(),
+        message,
+    };
+    if snapshot.meta.param_shapes != shapes.0 {
+        return Err(bad(format!(
+            "it was saved from another model ({} parameters there, {} here, or other shapes)",
+            snapshot.meta.param_shapes.len(),
+            shapes.0.len()
+        )));
+    }
+    let record = codec::load_bytes::<B, M::Record>(&snapshot.model, device)
+        .map_err(|error| bad(error.to_string()))?;
+    Ok(model.load_record(record))
+}
+
 fn take<'a>(rest: &mut &'a [u8], n: usize) -> Option<&'a [u8]> {
     if rest.len() < n {
         return None;

@@ -1,0 +1,245 @@
+//! Feature Pyramid Network (Lin et al., 2017) as MMDetection's `FPN`: 1x1 lateral convs, a
+//! top-down path with nearest upsampling, 3x3 output convs, and extra levels by stride-2
+//! convs (RetinaNet: P6 and P7 from C5, `add_extra_convs = "on_input"`).
+
+use burn::module::{Module, Param};
+use burn::nn::conv::{Conv2d, Conv2dConfig};
+use burn::nn::{Initializer, PaddingConfig2d};
+use burn::prelude::{Backend, Tensor};
+use burn::tensor::module::{interpolate, max_pool2d};
+use burn::tensor::ops::{InterpolateMode, InterpolateOptions};
+use serde::{Deserialize, Serialize};
+
+use crate::memsave::fp16::Fp16;
+use crate::memsave::nn::{conv2d, relu};
+use crate::memsave::{auto_fp16, Error, Result};
+
+/// Where the extra levels' first conv reads from (MMDetection's `add_extra_convs`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ExtraConvs {
+    /// The last backbone feature map used (C5): RetinaNet.
+    OnInput,
+    /// The last lateral (before its 3x3 conv).
+    OnLateral,
+    /// The last output (P5).
+    OnOutput,
+}
+
+/// `add_extra_convs`: `false` (extra levels by max pooling) or where the convs read from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(untagged)]
+pub enum AddExtraConvs {
+    /// `false`: a 1x1 max pool of stride 2 for each extra level (`true` is not accepted:
+    /// MMDetection reads it as `on_input`, say so).
+    Off(bool),
+    /// Convs reading from here.
+    On(ExtraConvs),
+}
+
+/// `[model.neck]`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct FpnConfig {
+    /// `"FPN"`.
+    #[serde(rename = "type")]
+    pub kind: String,
+    /// Channels of each backbone feature map (C2..C5).
+    pub in_channels: Vec<usize>,
+    /// Channels of every output level.
+    pub out_channels: usize,
+    /// The first backbone level used (1: C3, for P3).
+    pub start_level: usize,
+    /// The extra levels' source.
+    pub add_extra_convs: AddExtraConvs,
+    /// Output levels in all (RetinaNet: 5, P3..P7).
+    pub num_outs: usize,
+    /// ReLU before each extra conv (RetinaNet: no).
+    pub relu_before_extra_convs: bool,
+}
+
+impl Default for FpnConfig {
+    fn default() -> Self {
+        FpnConfig {
+            kind: "FPN".to_string(),
+            in_channels: vec![256, 512, 1024, 2048],
+            out_channels: 256,
+            start_level: 1,
+            add_extra_convs: AddExtraConvs::On(ExtraConvs::OnInput),
+            num_outs: 5,
+            relu_before_extra_convs: false,
+        }
+    }
+}
+
+fn conv<B: Backend>(
+    channels: [usize; 2],
+    kernel: usize,
+    stride: usize,
+    device: &B::Device,
+) -> Conv2d<B> {
+    let pad = kernel / 2;
+    let mut conv = Conv2dConfig::new(channels, [kernel, kernel])
+        .with_stride([stride, stride])
+        .with_padding(PaddingConfig2d::Explicit(pad, pad, pad, pad))
+        .with_initializer(Initializer::XavierUniform { gain: 1.0 })
+        .init(device);
+    conv.bias = Some(Param::from_tensor(Tensor::zeros([channels[1]], device)));
+    conv
+}
+
+impl FpnConfig {
+    /// Checks the values; errors name `model.neck.<field>`.
+    pub fn check(&self) -> Result<()> {
+        let bad = |field: &str, message: String| {
+            Err(Error::invalid(format!("model.neck.{field}"), message))
+        };
+        if self.kind != "FPN" {
+            return bad("type", format!("`{}` is not known: use \"FPN\"", self.kind));
+        }
+        if self.in_channels.is_empty() || self.in_channels.contains(&0) {
+            return bad(
+                "in_channels",
+                format!("must be positive, got {:?}", self.in_channels),
+            );
+        }
+        if self.out_channels == 0 {
+            return bad("out_channels", "must be at least 1".to_string());
+        }
+        if self.start_level >= self.in_channels.len() {
+            return bad(
+                "start_level",
+                format!(
+                    "{} is past the {} inputs",
+                    self.start_level,
+                    self.in_channels.len()
+                ),
+            );
+        }
+        let used = self.in_channels.len() - self.start_level;
+        if self.num_outs < used {
+            return bad(
+                "num_outs",
+                format!(
+                    "{} is fewer than the {used} levels used from the backbone",
+                    self.num_outs
+                ),
+            );
+        }
+        if self.add_extra_convs == AddExtraConvs::Off(true) {
+            return bad(
+                "add_extra_convs",
+                "say where the extra convs read from: \"on_input\", \"on_lateral\" or \"on_output\" (or false)"
+                    .to_string(),
+            );
+        }
+        Ok(())
+    }
+
+    /// The neck, Xavier-uniform weights and zero biases.
+    pub fn init<B: Backend>(&self, device: &B::Device) -> Result<Fpn<B>> {
+        self.check()?;
+        let used = &self.in_channels[self.start_level..];
+        let out = self.out_channels;
+        let lateral_convs = used.iter().map(|&c| conv([c, out], 1, 1, device)).collect();
+        let fpn_convs = used
+            .iter()
+            .map(|_| conv([out, out], 3, 1, device))
+            .collect();
+        let extra = self.num_outs - used.len();
+        let extra_convs = match self.add_extra_convs {
+            AddExtraConvs::Off(_) => Vec::new(),
+            AddExtraConvs::On(source) => (0..extra)
+                .map(|i| {
+                    let input = if i == 0 && source == ExtraConvs::OnInput {
+                        *used.last().expect("checked: at least one level")
+                    } else {
+                        out
+                    };
+                    conv([input, out], 3, 2, device)
+                })
+                .collect(),
+        };
+        Ok(Fpn {
+            lateral_convs,
+            fpn_convs,
+            extra_convs,
+            start_level: self.start_level,
+            num_outs: self.num_outs,
+            source: match self.add_extra_convs {
+                AddExtraConvs::On(ExtraConvs::OnLateral) => 1,
+                AddExtraConvs::On(ExtraConvs::OnOutput) => 2,
+                _ => 0,
+            },
+            relu_before_extra_convs: self.relu_before_extra_convs,
+            fp16_enabled: Fp16::Off,
+        })
+    }
+}
+
+/// The feature pyramid.
+#[crate::memsave::model]
+#[derive(Module, Debug)]
+pub struct Fpn<B: Backend> {
+    lateral_convs: Vec<Conv2d<B>>,
+    fpn_convs: Vec<Conv2d<B>>,
+    extra_convs: Vec<Conv2d<B>>,
+    start_level: usize,
+    num_outs: usize,
+    /// 0: on input, 1: on lateral, 2: on output.
+    source: usize,
+    relu_before_extra_convs: bool,
+    fp16_enabled: Fp16,
+}
+
+impl<B: Backend> Fpn<B> {
+    /// Backbone feature maps (all of them, C2..C5) -> `num_outs` maps of `out_channels`,
+    /// strides doubling from the first used level's.
+    #[auto_fp16]
+    pub fn forward(&self, inputs: Vec<Tensor<B, 4>>) -> Vec<Tensor<B, 4>> {
+        let used = &inputs[self.start_level..];
+        let mut laterals: Vec<Tensor<B, 4>> = self
+            .lateral_convs
+            .iter()
+            .zip(used)
+            .map(|(conv, x)| conv2d(conv, x.clone()))
+            .collect();
+        for i in (1..laterals.len()).rev() {
+            let [_, _, h, w] = laterals[i - 1].dims();
+            let up = interpolate(
+                laterals[i].clone(),
+                [h, w],
+                InterpolateOptions::new(InterpolateMode::Nearest),
+            );
+            laterals[i - 1] = laterals[i - 1].clone() + up;
+        }
+        let last_lateral = laterals.last().cloned();
+        let mut outs: Vec<Tensor<B, 4>> = self
+            .fpn_convs
+            .iter()
+            .zip(laterals)
+            .map(|(conv, x)| conv2d(conv, x))
+            .collect();
+        if self.extra_convs.is_empty() {
+            while outs.len() < self.num_outs {
+                let last = outs.last().expect("at least one level").clone();
+                outs.push(max_pool2d(last, [1, 1], [2, 2], [0, 0], [1, 1], false));
+            }
+            return outs;
+        }
+        let mut x = match self.source {
+            0 => used.last().expect("at least one level").clone(),
+            1 => last_lateral.expect("at least one level"),
+            _ => outs.last().expect("at least one level").clone(),
+        };
+        for (i, conv) in self.extra_convs.iter().enumerate() {
+            // MMDetection: the first extra conv reads its source as it is.
+            if i > 0 && self.relu_before_extra_convs {
+                x = relu(x);
+            }
+            x = conv2d(conv, x);
+            outs.push(x.clone());
+        }
+        outs
+    }
+}

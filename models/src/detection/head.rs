@@ -1,0 +1,283 @@
+//! RetinaHead (Lin et al., 2017): two branches of stacked 3x3 conv + ReLU shared by every
+//! pyramid level, one predicting a sigmoid score per anchor and class, the other the box
+//! deltas of each anchor.
+
+use burn::module::{Module, Param};
+use burn::nn::conv::{Conv2d, Conv2dConfig};
+use burn::nn::{Initializer, PaddingConfig2d};
+use burn::prelude::{Backend, Tensor};
+use serde::{Deserialize, Serialize};
+
+use super::anchors::AnchorGeneratorConfig;
+use crate::memsave::fp16::Fp16;
+use crate::memsave::nn::{conv2d, relu};
+use crate::memsave::{auto_fp16, Error, Result};
+
+/// `bbox_coder`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct BBoxCoderConfig {
+    /// `"DeltaXYWHBBoxCoder"`.
+    #[serde(rename = "type")]
+    pub kind: String,
+    /// Subtracted from the deltas after encoding.
+    pub target_means: [f32; 4],
+    /// The deltas are divided by these after encoding.
+    pub target_stds: [f32; 4],
+}
+
+impl Default for BBoxCoderConfig {
+    fn default() -> Self {
+        BBoxCoderConfig {
+            kind: "DeltaXYWHBBoxCoder".to_string(),
+            target_means: [0.0; 4],
+            target_stds: [1.0; 4],
+        }
+    }
+}
+
+/// `loss_cls`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct FocalLossConfig {
+    /// `"FocalLoss"`.
+    #[serde(rename = "type")]
+    pub kind: String,
+    /// Sigmoid per class (the only form RetinaNet uses).
+    pub use_sigmoid: bool,
+    /// The focusing exponent.
+    pub gamma: f32,
+    /// The weight of positives (negatives: `1 - alpha`).
+    pub alpha: f32,
+    /// Multiplies the loss.
+    pub loss_weight: f32,
+}
+
+impl Default for FocalLossConfig {
+    fn default() -> Self {
+        FocalLossConfig {
+            kind: "FocalLoss".to_string(),
+            use_sigmoid: true,
+            gamma: 2.0,
+            alpha: 0.25,
+            loss_weight: 1.0,
+        }
+    }
+}
+
+/// `loss_bbox`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct L1LossConfig {
+    /// `"L1Loss"`.
+    #[serde(rename = "type")]
+    pub kind: String,
+    /// Multiplies the loss.
+    pub loss_weight: f32,
+}
+
+impl Default for L1LossConfig {
+    fn default() -> Self {
+        L1LossConfig {
+            kind: "L1Loss".to_string(),
+            loss_weight: 1.0,
+        }
+    }
+}
+
+/// `[model.bbox_head]`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct RetinaHeadConfig {
+    /// `"RetinaHead"`.
+    #[serde(rename = "type")]
+    pub kind: String,
+    /// Object classes (VOC: 20), without a background class (sigmoid scores).
+    pub num_classes: usize,
+    /// Channels of each pyramid level.
+    pub in_channels: usize,
+    /// 3x3 conv + ReLU layers per branch.
+    pub stacked_convs: usize,
+    /// Their channels.
+    pub feat_channels: usize,
+    /// The anchors.
+    pub anchor_generator: AnchorGeneratorConfig,
+    /// The box coder.
+    pub bbox_coder: BBoxCoderConfig,
+    /// The classification loss.
+    pub loss_cls: FocalLossConfig,
+    /// The box loss.
+    pub loss_bbox: L1LossConfig,
+}
+
+impl Default for RetinaHeadConfig {
+    fn default() -> Self {
+        RetinaHeadConfig {
+            kind: "RetinaHead".to_string(),
+            num_classes: 20,
+            in_channels: 256,
+            stacked_convs: 4,
+            feat_channels: 256,
+            anchor_generator: AnchorGeneratorConfig::default(),
+            bbox_coder: BBoxCoderConfig::default(),
+            loss_cls: FocalLossConfig::default(),
+            loss_bbox: L1LossConfig::default(),
+        }
+    }
+}
+
+/// A 3x3 conv of `channels`, weights from N(0, 0.01), bias `bias`.
+fn conv3x3<B: Backend>(channels: [usize; 2], bias: f32, device: &B::Device) -> Conv2d<B> {
+    let mut conv = Conv2dConfig::new(channels, [3, 3])
+        .with_padding(PaddingConfig2d::Explicit(1, 1, 1, 1))
+        .with_initializer(Initializer::Normal {
+            mean: 0.0,
+            std: 0.01,
+        })
+        .init(device);
+    conv.bias = Some(Param::from_tensor(Tensor::full(
+        [channels[1]],
+        bias,
+        device,
+    )));
+    conv
+}
+
+impl RetinaHeadConfig {
+    /// Checks the values; errors name `model.bbox_head.<field>`.
+    pub fn check(&self) -> Result<()> {
+        let bad = |field: &str, message: String| {
+            Err(Error::invalid(format!("model.bbox_head.{field}"), message))
+        };
+        if self.kind != "RetinaHead" {
+            return bad(
+                "type",
+                format!("`{}` is not known: use \"RetinaHead\"", self.kind),
+            );
+        }
+        for (field, value) in [
+            ("num_classes", self.num_classes),
+            ("in_channels", self.in_channels),
+            ("feat_channels", self.feat_channels),
+        ] {
+            if value == 0 {
+                return bad(field, "must be at least 1".to_string());
+            }
+        }
+        if self.bbox_coder.kind != "DeltaXYWHBBoxCoder" {
+            return bad(
+                "bbox_coder.type",
+                format!(
+                    "`{}` is not known: use \"DeltaXYWHBBoxCoder\"",
+                    self.bbox_coder.kind
+                ),
+            );
+        }
+        if self.bbox_coder.target_stds.iter().any(|s| !(*s > 0.0)) {
+            return bad(
+                "bbox_coder.target_stds",
+                format!("must be positive, got {:?}", self.bbox_coder.target_stds),
+            );
+        }
+        if self.loss_cls.kind != "FocalLoss" || !self.loss_cls.use_sigmoid {
+            return bad(
+                "loss_cls",
+                "RetinaHead trains with `{ type = \"FocalLoss\", use_sigmoid = true }`".to_string(),
+            );
+        }
+        if !(0.0..=1.0).contains(&self.loss_cls.alpha) || !(self.loss_cls.gamma >= 0.0) {
+            return bad(
+                "loss_cls",
+                format!(
+                    "alpha must be in [0, 1] and gamma at least 0, got alpha {} gamma {}",
+                    self.loss_cls.alpha, self.loss_cls.gamma
+                ),
+            );
+        }
+        if self.loss_bbox.kind != "L1Loss" {
+            return bad(
+                "loss_bbox.type",
+                format!("`{}` is not known: use \"L1Loss\"", self.loss_bbox.kind),
+            );
+        }
+        self.anchor_generator.check()
+    }
+
+    /// The head: N(0, 0.01) weights, zero biases, and the classifier's bias at
+    /// `-log((1 - 0.01) / 0.01)` so that every score starts at the prior 0.01.
+    pub fn init<B: Backend>(&self, device: &B::Device) -> Result<RetinaHead<B>> {
+        self.check()?;
+        let branch = || {
+            (0..self.stacked_convs)
+                .map(|i| {
+                    let input = if i == 0 {
+                        self.in_channels
+                    } else {
+                        self.feat_channels
+                    };
+                    conv3x3([input, self.feat_channels], 0.0, device)
+                })
+                .collect::<Vec<_>>()
+        };
+        let last = if self.stacked_convs == 0 {
+            self.in_channels
+        } else {
+            self.feat_channels
+        };
+        let anchors = self.anchor_generator.num_base_anchors();
+        let prior = 0.01f32;
+        Ok(RetinaHead {
+            cls_convs: branch(),
+            reg_convs: branch(),
+            retina_cls: conv3x3(
+                [last, anchors * self.num_classes],
+                -((1.0 - prior) / prior).ln(),
+                device,
+            ),
+            retina_reg: conv3x3([last, anchors * 4], 0.0, device),
+            num_classes: self.num_classes,
+            fp16_enabled: Fp16::Off,
+        })
+    }
+}
+
+/// The head.
+#[crate::memsave::model]
+#[derive(Module, Debug)]
+pub struct RetinaHead<B: Backend> {
+    cls_convs: Vec<Conv2d<B>>,
+    reg_convs: Vec<Conv2d<B>>,
+    retina_cls: Conv2d<B>,
+    retina_reg: Conv2d<B>,
+    num_classes: usize,
+    fp16_enabled: Fp16,
+}
+
+impl<B: Backend> RetinaHead<B> {
+    /// Pyramid levels `[N, C, H_l, W_l]` -> per level, class logits `[N, H_l * W_l * A,
+    /// classes]` and box deltas `[N, H_l * W_l * A, 4]`, location-major (as the anchors).
+    #[auto_fp16]
+    pub fn forward(&self, feats: Vec<Tensor<B, 4>>) -> Vec<(Tensor<B, 3>, Tensor<B, 3>)> {
+        feats
+            .into_iter()
+            .map(|x| {
+                let mut cls = x.clone();
+                for conv in &self.cls_convs {
+                    cls = relu(conv2d(conv, cls));
+                }
+                let mut reg = x;
+                for conv in &self.reg_convs {
+                    reg = relu(conv2d(conv, reg));
+                }
+                let cls = conv2d(&self.retina_cls, cls);
+                let reg = conv2d(&self.retina_reg, reg);
+                let n = cls.dims()[0] as i32;
+                let cls = cls
+                    .permute([0, 2, 3, 1])
+                    .reshape([n, -1, self.num_classes as i32]);
+                let reg = reg.permute([0, 2, 3, 1]).reshape([n, -1, 4]);
+                (cls, reg)
+            })
+            .collect()
+    }
+}

@@ -1,0 +1,132 @@
+//! Running a detector over a VOC split: its detections as records ([`detect`]), and the
+//! runner's evaluation hook (MMDetection's `EvalHook`), which scores the model on the
+//! validation split every `evaluation.interval` epochs (or iterations) and logs the table and
+//! the mAP.
+
+use std::io::Write;
+
+use burn::module::AutodiffModule;
+use burn::tensor::backend::AutodiffBackend;
+
+use super::voc::{voc_map, ApMode, DetectionRecord, MapResult};
+use crate::data::voc::loader::VocDetection;
+use crate::data::voc::VOC_CLASSES;
+use crate::detection::retinanet::RetinaNet;
+use crate::memsave::train::{DataSource, Hook, TrainState};
+use crate::memsave::{Error, Result};
+
+/// The detections of `model` on every image of `data` (in order, unflipped), in the original
+/// images' pixels.
+pub fn detect<B: crate::memsave::Backend>(
+    model: &RetinaNet<B>,
+    data: &VocDetection<B>,
+) -> Result<Vec<DetectionRecord>> {
+    let mut records = Vec::new();
+    for index in 0..data.batches_per_epoch() {
+        let batch = data.batch(0, index)?;
+        let detections = model.predict(batch.images, &batch.metas);
+        for (meta, dets) in batch.metas.iter().zip(detections) {
+            for d in dets {
+                records.push(DetectionRecord {
+                    image: meta.id.clone(),
+                    class: VOC_CLASSES[d.label].to_string(),
+                    score: d.score,
+                    bbox: d.bbox,
+                });
+            }
+        }
+    }
+    Ok(records)
+}
+
+/// Detects on `data` and scores the detections.
+pub fn evaluate<B: crate::memsave::Backend>(
+    model: &RetinaNet<B>,
+    data: &VocDetection<B>,
+    mode: ApMode,
+) -> Result<(Vec<DetectionRecord>, MapResult)> {
+    let records = detect(model, data)?;
+    let result = voc_map(data.images(), &records, 0.5, mode)?;
+    Ok((records, result))
+}
+
+/// Scores the model on a VOC split during training.
+pub struct EvalHook<B: AutodiffBackend> {
+    data: VocDetection<B::InnerBackend>,
+    interval: usize,
+    by_epoch: bool,
+    mode: ApMode,
+    /// The mAP of each evaluation: `(epoch or iteration, mAP)`.
+    pub history: Vec<(usize, f32)>,
+}
+
+impl<B: AutodiffBackend> EvalHook<B> {
+    /// Every `interval` epochs (`by_epoch`) or iterations, on `data`, with `mode`.
+    pub fn new(
+        data: VocDetection<B::InnerBackend>,
+        interval: usize,
+        by_epoch: bool,
+        mode: ApMode,
+    ) -> Result<Self> {
+        if interval == 0 {
+            return Err(Error::invalid("evaluation.interval", "must be at least 1"));
+        }
+        Ok(EvalHook {
+            data,
+            interval,
+            by_epoch,
+            mode,
+            history: Vec::new(),
+        })
+    }
+}
+
+impl<B> EvalHook<B>
+where
+    B: AutodiffBackend + crate::memsave::Backend,
+    B::InnerBackend: crate::memsave::Backend,
+{
+    fn run(&mut self, state: &mut TrainState<B, RetinaNet<B>>, at: usize) -> Result<()> {
+        let model = state.model.valid();
+        let (_, result) = evaluate(&model, &self.data, self.mode)?;
+        let unit = if self.by_epoch { "epoch" } else { "iter" };
+        let text = format!(
+            "evaluation at {unit} {at} ({} images):\n{result}",
+            self.data.images().len()
+        );
+        eprintln!("{text}");
+        let path = state.work_dir.join("train.log");
+        let mut file = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&path)
+            .map_err(|e| Error::Data(format!("{}: {e}", path.display())))?;
+        writeln!(file, "{text}").map_err(|e| Error::Data(format!("{}: {e}", path.display())))?;
+        self.history.push((at, result.map));
+        Ok(())
+    }
+}
+
+impl<B> Hook<B, RetinaNet<B>> for EvalHook<B>
+where
+    B: AutodiffBackend + crate::memsave::Backend,
+    B::InnerBackend: crate::memsave::Backend,
+{
+    fn name(&self) -> &'static str {
+        "EvalHook"
+    }
+
+    fn after_iter(&mut self, state: &mut TrainState<B, RetinaNet<B>>) -> Result<()> {
+        if !self.by_epoch && (state.iter + 1) % self.interval == 0 {
+            self.run(state, state.iter + 1)?;
+        }
+        Ok(())
+    }
+
+    fn after_epoch(&mut self, state: &mut TrainState<B, RetinaNet<B>>) -> Result<()> {
+        if self.by_epoch && (state.epoch + 1) % self.interval == 0 {
+            self.run(state, state.epoch + 1)?;
+        }
+        Ok(())
+    }
+}

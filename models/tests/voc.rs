@@ -1,0 +1,386 @@
+//! Pascal VOC: the synthetic set read back, the reader's errors, the pipeline, the background
+//! loader (under a watchdog), and the mAP on hand-computed cases.
+
+use std::path::Path;
+use std::sync::mpsc;
+use std::time::Duration;
+
+use burn::backend::Flex;
+use memsave_models::data::voc::loader::{DatasetType, VocDatasetConfig, VocDetection};
+use memsave_models::data::voc::pipeline::Pipeline;
+use memsave_models::data::voc::synth::{write_synthetic_voc, SYNTH_CLASSES};
+use memsave_models::data::voc::{class_index, read_split, OneOrMany, VocImage, VocObject};
+use memsave_models::eval::voc::{read_detections, voc_map, ApMode, DetectionRecord};
+
+fn watchdog<T: Send + 'static>(seconds: u64, f: impl FnOnce() -> T + Send + 'static) -> T {
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(f());
+    });
+    rx.recv_timeout(Duration::from_secs(seconds))
+        .expect("hung: no answer within the watchdog's time")
+}
+
+fn synth(dir: &Path, images: usize, seed: u64) -> std::path::PathBuf {
+    write_synthetic_voc(dir, images, seed).unwrap()
+}
+
+fn split(root: &Path, name: &str) -> Vec<VocImage> {
+    read_split(&root.join(format!("ImageSets/Main/{name}.txt")), root).unwrap()
+}
+
+#[test]
+fn the_synthetic_set_is_real_voc_and_deterministic() {
+    let (a, b, c) = (
+        tempfile::tempdir().unwrap(),
+        tempfile::tempdir().unwrap(),
+        tempfile::tempdir().unwrap(),
+    );
+    let root = synth(a.path(), 12, 7);
+    let trainval = split(&root, "trainval");
+    let test = split(&root, "test");
+    assert_eq!((trainval.len(), test.len()), (9, 3));
+    let objects: Vec<&VocObject> = trainval
+        .iter()
+        .chain(&test)
+        .flat_map(|i| &i.objects)
+        .collect();
+    assert!(objects.len() >= 12, "1 to 3 objects per image");
+    let synth_labels: Vec<usize> = SYNTH_CLASSES
+        .iter()
+        .map(|c| class_index(c).unwrap())
+        .collect();
+    for image in trainval.iter().chain(&test) {
+        let decoded = image::open(&image.path).unwrap();
+        assert_eq!(
+            (decoded.width() as usize, decoded.height() as usize),
+            (image.width, image.height)
+        );
+        for o in &image.objects {
+            assert!(synth_labels.contains(&o.label));
+            assert!(o.bbox[0] >= 1.0 && o.bbox[2] <= image.width as f32 && o.bbox[0] < o.bbox[2]);
+        }
+    }
+    // The same seed gives the same bytes; another seed other images.
+    let again = synth(b.path(), 12, 7);
+    let other = synth(c.path(), 12, 8);
+    for file in [
+        "JPEGImages/000005.jpg",
+        "Annotations/000005.xml",
+        "ImageSets/Main/test.txt",
+    ] {
+        assert_eq!(
+            std::fs::read(root.join(file)).unwrap(),
+            std::fs::read(again.join(file)).unwrap(),
+            "{file}"
+        );
+    }
+    assert_ne!(
+        std::fs::read(root.join("JPEGImages/000005.jpg")).unwrap(),
+        std::fs::read(other.join("JPEGImages/000005.jpg")).unwrap()
+    );
+    // An existing set is never overwritten.
+    let before = std::fs::read(root.join("Annotations/000001.xml")).unwrap();
+    let error = write_synthetic_voc(a.path(), 12, 9)
+        .unwrap_err()
+        .to_string();
+    assert!(error.contains("already exists"), "{error}");
+    assert_eq!(
+        std::fs::read(root.join("Annotations/000001.xml")).unwrap(),
+        before
+    );
+}
+
+#[test]
+fn malformed_or_inconsistent_files_are_errors_naming_them() {
+    let dir = tempfile::tempdir().unwrap();
+    let root = synth(dir.path(), 8, 1);
+    let list = root.join("ImageSets/Main/trainval.txt");
+    let xml = root.join("Annotations/000001.xml");
+    let original = std::fs::read_to_string(&xml).unwrap();
+    let cases: Vec<(String, &str)> = vec![
+        (original.replace("</annotation>", ""), "malformed XML"),
+        (
+            original
+                .replacen("<name>", "<name>unicorn", 1)
+                .replacen("unicorn", "unicorn", 1),
+            "unknown class",
+        ),
+        (original.replacen("<xmax>", "<xmax>9", 1), "not inside"),
+        (
+            original.replacen("<difficult>0", "<difficult>maybe", 1),
+            "difficult",
+        ),
+        (original.replace("<width>", "<width>x"), "not a number"),
+    ];
+    for (text, words) in cases {
+        std::fs::write(&xml, &text).unwrap();
+        let error = read_split(&list, &root).unwrap_err().to_string();
+        assert!(error.contains("000001.xml"), "{error}");
+        assert!(error.contains(words), "{words}: {error}");
+    }
+    std::fs::write(&xml, original).unwrap();
+    std::fs::remove_file(root.join("JPEGImages/000002.jpg")).unwrap();
+    let error = read_split(&list, &root).unwrap_err().to_string();
+    assert!(
+        error.contains("000002.jpg") && error.contains("missing"),
+        "{error}"
+    );
+    let error = read_split(&root.join("ImageSets/Main/val.txt"), &root)
+        .unwrap_err()
+        .to_string();
+    assert!(error.contains("val.txt"), "{error}");
+}
+
+#[test]
+fn the_pipeline_resizes_keeping_the_ratio_flips_normalises_and_pads() {
+    let p = Pipeline::train([1000, 600]);
+    assert_eq!(p.resized_shape([375, 500]), ([600, 800], [1.6, 1.6]));
+    assert_eq!(p.resized_shape([500, 375]).0, [800, 600]);
+    assert_eq!(p.resized_shape([300, 1200]).0, [250, 1000]);
+
+    let dir = tempfile::tempdir().unwrap();
+    let root = synth(dir.path(), 4, 3);
+    let image = &split(&root, "trainval")[0];
+    let p = Pipeline::train([160, 120]);
+    let (pixels, meta, boxes, labels) = p.apply(image, false).unwrap();
+    let (flipped_pixels, flipped, fboxes, _) = p.apply(image, true).unwrap();
+    let ([h, w], [ws, hs]) = p.resized_shape([image.height, image.width]);
+    assert_eq!(meta.img_shape, [h, w]);
+    assert_eq!(meta.pad_shape, [h.div_ceil(32) * 32, w.div_ceil(32) * 32]);
+    assert_eq!(pixels.len(), 3 * meta.pad_shape[0] * meta.pad_shape[1]);
+    assert!(flipped.flip && !meta.flip);
+    let kept: Vec<&VocObject> = image.objects.iter().filter(|o| !o.difficult).collect();
+    assert_eq!(boxes.len(), kept.len());
+    for ((b, f), o) in boxes.iter().zip(&fboxes).zip(&kept) {
+        assert!((b[0] - o.bbox[0] * ws).abs() < 1e-3 && (b[3] - o.bbox[3] * hs).abs() < 1e-3);
+        assert!((f[0] - (w as f32 - b[2])).abs() < 1e-3 && (f[2] - (w as f32 - b[0])).abs() < 1e-3);
+    }
+    assert_eq!(labels, kept.iter().map(|o| o.label).collect::<Vec<_>>());
+    // The padding is zero; the flip mirrors each row.
+    let [ph, pw] = meta.pad_shape;
+    assert_eq!(pixels[(ph - 1) * pw + pw - 1], 0.0);
+    let (row, c) = (h / 2, 1);
+    for x in 0..w {
+        let a = pixels[(c * ph + row) * pw + x];
+        let b = flipped_pixels[(c * ph + row) * pw + (w - 1 - x)];
+        assert!((a - b).abs() < 1e-5, "column {x}");
+    }
+    // ImageNet normalisation: values within a few standard deviations of 0.
+    assert!(pixels.iter().all(|v| v.abs() < 3.0));
+}
+
+#[test]
+fn background_workers_give_the_batches_made_in_place_without_hanging() {
+    let dir = tempfile::tempdir().unwrap();
+    let root = synth(dir.path(), 16, 5);
+    let config = VocDatasetConfig {
+        kind: DatasetType::VOCDataset,
+        ann_file: OneOrMany::One(root.join("ImageSets/Main/trainval.txt")),
+        img_prefix: OneOrMany::One(root.clone()),
+        pipeline: None,
+    };
+    watchdog(120, move || {
+        use memsave::train::DataSource;
+        let inline =
+            VocDetection::<Flex>::new(&config, "data.train", true, 3, 0, 11, Default::default())
+                .unwrap();
+        let workers =
+            VocDetection::<Flex>::new(&config, "data.train", true, 3, 2, 11, Default::default())
+                .unwrap();
+        assert_eq!(inline.batches_per_epoch(), 4, "12 images in batches of 3");
+        let mut flips = 0;
+        for (epoch, index) in [(0, 0), (0, 1), (0, 3), (1, 0), (0, 2), (3, 1)] {
+            let a = inline.host(epoch, index).unwrap();
+            let b = workers.host(epoch, index).unwrap();
+            assert_eq!(a.metas, b.metas, "({epoch}, {index})");
+            assert_eq!(a.pixels, b.pixels, "({epoch}, {index})");
+            assert_eq!(a.shape[2] % 32, 0);
+            flips += a.metas.iter().filter(|m| m.flip).count();
+        }
+        assert!(flips > 0 && flips < 18, "about half flipped: {flips}");
+        let error = workers.host(0, 4).unwrap_err().to_string();
+        assert!(error.contains("no batch 4"), "{error}");
+        drop(workers);
+    });
+}
+
+fn image(id: &str, objects: &[(usize, [f32; 4], bool)]) -> VocImage {
+    VocImage {
+        id: id.into(),
+        path: Default::default(),
+        width: 100,
+        height: 100,
+        objects: objects
+            .iter()
+            .map(|&(label, bbox, difficult)| VocObject {
+                label,
+                bbox,
+                difficult,
+            })
+            .collect(),
+    }
+}
+
+fn det(image: &str, class: &str, score: f32, bbox: [f32; 4]) -> DetectionRecord {
+    DetectionRecord {
+        image: image.into(),
+        class: class.into(),
+        score,
+        bbox,
+    }
+}
+
+fn ap_of(result: &memsave_models::eval::voc::MapResult, class: &str) -> f32 {
+    result.classes.iter().find(|c| c.class == class).unwrap().ap
+}
+
+#[test]
+fn map_on_hand_computed_cases() {
+    let dog = class_index("dog").unwrap();
+    let cat = class_index("cat").unwrap();
+    let g1 = [10.0, 10.0, 40.0, 40.0];
+    let g2 = [50.0, 50.0, 90.0, 80.0];
+    let images = vec![
+        image("a", &[(dog, g1, false)]),
+        image("b", &[(dog, g2, false)]),
+    ];
+    // A hit, a duplicate of it (a false positive), a hit: recall .5 .5 1, precision 1 .5 .67.
+    let dets = vec![
+        det("a", "dog", 0.9, g1),
+        det("a", "dog", 0.8, [11.0, 10.0, 40.0, 41.0]),
+        det("b", "dog", 0.7, g2),
+    ];
+    let eleven = voc_map(&images, &dets, 0.5, ApMode::ElevenPoints).unwrap();
+    assert!(
+        (eleven.map - (6.0 + 5.0 * 2.0 / 3.0) / 11.0).abs() < 1e-5,
+        "{}",
+        eleven.map
+    );
+    let area = voc_map(&images, &dets, 0.5, ApMode::Area).unwrap();
+    assert!(
+        (area.map - (0.5 + 0.5 * 2.0 / 3.0)).abs() < 1e-5,
+        "{}",
+        area.map
+    );
+    assert!(area.to_string().ends_with("mAP: 0.8333"), "{area}");
+    // A miss instead of the duplicate: the same curve.
+    let miss = vec![
+        det("a", "dog", 0.9, g1),
+        det("a", "dog", 0.8, [60.0, 0.0, 90.0, 20.0]),
+        det("b", "dog", 0.7, g2),
+    ];
+    assert!((voc_map(&images, &miss, 0.5, ApMode::Area).unwrap().map - area.map).abs() < 1e-6);
+
+    // Several classes: dog perfect, cat never detected, bird detected but absent (left out).
+    let images = vec![image("a", &[(dog, g1, false), (cat, g2, false)])];
+    let dets = vec![det("a", "dog", 0.9, g1), det("a", "bird", 0.8, g2)];
+    let result = voc_map(&images, &dets, 0.5, ApMode::Area).unwrap();
+    assert_eq!(
+        (
+            ap_of(&result, "dog"),
+            ap_of(&result, "cat"),
+            ap_of(&result, "bird")
+        ),
+        (1.0, 0.0, 0.0)
+    );
+    assert!(
+        (result.map - 0.5).abs() < 1e-6,
+        "bird has no ground truth: {}",
+        result.map
+    );
+
+    // No detections at all.
+    assert_eq!(
+        voc_map(&images, &[], 0.5, ApMode::ElevenPoints)
+            .unwrap()
+            .map,
+        0.0
+    );
+
+    // Difficult objects: finding one is neither a hit nor a false positive; a class whose
+    // objects are all difficult is left out.
+    let images = vec![image(
+        "a",
+        &[(dog, g1, false), (dog, g2, true), (cat, g2, true)],
+    )];
+    let dets = vec![
+        det("a", "dog", 0.95, g2),
+        det("a", "dog", 0.9, g1),
+        det("a", "cat", 0.9, g2),
+    ];
+    let result = voc_map(&images, &dets, 0.5, ApMode::Area).unwrap();
+    assert_eq!(ap_of(&result, "dog"), 1.0);
+    assert_eq!(
+        result
+            .classes
+            .iter()
+            .find(|c| c.class == "cat")
+            .unwrap()
+            .num_gts,
+        0
+    );
+    assert_eq!(result.map, 1.0);
+    let all_difficult = vec![image("a", &[(dog, g1, true)])];
+    assert_eq!(
+        voc_map(
+            &all_difficult,
+            &[det("a", "dog", 0.9, g1)],
+            0.5,
+            ApMode::Area
+        )
+        .unwrap()
+        .map,
+        0.0
+    );
+
+    // The devkit's inclusive pixels: [1, 1, 10, 10] against [1, 1, 10, 20] overlap 100 / 200.
+    let images = vec![image("a", &[(dog, [1.0, 1.0, 10.0, 20.0], false)])];
+    let result = voc_map(
+        &images,
+        &[det("a", "dog", 0.9, [1.0, 1.0, 10.0, 10.0])],
+        0.5,
+        ApMode::Area,
+    )
+    .unwrap();
+    assert_eq!(result.map, 1.0, "IoU 0.5 with the + 1 (0.47 without)");
+
+    // A detection of an image outside the split is an error.
+    let error = voc_map(&images, &[det("zz", "dog", 0.9, g1)], 0.5, ApMode::Area)
+        .unwrap_err()
+        .to_string();
+    assert!(error.contains("zz"), "{error}");
+}
+
+#[test]
+fn detections_files_are_checked() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("dets.json");
+    std::fs::write(
+        &path,
+        r#"[{"image": "000001", "class": "dog", "score": 0.9, "box": [1, 2, 3, 4]}]"#,
+    )
+    .unwrap();
+    assert_eq!(
+        read_detections(&path).unwrap()[0].bbox,
+        [1.0, 2.0, 3.0, 4.0]
+    );
+    for (text, words) in [
+        (
+            r#"[{"image": "1", "class": "unicorn", "score": 0.9, "box": [1, 2, 3, 4]}]"#,
+            "unknown class",
+        ),
+        (
+            r#"[{"image": "1", "class": "dog", "score": 0.9, "box": [1, 2, 3]}]"#,
+            "not a detections file",
+        ),
+        ("{", "not a detections file"),
+    ] {
+        std::fs::write(&path, text).unwrap();
+        let error = read_detections(&path).unwrap_err().to_string();
+        assert!(
+            error.contains("dets.json") && error.contains(words),
+            "{error}"
+        );
+    }
+}

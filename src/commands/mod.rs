@@ -1,0 +1,25 @@
+//! The subcommands: `train`, `test`, `data`.
+
+pub mod data;
+pub mod test;
+pub mod train;
+
+use clap::ValueEnum;
+
+/// Where to run.
+#[derive(Clone, Copy, Debug, ValueEnum)]
+pub enum Device {
+    /// Flex, on the CPU.
+    Cpu,
+    /// CubeCL's CUDA backend (built with `--features cuda`).
+    Cuda,
+}
+
+/// The error for `--device cuda` in a build without CUDA.
+#[cfg(not(feature = "cuda"))]
+pub fn no_cuda() -> memsave::Error {
+    memsave::Error::invalid(
+        "--device",
+        "this memsave was built without CUDA: rebuild with `--features cuda`",
+    )
+}
