@@ -1,20 +1,14 @@
 //! The `memsave` command line: a short run, a resume, and bad input reported without a panic.
 
-use std::path::PathBuf;
-use std::process::{Command, Output};
+mod common;
 
-fn memsave(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_memsave"))
-        .args(args)
-        .output()
-        .expect("the memsave binary runs")
-}
+use std::path::PathBuf;
+use std::process::Output;
+
+use common::memsave;
 
 fn dir(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("memsave-cli-{}-{name}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
+    common::fresh_dir("cli", name)
 }
 
 const TINY: &str = r#"
@@ -48,23 +42,7 @@ fn text(output: &Output) -> String {
 fn trains_saves_and_resumes_with_each_strategy() {
     let dir = dir("train");
     let config = tiny_config(&dir);
-    for (name, set) in [
-        ("plain", vec![]),
-        ("fp16", vec!["--set", "fp16.loss_scale=\"dynamic\""]),
-        (
-            "accumulation",
-            vec![
-                "--set",
-                "optimizer_config.type=\"GradientCumulativeOptimizerHook\"",
-                "--set",
-                "optimizer_config.cumulative_iters=2",
-            ],
-        ),
-        (
-            "checkpointing",
-            vec!["--set", "model.backbone.with_cp=true"],
-        ),
-    ] {
+    for (name, set) in common::strategy_overrides("\"dynamic\"") {
         let work_dir = dir.join(name);
         let mut args = vec![
             "train",
@@ -72,7 +50,7 @@ fn trains_saves_and_resumes_with_each_strategy() {
             "--work-dir",
             work_dir.to_str().unwrap(),
         ];
-        args.extend(set.iter().copied());
+        args.extend(set.iter().map(String::as_str));
         let output = memsave(&args);
         assert!(output.status.success(), "{name}: {}", text(&output));
         assert!(

@@ -2,24 +2,18 @@
 //! short training with each strategy (and the evaluation hook), and `memsave test` on its
 //! checkpoint.
 
+mod common;
+
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+use std::process::Output;
 
 use memsave::config::Config;
 use memsave::models::config::{DetectionDataSection, ModelSection};
 
-fn memsave(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_memsave"))
-        .args(args)
-        .output()
-        .expect("the memsave binary runs")
-}
+use common::memsave;
 
 fn dir(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("memsave-det-{}-{name}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
+    common::fresh_dir("det", name)
 }
 
 fn text(output: &Output) -> String {
@@ -28,6 +22,14 @@ fn text(output: &Output) -> String {
         String::from_utf8_lossy(&output.stdout),
         String::from_utf8_lossy(&output.stderr)
     )
+}
+
+/// The command failed, without a panic, with `words` in its message.
+fn fails_with(out: &Output, words: &str) {
+    let log = text(out);
+    assert!(!out.status.success(), "succeeded: {log}");
+    assert!(log.contains(words), "no `{words}` in: {log}");
+    assert!(!log.contains("panicked"), "{log}");
 }
 
 fn configs() -> PathBuf {
@@ -146,18 +148,14 @@ fn ground_truth_as_detections_scores_one_and_bad_files_are_errors() {
         .collect();
     let dets = dir.join("dets.json");
     std::fs::write(&dets, serde_json::to_string(&records).unwrap()).unwrap();
+    let voc_map = |split: &str, extra: &[&str]| {
+        let mut args = vec!["data", "voc-map", dir.to_str().unwrap(), "--split", split];
+        args.extend(["--detections", dets.to_str().unwrap()]);
+        args.extend(extra);
+        memsave(&args)
+    };
     for metric in ["11points", "area"] {
-        let out = memsave(&[
-            "data",
-            "voc-map",
-            dir.to_str().unwrap(),
-            "--split",
-            "test",
-            "--detections",
-            dets.to_str().unwrap(),
-            "--metric",
-            metric,
-        ]);
+        let out = voc_map("test", &["--metric", metric]);
         let stdout = String::from_utf8_lossy(&out.stdout);
         assert!(out.status.success(), "{}", text(&out));
         assert_eq!(stdout.lines().last(), Some("mAP: 1.0000"), "{stdout}");
@@ -168,61 +166,19 @@ fn ground_truth_as_detections_scores_one_and_bad_files_are_errors() {
         "[{\"image\": \"000004\", \"class\": \"dragon\", \"score\": 1, \"box\": [1, 1, 2, 2]}]",
     )
     .unwrap();
-    let out = memsave(&[
-        "data",
-        "voc-map",
-        dir.to_str().unwrap(),
-        "--split",
-        "test",
-        "--detections",
-        dets.to_str().unwrap(),
-    ]);
-    assert!(!out.status.success());
-    assert!(
-        text(&out).contains("dets.json") && text(&out).contains("dragon"),
-        "{}",
-        text(&out)
-    );
-    assert!(!text(&out).contains("panicked"), "{}", text(&out));
-    let out = memsave(&[
-        "data",
-        "voc-map",
-        dir.to_str().unwrap(),
-        "--split",
-        "val",
-        "--detections",
-        dets.to_str().unwrap(),
-    ]);
-    assert!(text(&out).contains("val.txt"), "{}", text(&out));
+    let out = voc_map("test", &[]);
+    fails_with(&out, "dragon");
+    assert!(text(&out).contains("dets.json"), "{}", text(&out));
+    fails_with(&voc_map("val", &[]), "val.txt");
     let out = memsave(&["data", "synth-voc", dir.to_str().unwrap()]);
-    assert!(
-        !out.status.success() && text(&out).contains("already exists"),
-        "{}",
-        text(&out)
-    );
+    fails_with(&out, "already exists");
 }
 
 #[test]
 fn trains_with_each_strategy_evaluates_and_tests_its_checkpoint() {
     let dir = dir("train");
     let config = tiny(&dir, 12);
-    for (name, set) in [
-        ("plain", vec![]),
-        ("fp16", vec!["--set", "fp16.loss_scale=512.0"]),
-        (
-            "accumulation",
-            vec![
-                "--set",
-                "optimizer_config.type=\"GradientCumulativeOptimizerHook\"",
-                "--set",
-                "optimizer_config.cumulative_iters=2",
-            ],
-        ),
-        (
-            "checkpointing",
-            vec!["--set", "model.backbone.with_cp=true"],
-        ),
-    ] {
+    for (name, set) in common::strategy_overrides("512.0") {
         let work = dir.join(name);
         let mut args = vec![
             "train",
@@ -230,7 +186,7 @@ fn trains_with_each_strategy_evaluates_and_tests_its_checkpoint() {
             "--work-dir",
             work.to_str().unwrap(),
         ];
-        args.extend(set);
+        args.extend(set.iter().map(String::as_str));
         let out = memsave(&args);
         let log = text(&out);
         assert!(out.status.success(), "{name}: {log}");
@@ -284,11 +240,7 @@ fn trains_with_each_strategy_evaluates_and_tests_its_checkpoint() {
         "--set",
         "model.bbox_head.feat_channels=16",
     ]);
-    assert!(
-        !out.status.success() && text(&out).contains("latest.ckpt"),
-        "{}",
-        text(&out)
-    );
+    fails_with(&out, "latest.ckpt");
     // So is a classifier config.
     let classifier = configs().join("resnet18_synthetic.toml");
     let out = memsave(&[
@@ -296,11 +248,7 @@ fn trains_with_each_strategy_evaluates_and_tests_its_checkpoint() {
         classifier.to_str().unwrap(),
         checkpoint.to_str().unwrap(),
     ]);
-    assert!(
-        !out.status.success() && text(&out).contains("model.type"),
-        "{}",
-        text(&out)
-    );
+    fails_with(&out, "model.type");
 }
 
 #[test]

@@ -392,7 +392,8 @@ fn param_grads(
     impl ModuleVisitor<AB> for Collect<'_> {
         fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<AB, D>>) {
             if let Some(g) = param.val().grad(self.0) {
-                self.1.push((param.id, g.into_data().to_vec().unwrap()));
+                self.1
+                    .push((param.id, g.into_data().convert::<f32>().to_vec().unwrap()));
             }
         }
     }
@@ -436,4 +437,40 @@ fn checkpointing_the_backbone_leaves_the_detectors_gradients_unchanged() {
         );
     }
     assert!(memsave::checkpoint::recomputations() > 0);
+}
+
+#[test]
+fn the_detector_in_half_precision_gives_the_fp32_loss_and_gradients() {
+    use memsave::fp16::{wrap_fp16_model, Precision};
+    use memsave::train::TrainModel;
+    struct Materialise;
+    impl<B: Backend> burn::module::ModuleMapper<B> for Materialise {}
+    let device = Default::default();
+    let fp32 = small_config(4)
+        .init::<AB>(&device)
+        .unwrap()
+        .map(&mut Materialise);
+    let b = batch::<AB>(&device);
+    for precision in [Precision::F16, Precision::Bf16] {
+        let half = wrap_fp16_model(fp32.clone(), precision);
+        let (l32, l16) = (fp32.loss(b.clone()), half.loss(b.clone()));
+        let (v32, v16): (f32, f32) = (l32.clone().into_scalar(), l16.clone().into_scalar());
+        assert!(
+            (v32 - v16).abs() <= 1e-2 * v32.abs(),
+            "{precision:?}: loss {v16} vs {v32}"
+        );
+        let (g32, g16) = (l32.backward(), l16.backward());
+        let (a, b) = (param_grads(&fp32, &g32), param_grads(&half, &g16));
+        assert_eq!(a.len(), b.len());
+        let (mut diff, mut norm) = (0.0f64, 0.0f64);
+        for ((_, x), (_, y)) in a.iter().zip(&b) {
+            for (p, q) in x.iter().zip(y) {
+                diff += ((p - q) as f64).powi(2);
+                norm += (*p as f64).powi(2);
+            }
+        }
+        let relative = (diff / norm).sqrt();
+        println!("{precision:?}: loss {v16} vs {v32}, gradients {relative:.2e}");
+        assert!(relative <= 5e-2, "{precision:?}: gradients {relative:.2e}");
+    }
 }

@@ -171,8 +171,21 @@ fn frozen_stages_take_no_gradient_and_no_optimizer_state_with_or_without_checkpo
         }
         let checkpointed = set_with_cp(plain.clone(), true);
         let g_plain = feature_loss(&plain, images.clone()).backward();
+        let before = recomputations();
         let g_cp = feature_loss(&checkpointed, images.clone()).backward();
         join_helpers();
+        // MMCV's guard: a block whose input does not require grad runs plainly. With the stem
+        // frozen that is every frozen block and the first block after them.
+        let plain_blocks = match frozen {
+            -1 => 0,
+            0 => 1,
+            k => 2 * k as u64 + 1,
+        };
+        assert_eq!(
+            recomputations() - before,
+            8 - plain_blocks.min(8),
+            "frozen_stages = {frozen}: blocks recomputed"
+        );
         let (a, b) = (grads(&checkpointed, &g_cp), grads(&plain, &g_plain));
         assert_eq!(b.len(), trainable, "frozen_stages = {frozen}: gradients");
         assert_eq!(

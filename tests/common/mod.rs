@@ -124,3 +124,44 @@ pub fn assert_same_grads(
 pub fn values<const D: usize>(tensor: Tensor<Flex, D>) -> Vec<f32> {
     tensor.cast(DType::F32).into_data().to_vec::<f32>().unwrap()
 }
+
+/// The `--set` overrides that switch each strategy on, by name: none, mixed precision with
+/// `loss_scale` (a TOML value), accumulation over 2, checkpointing of the backbone.
+pub fn strategy_overrides(loss_scale: &'static str) -> Vec<(&'static str, Vec<String>)> {
+    vec![
+        ("plain", vec![]),
+        (
+            "fp16",
+            vec!["--set".into(), format!("fp16.loss_scale={loss_scale}")],
+        ),
+        (
+            "accumulation",
+            vec![
+                "--set".into(),
+                "optimizer_config.type=\"GradientCumulativeOptimizerHook\"".into(),
+                "--set".into(),
+                "optimizer_config.cumulative_iters=2".into(),
+            ],
+        ),
+        (
+            "checkpointing",
+            vec!["--set".into(), "model.backbone.with_cp=true".into()],
+        ),
+    ]
+}
+
+/// Runs the `memsave` binary with `args`.
+pub fn memsave(args: &[&str]) -> std::process::Output {
+    std::process::Command::new(env!("CARGO_BIN_EXE_memsave"))
+        .args(args)
+        .output()
+        .expect("the memsave binary runs")
+}
+
+/// A fresh temporary folder for one test, `memsave-<suite>-<pid>-<name>`.
+pub fn fresh_dir(suite: &str, name: &str) -> std::path::PathBuf {
+    let dir = std::env::temp_dir().join(format!("memsave-{suite}-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
