@@ -1,0 +1,347 @@
+//! MMDetection's data pipeline for detection, as a list of named steps in the config
+//! (`LoadImageFromFile`, `LoadAnnotations`, `Resize`, `RandomFlip`, `Normalize`, `Pad`,
+//! `DefaultFormatBundle`, `Collect`, and for testing `MultiScaleFlipAug` with `ImageToTensor`),
+//! compiled into one [`Pipeline`] that decodes, resizes keeping the ratio, flips, normalises
+//! and pads an image.
+
+use image::imageops::FilterType;
+use serde::{Deserialize, Serialize};
+
+use super::VocImage;
+use crate::detection::boxes::BBox;
+use crate::detection::ImageMeta;
+use crate::memsave::{Error, Result};
+
+/// One step of `pipeline`, by MMDetection's `type`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "type", deny_unknown_fields)]
+pub enum Step {
+    /// Decode the image.
+    LoadImageFromFile {},
+    /// Read the boxes.
+    LoadAnnotations {
+        /// Boxes (the only kind here).
+        #[serde(default = "yes")]
+        with_bbox: bool,
+    },
+    /// Rescale.
+    Resize {
+        /// `[long, short]` edge limits, e.g. `[1000, 600]`.
+        img_scale: [usize; 2],
+        /// Keep the aspect ratio (scale to fit both limits), else stretch to `img_scale`.
+        #[serde(default = "yes")]
+        keep_ratio: bool,
+    },
+    /// Horizontal flip with a probability.
+    RandomFlip {
+        /// Probability of a flip (training); absent in testing.
+        #[serde(default)]
+        flip_ratio: Option<f32>,
+    },
+    /// `(pixel - mean) / std` per channel.
+    Normalize {
+        /// Per channel.
+        mean: [f32; 3],
+        /// Per channel.
+        std: [f32; 3],
+        /// The mean and std are in RGB order (images decode as RGB).
+        #[serde(default = "yes")]
+        to_rgb: bool,
+    },
+    /// Pad bottom and right to a multiple.
+    Pad {
+        /// The multiple.
+        size_divisor: usize,
+    },
+    /// Batch formatting (no settings).
+    DefaultFormatBundle {},
+    /// Image to tensor (testing; no settings).
+    ImageToTensor {
+        /// The keys (`["img"]`).
+        #[serde(default)]
+        keys: Vec<String>,
+    },
+    /// Which results reach the model (no effect: images and boxes always do).
+    Collect {
+        /// The keys.
+        #[serde(default)]
+        keys: Vec<String>,
+    },
+    /// Testing's wrapper: one scale, no flip.
+    MultiScaleFlipAug {
+        /// `[long, short]`.
+        img_scale: [usize; 2],
+        /// Test-time flip (not supported: false).
+        #[serde(default)]
+        flip: bool,
+        /// The steps inside.
+        transforms: Vec<Step>,
+    },
+}
+
+fn yes() -> bool {
+    true
+}
+
+/// What a pipeline does to an image, in one place.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Pipeline {
+    /// `[long, short]` limits.
+    pub img_scale: [usize; 2],
+    /// Keep the ratio.
+    pub keep_ratio: bool,
+    /// Probability of a horizontal flip.
+    pub flip_ratio: f32,
+    /// Per channel, RGB.
+    pub mean: [f32; 3],
+    /// Per channel, RGB.
+    pub std: [f32; 3],
+    /// Pad to a multiple of this.
+    pub size_divisor: usize,
+}
+
+impl Pipeline {
+    /// MMDetection's VOC training pipeline at `img_scale` (flip 0.5, ImageNet mean and std,
+    /// pad to 32).
+    pub fn train(img_scale: [usize; 2]) -> Self {
+        Pipeline {
+            img_scale,
+            keep_ratio: true,
+            flip_ratio: 0.5,
+            mean: [123.675, 116.28, 103.53],
+            std: [58.395, 57.12, 57.375],
+            size_divisor: 32,
+        }
+    }
+
+    /// The test pipeline: the same without flipping.
+    pub fn test(img_scale: [usize; 2]) -> Self {
+        Pipeline {
+            flip_ratio: 0.0,
+            ..Self::train(img_scale)
+        }
+    }
+
+    /// Compiles MMDetection's step list; `field` (`data.train.pipeline`) names it in errors.
+    pub fn from_steps(steps: &[Step], field: &str) -> Result<Self> {
+        let mut pipeline = Pipeline {
+            img_scale: [0, 0],
+            flip_ratio: 0.0,
+            ..Self::train([1000, 600])
+        };
+        let (mut resized, mut normalised, mut loaded) = (false, false, false);
+        fn walk(
+            steps: &[Step],
+            p: &mut Pipeline,
+            flags: (&mut bool, &mut bool, &mut bool),
+            field: &str,
+        ) -> Result<()> {
+            let (resized, normalised, loaded) = flags;
+            for (k, step) in steps.iter().enumerate() {
+                let at = format!("{field}[{k}]");
+                match step {
+                    Step::LoadImageFromFile {} => *loaded = true,
+                    Step::LoadAnnotations { with_bbox } => {
+                        if !with_bbox {
+                            return Err(Error::invalid(
+                                format!("{at}.with_bbox"),
+                                "a detector needs its boxes: true",
+                            ));
+                        }
+                    }
+                    Step::Resize {
+                        img_scale,
+                        keep_ratio,
+                    } => {
+                        if img_scale.contains(&0) {
+                            return Err(Error::invalid(
+                                format!("{at}.img_scale"),
+                                format!("{img_scale:?} has a zero"),
+                            ));
+                        }
+                        p.img_scale = *img_scale;
+                        p.keep_ratio = *keep_ratio;
+                        *resized = true;
+                    }
+                    Step::RandomFlip { flip_ratio } => {
+                        let ratio = flip_ratio.unwrap_or(0.0);
+                        if !(0.0..=1.0).contains(&ratio) {
+                            return Err(Error::invalid(
+                                format!("{at}.flip_ratio"),
+                                format!("must be in [0, 1], got {ratio}"),
+                            ));
+                        }
+                        p.flip_ratio = ratio;
+                    }
+                    Step::Normalize { mean, std, to_rgb } => {
+                        if std.iter().any(|s| !(*s > 0.0)) {
+                            return Err(Error::invalid(
+                                format!("{at}.std"),
+                                format!("must be positive, got {std:?}"),
+                            ));
+                        }
+                        // Images decode as RGB; BGR statistics are reversed to match.
+                        let (mut m, mut s) = (*mean, *std);
+                        if !to_rgb {
+                            m.reverse();
+                            s.reverse();
+                        }
+                        p.mean = m;
+                        p.std = s;
+                        *normalised = true;
+                    }
+                    Step::Pad { size_divisor } => {
+                        if *size_divisor == 0 {
+                            return Err(Error::invalid(
+                                format!("{at}.size_divisor"),
+                                "must be at least 1",
+                            ));
+                        }
+                        p.size_divisor = *size_divisor;
+                    }
+                    Step::DefaultFormatBundle {}
+                    | Step::ImageToTensor { .. }
+                    | Step::Collect { .. } => {}
+                    Step::MultiScaleFlipAug {
+                        img_scale,
+                        flip,
+                        transforms,
+                    } => {
+                        if *flip {
+                            return Err(Error::invalid(
+                                format!("{at}.flip"),
+                                "test-time flipping is not supported: false",
+                            ));
+                        }
+                        walk(
+                            transforms,
+                            p,
+                            (&mut *resized, &mut *normalised, &mut *loaded),
+                            &format!("{at}.transforms"),
+                        )?;
+                        p.img_scale = *img_scale;
+                        *resized = true;
+                    }
+                }
+            }
+            Ok(())
+        }
+        walk(
+            steps,
+            &mut pipeline,
+            (&mut resized, &mut normalised, &mut loaded),
+            field,
+        )?;
+        let missing = [
+            (loaded, "LoadImageFromFile"),
+            (resized, "Resize"),
+            (normalised, "Normalize"),
+        ]
+        .iter()
+        .filter(|(done, _)| !done)
+        .map(|(_, name)| *name)
+        .collect::<Vec<_>>();
+        if !missing.is_empty() {
+            return Err(Error::invalid(
+                field,
+                format!("has no {} step", missing.join(", no ")),
+            ));
+        }
+        if pipeline.img_scale.contains(&0) {
+            return Err(Error::invalid(
+                field,
+                "the test pipeline needs MultiScaleFlipAug's img_scale",
+            ));
+        }
+        Ok(pipeline)
+    }
+
+    /// The size an image of `[height, width]` is resized to, and the scale factors
+    /// `[w_scale, h_scale]` (mmcv's `imrescale`: the largest that fits both limits, sides
+    /// rounded).
+    pub fn resized_shape(&self, [height, width]: [usize; 2]) -> ([usize; 2], [f32; 2]) {
+        let (h, w) = (height as f32, width as f32);
+        let (new_h, new_w) = if self.keep_ratio {
+            let (long, short) = (
+                self.img_scale[0].max(self.img_scale[1]) as f32,
+                self.img_scale[0].min(self.img_scale[1]) as f32,
+            );
+            let factor = (long / h.max(w)).min(short / h.min(w));
+            (
+                ((h * factor) + 0.5).floor() as usize,
+                ((w * factor) + 0.5).floor() as usize,
+            )
+        } else {
+            (self.img_scale[1], self.img_scale[0])
+        };
+        let (new_h, new_w) = (new_h.max(1), new_w.max(1));
+        ([new_h, new_w], [new_w as f32 / w, new_h as f32 / h])
+    }
+
+    /// Runs the pipeline on `image`: `[3, H, W]` normalised pixels padded to the divisor (RGB,
+    /// channel-major), its meta, and its boxes (difficult ones left out) and labels in the
+    /// resized image's pixels. `flip` decides the flip (the loader draws it).
+    pub fn apply(
+        &self,
+        image: &VocImage,
+        flip: bool,
+    ) -> Result<(Vec<f32>, ImageMeta, Vec<BBox>, Vec<usize>)> {
+        let decoded = image::open(&image.path)
+            .map_err(|e| {
+                Error::Data(format!(
+                    "{}: cannot decode the image: {e}",
+                    image.path.display()
+                ))
+            })?
+            .to_rgb8();
+        let (width, height) = decoded.dimensions();
+        if (width as usize, height as usize) != (image.width, image.height) {
+            return Err(Error::Data(format!(
+                "{}: the image is {width} x {height}, its annotation says {} x {}",
+                image.path.display(),
+                image.width,
+                image.height
+            )));
+        }
+        let ([new_h, new_w], [ws, hs]) = self.resized_shape([height as usize, width as usize]);
+        let mut resized =
+            image::imageops::resize(&decoded, new_w as u32, new_h as u32, FilterType::Triangle);
+        if flip {
+            image::imageops::flip_horizontal_in_place(&mut resized);
+        }
+        let d = self.size_divisor;
+        let (pad_h, pad_w) = (new_h.div_ceil(d) * d, new_w.div_ceil(d) * d);
+        let mut pixels = vec![0.0f32; 3 * pad_h * pad_w];
+        for (x, y, p) in resized.enumerate_pixels() {
+            for c in 0..3 {
+                pixels[(c * pad_h + y as usize) * pad_w + x as usize] =
+                    (p[c] as f32 - self.mean[c]) / self.std[c];
+            }
+        }
+        let mut boxes = Vec::new();
+        let mut labels = Vec::new();
+        for object in image.objects.iter().filter(|o| !o.difficult) {
+            let b = object.bbox;
+            let mut b = [
+                (b[0] * ws).clamp(0.0, new_w as f32),
+                (b[1] * hs).clamp(0.0, new_h as f32),
+                (b[2] * ws).clamp(0.0, new_w as f32),
+                (b[3] * hs).clamp(0.0, new_h as f32),
+            ];
+            if flip {
+                b = [new_w as f32 - b[2], b[1], new_w as f32 - b[0], b[3]];
+            }
+            boxes.push(b);
+            labels.push(object.label);
+        }
+        let meta = ImageMeta {
+            id: image.id.clone(),
+            ori_shape: [height as usize, width as usize],
+            img_shape: [new_h, new_w],
+            pad_shape: [pad_h, pad_w],
+            scale_factor: [ws, hs],
+            flip,
+        };
+        Ok((pixels, meta, boxes, labels))
+    }
+}
