@@ -196,6 +196,21 @@ fn trains_with_each_strategy_evaluates_and_tests_its_checkpoint() {
         );
         assert!(log.contains("mAP: "), "{name}: {log}");
         let written = std::fs::read_to_string(work.join("train.log")).unwrap();
+        // MMDetection's log: the loss's parts beside it, adding up to it.
+        let line = written
+            .lines()
+            .rfind(|l| l.starts_with("Epoch [2]"))
+            .unwrap();
+        let value = |key: &str| -> f64 {
+            let rest = &line[line
+                .find(&format!("  {key}: "))
+                .unwrap_or_else(|| panic!("{name}: no {key} in {line}"))
+                + key.len()
+                + 4..];
+            rest.split_whitespace().next().unwrap().parse().unwrap()
+        };
+        let (cls, bbox, loss) = (value("loss_cls"), value("loss_bbox"), value("loss"));
+        assert!((cls + bbox - loss).abs() <= 2e-4, "{name}: {line}");
         assert!(
             written.contains("mAP: "),
             "{name}: the evaluation is in train.log"

@@ -31,6 +31,8 @@ pub struct LoggerHook {
     /// Iterations between log lines.
     pub interval: usize,
     losses: Vec<f64>,
+    /// Sums and counts of the loss's named parts since the last line, in first-seen order.
+    parts: Vec<(&'static str, f64, usize)>,
     file: Option<File>,
     bar: Option<ProgressBar>,
     started: Option<Instant>,
@@ -42,6 +44,7 @@ impl LoggerHook {
         LoggerHook {
             interval: interval.max(1),
             losses: Vec::new(),
+            parts: Vec::new(),
             file: None,
             bar: None,
             started: None,
@@ -98,6 +101,15 @@ impl<B: AutodiffBackend, M: TrainModel<B>> Hook<B, M> for LoggerHook {
         if let Some(loss) = state.log.loss {
             self.losses.push(loss);
         }
+        for &(name, value) in &state.log.parts {
+            match self.parts.iter_mut().find(|(n, _, _)| *n == name) {
+                Some((_, sum, count)) => {
+                    *sum += value;
+                    *count += 1;
+                }
+                None => self.parts.push((name, value, 1)),
+            }
+        }
         if let Some(bar) = &self.bar {
             bar.inc(1);
         }
@@ -115,6 +127,9 @@ impl<B: AutodiffBackend, M: TrainModel<B>> Hook<B, M> for LoggerHook {
             format!("Iter [{}/{}]", state.iter + 1, state.max_iters)
         };
         let mut line = format!("{position}  lr: {:.3e}", state.lr);
+        for (name, sum, count) in self.parts.drain(..) {
+            line.push_str(&format!("  {name}: {:.4}", sum / count as f64 + 0.0));
+        }
         if !self.losses.is_empty() {
             // `+ 0.0` turns a -0.0 into 0.0 for printing.
             let mean = self.losses.iter().sum::<f64>() / self.losses.len() as f64 + 0.0;

@@ -233,7 +233,11 @@ where
     /// becomes [`Error::OutOfMemory`].
     fn step(&mut self, batch: M::Batch) -> Result<()> {
         let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-            let loss = self.state.forward_model().loss(batch);
+            let (loss, parts) = self.state.forward_model().loss_with_parts(batch);
+            self.state.log.parts = parts
+                .iter()
+                .map(|(name, part)| (*name, super::grads::scalar(part)))
+                .collect();
             self.state.loss = Some(loss);
             self.call(|hook, state| hook.after_iter(state))
         }));

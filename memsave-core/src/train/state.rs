@@ -18,6 +18,16 @@ pub trait TrainModel<B: AutodiffBackend>: AutodiffModule<B> + Fp16Module + 'stat
 
     /// The mean loss over `batch`, a one-element tensor (any float precision).
     fn loss(&self, batch: Self::Batch) -> Tensor<B, 1>;
+
+    /// The loss and its named parts, which the log shows beside it (MMDetection's `loss_cls`
+    /// and `loss_bbox`); only the loss is back-propagated. Default: [`TrainModel::loss`] and
+    /// no parts.
+    fn loss_with_parts(
+        &self,
+        batch: Self::Batch,
+    ) -> (Tensor<B, 1>, Vec<(&'static str, Tensor<B, 1>)>) {
+        (self.loss(batch), Vec::new())
+    }
 }
 
 /// Training batches, the same for the same `(epoch, index)`: a resumed run sees exactly the
@@ -59,6 +69,8 @@ pub struct IterLog {
     pub loss_scale: Option<f64>,
     /// Whether the optimizer stepped (false while accumulating, or on an overflow).
     pub stepped: bool,
+    /// The named parts of the loss ([`TrainModel::loss_with_parts`]).
+    pub parts: Vec<(&'static str, f64)>,
 }
 
 /// The state of a run, handed to every hook.

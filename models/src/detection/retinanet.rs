@@ -416,7 +416,18 @@ impl<B: AutodiffBackend + crate::memsave::Backend> TrainModel<B> for RetinaNet<B
     type Batch = DetectionBatch<B>;
 
     fn loss(&self, batch: Self::Batch) -> Tensor<B, 1> {
+        self.loss_with_parts(batch).0
+    }
+
+    fn loss_with_parts(
+        &self,
+        batch: Self::Batch,
+    ) -> (Tensor<B, 1>, Vec<(&'static str, Tensor<B, 1>)>) {
         let (cls, bbox) = self.losses(batch);
-        cls + bbox
+        let parts = vec![
+            ("loss_cls", cls.clone().detach()),
+            ("loss_bbox", bbox.clone().detach()),
+        ];
+        (cls + bbox, parts)
     }
 }
