@@ -26,6 +26,12 @@ enum Command {
     /// Run a trained detector on its config's test split, write its detections and print the
     /// VOC mAP table.
     Test(commands::test::TestArgs),
+    /// The strategy table: RetinaNet under base, amp, accumulation, checkpoint and all three,
+    /// each in a process of its own; peak memory, step time, where the memory goes, pictures.
+    Bench(commands::bench::BenchArgs),
+    /// One configuration of `memsave bench` (started by it).
+    #[command(hide = true)]
+    BenchWorker(commands::bench::worker::WorkerArgs),
     /// Data sets: make a synthetic VOC set, score a detections file.
     Data {
         #[command(subcommand)]
@@ -52,6 +58,8 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Command::Train(args) => commands::train::train(args),
         Command::Test(args) => commands::test::test(args),
+        Command::Bench(args) => commands::bench::bench(args),
+        Command::BenchWorker(args) => commands::bench::worker::worker(args),
         Command::Data { command } => commands::data::run(command),
     };
     match result {

@@ -1,5 +1,6 @@
-//! The subcommands: `train`, `test`, `data`.
+//! The subcommands: `train`, `test`, `bench`, `data`.
 
+pub mod bench;
 pub mod data;
 pub mod test;
 pub mod train;

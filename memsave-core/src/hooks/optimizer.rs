@@ -18,6 +18,7 @@ use burn::tensor::DType;
 use serde::{Deserialize, Serialize};
 
 use crate::fp16::{wrap_fp16_model, Precision};
+use crate::memory;
 use crate::scaler::LossScaler;
 use crate::train::grads::{self, GradClip};
 use crate::train::params::has_batch_norm;
@@ -217,7 +218,9 @@ impl OptimizerHook {
         } else {
             state.log.grad_norm = norm;
             state.step(grads);
-            state.forward_model = Some(wrap_fp16_model(state.model.clone(), mixed.precision));
+            state.forward_model = Some(memory::scope(memory::phase::HALF_WEIGHTS, || {
+                wrap_fp16_model(state.model.clone(), mixed.precision)
+            }));
             mixed.scaler.update_scale(false);
         }
         state.log.loss_scale = Some(mixed.scaler.loss_scale());
@@ -237,7 +240,9 @@ impl<B: AutodiffBackend, M: TrainModel<B>> Hook<B, M> for OptimizerHook {
     fn before_run(&mut self, state: &mut TrainState<B, M>) -> Result<()> {
         self.groups.warn(state);
         if let Some(mixed) = &self.mixed {
-            state.forward_model = Some(wrap_fp16_model(state.model.clone(), mixed.precision));
+            state.forward_model = Some(memory::scope(memory::phase::HALF_WEIGHTS, || {
+                wrap_fp16_model(state.model.clone(), mixed.precision)
+            }));
         }
         Ok(())
     }
@@ -249,7 +254,7 @@ impl<B: AutodiffBackend, M: TrainModel<B>> Hook<B, M> for OptimizerHook {
         state.log.loss = Some(grads::scalar(&loss));
         let divisor = self.groups.loss_factor(state.iter, state.max_iters) as f64;
         let summed = self.summed.take();
-        let grads = match &self.mixed {
+        let grads = memory::scope(memory::phase::BACKWARD, || match &self.mixed {
             // fp32: the group's sums start the backward pass, no second set is made.
             None => grads::backward::<B, M>(loss.div_scalar(divisor), &state.model, summed),
             // Half: the forward copy's gradients are half and scaled, the sums fp32.
@@ -257,18 +262,23 @@ impl<B: AutodiffBackend, M: TrainModel<B>> Hook<B, M> for OptimizerHook {
                 let scale = mixed.scaler.loss_scale();
                 let loss = loss.cast(DType::F32).mul_scalar(scale / divisor);
                 let mut grads = grads::backward::<B, M>(loss, state.forward_model(), None);
-                grads::to_f32::<B, M>(&state.model, &mut grads);
-                if let Some(mut summed) = summed {
-                    grads::accumulate::<B, M>(&state.model, &mut summed, grads);
-                    grads = summed;
+                match summed {
+                    // Each half gradient is cast as it is added to its fp32 sum.
+                    Some(mut summed) => {
+                        grads::accumulate::<B, M>(&state.model, &mut summed, grads);
+                        summed
+                    }
+                    None => {
+                        grads::to_f32::<B, M>(&state.model, &mut grads);
+                        grads
+                    }
                 }
-                grads
             }
-        };
+        });
         self.pending += 1;
         if self.groups.boundary(state) {
             self.pending = 0;
-            self.step(state, grads);
+            memory::scope(memory::phase::STEP, || self.step(state, grads));
         } else {
             self.summed = Some(grads);
             if let Some(mixed) = &self.mixed {

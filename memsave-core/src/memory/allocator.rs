@@ -13,6 +13,9 @@ use std::sync::atomic::{AtomicBool, AtomicIsize, AtomicU32, AtomicUsize, Orderin
 
 pub(super) static CURRENT: AtomicUsize = AtomicUsize::new(0);
 pub(super) static PEAK: AtomicUsize = AtomicUsize::new(0);
+/// The most live bytes since the last [`take_window_peak`]: a timeline's sampler reads it, so
+/// that a peak between two samples is not lost.
+pub(super) static WINDOW_PEAK: AtomicUsize = AtomicUsize::new(0);
 static INSTALLED: AtomicBool = AtomicBool::new(false);
 
 /// Tags: 0 is "untagged". Live bytes per tag (signed: a block may be freed under another).
@@ -40,6 +43,7 @@ impl CountingAllocator {
     fn grew(size: usize, tag: u32) {
         TAG_LIVE[tag as usize].fetch_add(size as isize, Ordering::Relaxed);
         let now = CURRENT.fetch_add(size, Ordering::Relaxed) + size;
+        WINDOW_PEAK.fetch_max(now, Ordering::Relaxed);
         let before = PEAK.fetch_max(now, Ordering::Relaxed);
         if now > before && SNAPSHOT.load(Ordering::Relaxed) {
             // A new peak: copy the per-tag counters (one thread at a time; a peak reached
@@ -199,6 +203,13 @@ pub fn current_bytes() -> usize {
 /// The most live heap bytes since the last [`reset_peak`].
 pub fn peak_bytes() -> usize {
     PEAK.load(Ordering::Relaxed)
+}
+
+/// The most live bytes since the previous call (or since the start), and a new window from the
+/// live bytes now.
+pub fn take_window_peak() -> usize {
+    let now = CURRENT.load(Ordering::Relaxed);
+    WINDOW_PEAK.swap(now, Ordering::Relaxed).max(now)
 }
 
 /// Starts a new peak at the current live bytes, and returns them (the baseline).

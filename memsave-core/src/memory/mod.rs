@@ -26,9 +26,28 @@
 
 mod allocator;
 mod tags;
+mod timeline;
 
-pub use allocator::{current_bytes, is_counting, peak_bytes, reset_peak, CountingAllocator};
+pub use allocator::{
+    current_bytes, is_counting, peak_bytes, reset_peak, take_window_peak, CountingAllocator,
+};
 pub use tags::{live_by_tag, peak_by_tag, scope, scope_path, snapshot_peaks, TagBytes};
+pub use timeline::{Sample, Timeline};
+
+/// The tags the runner and the optimizer hook open around the phases of a training step, so
+/// that the bytes live at a peak can be told apart by what allocated them (see [`scope`]).
+pub mod phase {
+    /// The model's forward and loss (`Runner`): what is still live of it is what backward keeps.
+    pub const FORWARD: &str = "forward";
+    /// The backward pass (the optimizer hook): gradients, of parameters and in flight.
+    pub const BACKWARD: &str = "backward";
+    /// A checkpointed segment's forward run again in backward: its activations, briefly.
+    pub const RECOMPUTE: &str = "recompute";
+    /// Clipping and the optimizer step: the new weights and the optimizer's state.
+    pub const STEP: &str = "step";
+    /// The half-precision copy of the weights the forward runs on (mixed precision).
+    pub const HALF_WEIGHTS: &str = "half_weights";
+}
 
 use allocator::{CURRENT, PEAK};
 use std::sync::atomic::Ordering;
@@ -153,5 +172,24 @@ pub mod cuda {
     pub fn pool_usage(device: &CudaDevice) -> Option<(u64, u64)> {
         let usage = CudaRuntime::client(device).memory_usage().ok()?;
         Some((usage.bytes_in_use, usage.bytes_reserved))
+    }
+
+    /// Whether a CUDA driver and `device` can be opened: `Err` with the runtime's words where
+    /// not (CubeCL panics when the driver library is missing; that panic is caught here).
+    pub fn probe(device: &CudaDevice) -> Result<(), String> {
+        let report = std::panic::take_hook();
+        std::panic::set_hook(Box::new(|_| {}));
+        let outcome =
+            std::panic::catch_unwind(|| CudaRuntime::client(device).memory_usage().map(|_| ()));
+        std::panic::set_hook(report);
+        match outcome {
+            Ok(Ok(())) => Ok(()),
+            Ok(Err(error)) => Err(format!("{error:?}")),
+            Err(payload) => Err(payload
+                .downcast_ref::<String>()
+                .cloned()
+                .or_else(|| payload.downcast_ref::<&str>().map(|s| s.to_string()))
+                .unwrap_or_else(|| "the CUDA runtime could not start".to_string())),
+        }
     }
 }

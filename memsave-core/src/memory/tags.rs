@@ -124,3 +124,13 @@ pub fn peak_by_tag() -> Vec<TagBytes> {
         })
         .collect()
 }
+
+/// The id of the tag new blocks get now (any thread's open scope): cheap, for samplers.
+pub(super) fn current_tag_id() -> u32 {
+    CURRENT_TAG.load(Ordering::Relaxed)
+}
+
+/// The path of tag `id` (`""` for untagged or unknown ids).
+pub(super) fn tag_name(id: u32) -> String {
+    names().get(id as usize).cloned().unwrap_or_default()
+}

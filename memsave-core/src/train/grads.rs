@@ -105,7 +105,8 @@ pub fn backward<B: AutodiffBackend, M: AutodiffModule<B>>(
     grads
 }
 
-/// `sum += more`, parameter by parameter (a parameter missing on one side keeps the other's).
+/// `sum += more`, parameter by parameter (a parameter missing on one side keeps the other's;
+/// `more`'s gradients are cast to the sum's precision where they differ).
 pub fn accumulate<B: AutodiffBackend, M: AutodiffModule<B>>(
     model: &M,
     sum: &mut GradientsParams,
@@ -121,6 +122,12 @@ pub fn accumulate<B: AutodiffBackend, M: AutodiffModule<B>>(
                 return;
             };
             let total = match self.sum.remove::<B::InnerBackend, D>(param.id) {
+                // A half gradient is added to an fp32 sum as it is cast, one parameter at a
+                // time: no full fp32 copy of the half gradients is made.
+                Some(previous) if previous.dtype() != grad.dtype() => {
+                    let dtype = previous.dtype();
+                    previous + grad.cast(dtype)
+                }
                 Some(previous) => previous + grad,
                 None => grad,
             };

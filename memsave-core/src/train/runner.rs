@@ -233,7 +233,9 @@ where
     /// becomes [`Error::OutOfMemory`].
     fn step(&mut self, batch: M::Batch) -> Result<()> {
         let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-            let (loss, parts) = self.state.forward_model().loss_with_parts(batch);
+            let (loss, parts) = crate::memory::scope(crate::memory::phase::FORWARD, || {
+                self.state.forward_model().loss_with_parts(batch)
+            });
             self.state.log.parts = parts
                 .iter()
                 .map(|(name, part)| (*name, super::grads::scalar(part)))

@@ -130,7 +130,7 @@ pub(super) fn backprop_segment<B, C, M, I, O, F>(
     if let (Some(seed), Some(first)) = (stream, floats(&input).first()) {
         Ad::<B, C>::seed(&Ad::<B, C>::float_device(first), seed);
     }
-    let output = segment(&module, input);
+    let output = crate::memory::scope(crate::memory::phase::RECOMPUTE, || segment(&module, input));
 
     // The anchor only runs once an output has its gradient: there is one to size things by.
     let like = output_grads

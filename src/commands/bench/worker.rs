@@ -1,0 +1,574 @@
+//! One configuration of `memsave bench`, in a process of its own so that its peak is clean:
+//! builds the detector and its data from the config, trains warm-up and measured steps on the
+//! runner with the config's optimizer hook, and writes what it measured as JSON.
+//!
+//! How memory is measured and split (CPU, the counting allocator):
+//! - the baseline of a step is the live bytes at its start (model, optimizer state, the
+//!   preloaded batches; no gradients), and its peak the most live bytes until it ends;
+//! - every block is charged to the phase that allocated it (`memsave::memory::phase`: the
+//!   runner's `forward`, the optimizer hook's `backward` and `step`, the checkpointed segments'
+//!   `recompute`), and the live bytes per phase are copied at each new peak;
+//! - at the peak: `activations` = bytes of `forward` and `recompute` (what backward keeps, and
+//!   recomputed activations), `gradients` = bytes of `backward` (the parameters' gradients so
+//!   far, and under accumulation the group's sums, with the gradients in flight), `parameters`
+//!   = the bytes the model took when it was built (and the half copy under mixed precision),
+//!   `optimizer_state` = what the warm-up steps added to the live bytes (the momentum, Adam's
+//!   moments, fp32 master weights' bookkeeping) less the half copy, `other` = the rest (the
+//!   batches, the runtime).
+
+use std::cell::RefCell;
+use std::path::PathBuf;
+use std::rc::Rc;
+use std::time::Instant;
+
+use burn::backend::{Autodiff, Flex};
+use burn::tensor::backend::AutodiffBackend;
+use memsave::config::Config;
+use memsave::hooks::LrUpdaterHook;
+use memsave::memory::{self, phase, TagBytes, Timeline};
+use memsave::models::config::{DetectionDataSection, ModelSection, ModelType};
+use memsave::models::data::voc::loader::{DatasetType, VocDatasetConfig, VocDetection};
+use memsave::models::data::voc::pipeline::Step;
+use memsave::models::data::voc::OneOrMany;
+use memsave::models::detection::retinanet::RetinaNet;
+use memsave::models::detection::DetectionBatch;
+use memsave::train::params::param_bytes;
+use memsave::train::{DataSource, Hook, OptimizerKind, RunLength, Runner, TrainModel, TrainState};
+use memsave::{Error, Result};
+
+use super::super::Device;
+use super::report::ConfigResult;
+
+/// `memsave bench-worker`: one configuration (started by `memsave bench`).
+#[derive(clap::Args, Debug)]
+pub struct WorkerArgs {
+    /// The configuration's name (`base`, `amp`, ...).
+    #[arg(long)]
+    name: String,
+    /// The RetinaNet config.
+    #[arg(long)]
+    config: PathBuf,
+    /// The VOC2007 folder (its `ImageSets/Main/trainval.txt` is trained on).
+    #[arg(long)]
+    data: PathBuf,
+    /// Image height.
+    #[arg(long)]
+    height: usize,
+    /// Image width.
+    #[arg(long)]
+    width: usize,
+    /// Measured optimizer steps.
+    #[arg(long)]
+    iters: usize,
+    /// Steps before the measured ones.
+    #[arg(long, default_value_t = 1)]
+    warmup: usize,
+    /// ResNet depth (the FPN's inputs follow).
+    #[arg(long)]
+    depth: Option<usize>,
+    /// Adam instead of the config's optimizer.
+    #[arg(long)]
+    adam: bool,
+    /// Random backbone weights, whatever the config's `init_cfg` says (the built-in config).
+    #[arg(long)]
+    random_init: bool,
+    /// Where to run.
+    #[arg(long, value_enum)]
+    device: Device,
+    /// Where to write the result.
+    #[arg(long)]
+    result: PathBuf,
+    /// Config overrides: the user's, the batch, the configuration's line.
+    #[arg(long = "set", value_name = "KEY=VALUE")]
+    set: Vec<String>,
+}
+
+pub fn worker(args: WorkerArgs) -> Result<()> {
+    let result = match args.device {
+        Device::Cpu => run::<Autodiff<Flex>>(&args, Default::default(), Rc::new(CpuMeter))?,
+        #[cfg(feature = "cuda")]
+        Device::Cuda => {
+            let device = burn::backend::cuda::CudaDevice::default();
+            run::<Autodiff<burn::backend::Cuda>>(&args, device.clone(), Rc::new(CudaMeter(device)))?
+        }
+        #[cfg(not(feature = "cuda"))]
+        Device::Cuda => return Err(super::super::no_cuda()),
+    };
+    let text = serde_json::to_string(&result).map_err(|e| Error::Data(e.to_string()))?;
+    std::fs::write(&args.result, text).map_err(|source| Error::Io {
+        path: args.result.clone(),
+        source,
+    })
+}
+
+/// Reads a device's memory.
+pub trait Meter {
+    /// Bytes live now.
+    fn live(&self) -> u64;
+    /// Starts a new peak; returns the live bytes it starts from.
+    fn start_peak(&self) -> u64;
+    /// The peak since [`Meter::start_peak`].
+    fn peak(&self) -> u64;
+    /// Whether bytes are charged to phases (the counting allocator), for the breakdown and the
+    /// timeline.
+    fn phases(&self) -> bool;
+}
+
+/// The counting allocator.
+pub struct CpuMeter;
+
+impl Meter for CpuMeter {
+    fn live(&self) -> u64 {
+        memory::current_bytes() as u64
+    }
+    fn start_peak(&self) -> u64 {
+        memory::reset_peak() as u64
+    }
+    fn peak(&self) -> u64 {
+        memory::peak_bytes() as u64
+    }
+    fn phases(&self) -> bool {
+        memory::is_counting()
+    }
+}
+
+/// CubeCL's pools: bytes in use; the peak is the pools' reservation (their high-water mark).
+#[cfg(feature = "cuda")]
+pub struct CudaMeter(burn::backend::cuda::CudaDevice);
+
+#[cfg(feature = "cuda")]
+impl Meter for CudaMeter {
+    fn live(&self) -> u64 {
+        memory::cuda::pool_usage(&self.0).map_or(0, |(used, _)| used)
+    }
+    fn start_peak(&self) -> u64 {
+        self.live()
+    }
+    fn peak(&self) -> u64 {
+        memory::cuda::pool_usage(&self.0).map_or(0, |(_, reserved)| reserved)
+    }
+    fn phases(&self) -> bool {
+        false
+    }
+}
+
+/// MMDetection's training pipeline, the resize stretched to exactly `width` x `height`.
+fn pipeline(width: usize, height: usize) -> Vec<Step> {
+    vec![
+        Step::LoadImageFromFile {},
+        Step::LoadAnnotations { with_bbox: true },
+        Step::Resize {
+            img_scale: [width, height],
+            keep_ratio: false,
+        },
+        Step::RandomFlip {
+            flip_ratio: Some(0.5),
+        },
+        Step::Normalize {
+            mean: [123.675, 116.28, 103.53],
+            std: [58.395, 57.12, 57.375],
+            to_rgb: true,
+        },
+        Step::Pad { size_divisor: 32 },
+        Step::DefaultFormatBundle {},
+    ]
+}
+
+/// The same images as `batch`, as `parts` batches of equal size, in order.
+fn split<B: burn::prelude::Backend>(
+    batch: DetectionBatch<B>,
+    parts: usize,
+) -> Vec<DetectionBatch<B>> {
+    let n = batch.metas.len() / parts;
+    (0..parts)
+        .map(|p| DetectionBatch {
+            images: batch.images.clone().narrow(0, p * n, n),
+            metas: batch.metas[p * n..(p + 1) * n].to_vec(),
+            gt_bboxes: batch.gt_bboxes[p * n..(p + 1) * n].to_vec(),
+            gt_labels: batch.gt_labels[p * n..(p + 1) * n].to_vec(),
+        })
+        .collect()
+}
+
+/// Batches made before the run, served in turn: no decoding in the measured steps.
+struct Preloaded<B: burn::prelude::Backend>(Vec<DetectionBatch<B>>);
+
+impl<B: burn::prelude::Backend> DataSource<DetectionBatch<B>> for Preloaded<B> {
+    fn batches_per_epoch(&self) -> usize {
+        self.0.len()
+    }
+    fn batch(&self, _epoch: usize, index: usize) -> Result<DetectionBatch<B>> {
+        Ok(self.0[index % self.0.len()].clone())
+    }
+}
+
+/// What the measuring hook records.
+#[derive(Default)]
+struct Record {
+    /// Live bytes at the start of the first measured step.
+    resident: Option<u64>,
+    /// Per measured step: seconds, peak above its start, the bytes each tag added from the
+    /// step's start to its peak, and the live bytes at its start.
+    steps: Vec<(f64, u64, Vec<TagBytes>, u64)>,
+    /// Per step: the mean loss of its micro-batches.
+    losses: Vec<f64>,
+    timeline: Vec<memory::Sample>,
+}
+
+/// Times each optimizer step (a group of `micro` iterations), and takes its peak.
+struct Measure {
+    micro: usize,
+    warmup: usize,
+    last: usize,
+    meter: Rc<dyn Meter>,
+    record: Rc<RefCell<Record>>,
+    started: Option<(Instant, u64, Vec<TagBytes>)>,
+    timeline: Option<Timeline>,
+    losses: Vec<f64>,
+}
+
+impl<B: AutodiffBackend, M: TrainModel<B>> Hook<B, M> for Measure {
+    fn name(&self) -> &'static str {
+        "bench"
+    }
+
+    fn before_iter(&mut self, state: &mut TrainState<B, M>) -> Result<()> {
+        if !state.iter.is_multiple_of(self.micro) {
+            return Ok(());
+        }
+        let group = state.iter / self.micro;
+        if group < self.warmup {
+            self.started = None;
+            return Ok(());
+        }
+        let live = self.meter.live();
+        let mut record = self.record.borrow_mut();
+        record.resident.get_or_insert(live);
+        drop(record);
+        if group == self.last && self.meter.phases() {
+            // Room for a sample every millisecond of a long step.
+            self.timeline = Some(
+                Timeline::start(std::time::Duration::from_millis(1), 1 << 17).map_err(|e| {
+                    Error::Data(format!("could not start the timeline's thread: {e}"))
+                })?,
+            );
+        }
+        let at_start = if self.meter.phases() {
+            memory::live_by_tag()
+        } else {
+            Vec::new()
+        };
+        let baseline = self.meter.start_peak();
+        self.started = Some((Instant::now(), baseline, at_start));
+        Ok(())
+    }
+
+    fn after_iter(&mut self, state: &mut TrainState<B, M>) -> Result<()> {
+        if let Some(loss) = state.log.loss {
+            self.losses.push(loss);
+        }
+        if !(state.iter + 1).is_multiple_of(self.micro) {
+            return Ok(());
+        }
+        let mean = self.losses.iter().sum::<f64>() / self.losses.len().max(1) as f64;
+        self.losses.clear();
+        let mut record = self.record.borrow_mut();
+        record.losses.push(mean);
+        if let Some((started, baseline, at_start)) = self.started.take() {
+            let seconds = started.elapsed().as_secs_f64();
+            let peak = self.meter.peak().saturating_sub(baseline);
+            // What each tag added between the step's start and its peak.
+            let mut at_peak = if self.meter.phases() {
+                memory::peak_by_tag()
+            } else {
+                Vec::new()
+            };
+            for tag in &mut at_peak {
+                if let Some(start) = at_start.iter().find(|s| s.tag == tag.tag) {
+                    tag.live -= start.live;
+                }
+            }
+            record.steps.push((seconds, peak, at_peak, baseline));
+            if let Some(timeline) = self.timeline.take() {
+                record.timeline = timeline.stop();
+            }
+        }
+        let group = state.iter / self.micro + 1;
+        // The parent's progress bar reads these lines.
+        println!("step {group} {}", self.last + 1);
+        Ok(())
+    }
+}
+
+/// The config as a configuration runs it: `sets` applied, then the depth (with the FPN's
+/// inputs), Adam, random weights; an error unless it is a RetinaNet.
+pub fn load_config(
+    path: &std::path::Path,
+    sets: &[String],
+    depth: Option<usize>,
+    adam: bool,
+    random_init: bool,
+) -> Result<Config<ModelSection, DetectionDataSection>> {
+    if super::super::train::model_type(path, sets)? != ModelType::RetinaNet {
+        return Err(Error::invalid(
+            "model.type",
+            format!(
+                "{}: memsave bench runs a RetinaNet config (`type = \"RetinaNet\"`)",
+                path.display()
+            ),
+        ));
+    }
+    let mut config = Config::<ModelSection, DetectionDataSection>::load(path, sets)?;
+    if let Some(depth) = depth {
+        config.model.backbone.depth = depth;
+        let expansion = if depth >= 50 { 4 } else { 1 };
+        let base = config.model.backbone.base_channels;
+        if let Some(neck) = &mut config.model.neck {
+            neck.in_channels = (0..neck.in_channels.len())
+                .map(|i| (base << i) * expansion)
+                .collect();
+        }
+    }
+    if random_init {
+        config.model.backbone.init_cfg = None;
+    }
+    if adam {
+        config.optimizer.lr = 1e-4;
+        config.optimizer.kind = OptimizerKind::Adam {
+            betas: (0.9, 0.999),
+            eps: 1e-8,
+            weight_decay: 1e-4,
+        };
+    }
+    config.model.retinanet()?;
+    Ok(config)
+}
+
+fn run<B>(args: &WorkerArgs, device: B::Device, meter: Rc<dyn Meter>) -> Result<ConfigResult>
+where
+    B: AutodiffBackend + memsave::Backend,
+{
+    let config = load_config(
+        &args.config,
+        &args.set,
+        args.depth,
+        args.adam,
+        args.random_init,
+    )?;
+    let detector = config.model.retinanet()?;
+    let micro = if config.optimizer_config.kind.accumulates() {
+        config.optimizer_config.cumulative_iters.unwrap_or(1).max(1)
+    } else {
+        1
+    };
+
+    // Two steps' worth of batches, each step's images split into its micro-batches.
+    let train = VocDatasetConfig {
+        kind: DatasetType::VOCDataset,
+        ann_file: OneOrMany::One(args.data.join("ImageSets/Main/trainval.txt")),
+        img_prefix: OneOrMany::One(args.data.clone()),
+        pipeline: Some(pipeline(args.width, args.height)),
+    };
+    let per_step = config.data.samples_per_gpu * micro;
+    let loader = VocDetection::<B>::new(
+        &train,
+        "--data",
+        true,
+        per_step,
+        0,
+        config.seed,
+        device.clone(),
+    )?;
+    let steps = loader.batches_per_epoch().min(2);
+    if steps == 0 {
+        return Err(Error::Data(format!(
+            "{}: fewer than {per_step} training images",
+            args.data.display()
+        )));
+    }
+    let mut batches = Vec::new();
+    for index in 0..steps {
+        batches.extend(split(loader.batch(0, index)?, micro));
+    }
+    drop(loader);
+
+    B::seed(&device, config.seed);
+    memory::snapshot_peaks(meter.phases());
+    let before_model = meter.live();
+    let model: RetinaNet<B> = memory::scope("model", || {
+        let model = detector.init::<B>(&device)?;
+        // Materialise every (lazily initialised) parameter while the tag is open.
+        param_bytes::<B, _>(&model);
+        Ok::<_, Error>(model)
+    })?;
+    // The bytes the model keeps (weights, BatchNorm statistics): on the CPU, those live under
+    // the tag its construction ran in; elsewhere, the growth of the live bytes.
+    let parameters = if meter.phases() {
+        memory::live_by_tag()
+            .iter()
+            .filter(|t| t.tag == "model" || t.tag.starts_with("model."))
+            .map(|t| t.live.max(0) as u64)
+            .sum()
+    } else {
+        meter.live().saturating_sub(before_model)
+    };
+
+    let work_dir = std::env::temp_dir().join(format!("memsave-bench-{}", std::process::id()));
+    let mut runner = Runner::new(
+        model,
+        &config.optimizer_kind(),
+        config.optimizer_hook()?,
+        Preloaded(batches),
+        RunLength::Iters((args.warmup + args.iters) * micro),
+        &work_dir,
+        device,
+    )?;
+    runner.register_hook(Box::new(LrUpdaterHook {
+        schedule: config.lr_schedule(),
+    }));
+    let record = Rc::new(RefCell::new(Record::default()));
+    runner.register_hook(Box::new(Measure {
+        micro,
+        warmup: args.warmup,
+        last: args.warmup + args.iters - 1,
+        meter: meter.clone(),
+        record: record.clone(),
+        started: None,
+        timeline: None,
+        losses: Vec::new(),
+    }));
+    let built = meter.live();
+    runner.run()?;
+    // The half copy of the weights the forward ran on (mixed precision), resident.
+    let half_weights: u64 = memory::live_by_tag()
+        .iter()
+        .filter(|t| t.tag.split('.').any(|part| part == phase::HALF_WEIGHTS))
+        .map(|t| t.live.max(0) as u64)
+        .sum();
+    drop(runner);
+    let record = record.take();
+    summarise(
+        args,
+        &record,
+        parameters,
+        half_weights,
+        built,
+        meter.phases(),
+    )
+}
+
+/// The step with the highest peak, its breakdown, the median time, the timeline.
+fn summarise(
+    args: &WorkerArgs,
+    record: &Record,
+    parameters: u64,
+    half_weights: u64,
+    built: u64,
+    phases: bool,
+) -> Result<ConfigResult> {
+    let (_, peak, at_peak, baseline) = record
+        .steps
+        .iter()
+        .max_by_key(|step| step.1)
+        .cloned()
+        .ok_or_else(|| Error::Data("no step was measured".into()))?;
+    let mut times: Vec<f64> = record.steps.iter().map(|step| step.0).collect();
+    times.sort_by(f64::total_cmp);
+    let median = if times.len() % 2 == 1 {
+        times[times.len() / 2]
+    } else {
+        (times[times.len() / 2 - 1] + times[times.len() / 2]) / 2.0
+    };
+    let mut breakdown = std::collections::BTreeMap::new();
+    breakdown.insert("baseline".to_string(), baseline);
+    let added = record.resident.unwrap_or(built).saturating_sub(built);
+    if phases {
+        // Bytes each kind of tag added between the step's start and its peak.
+        let sum = |keep: &dyn Fn(&str) -> bool| -> u64 {
+            at_peak
+                .iter()
+                .filter(|t| keep(&t.tag))
+                .map(|t| t.live.max(0) as u64)
+                .sum()
+        };
+        let has = |tag: &str, name: &str| tag.split('.').any(|part| part == name);
+        let half = half_weights;
+        let activations = sum(&|t| {
+            !has(t, phase::HALF_WEIGHTS)
+                && (has(t, phase::RECOMPUTE) || t.starts_with(phase::FORWARD))
+        });
+        let gradients = sum(&|t| t.starts_with(phase::BACKWARD) && !has(t, phase::RECOMPUTE));
+        let update = sum(&|t| t.starts_with(phase::STEP) || has(t, phase::HALF_WEIGHTS));
+        let total = baseline + peak;
+        let parameters = parameters + half;
+        let optimizer_state = added.saturating_sub(half);
+        let known = parameters + optimizer_state + activations + gradients + update;
+        breakdown.insert("parameters".to_string(), parameters);
+        breakdown.insert("optimizer_state".to_string(), optimizer_state);
+        breakdown.insert("activations".to_string(), activations);
+        breakdown.insert("gradients".to_string(), gradients);
+        breakdown.insert("optimizer_step".to_string(), update);
+        breakdown.insert("other".to_string(), total.saturating_sub(known));
+        breakdown.insert("total".to_string(), total);
+    } else {
+        breakdown.insert("parameters".to_string(), parameters);
+        breakdown.insert("optimizer_state".to_string(), added);
+    }
+    let start = record
+        .timeline
+        .first()
+        .map_or(0, |s| s.bytes as u64)
+        .min(baseline);
+    Ok(ConfigResult {
+        name: args.name.clone(),
+        peak_bytes: peak,
+        median_iter_s: median,
+        final_loss: record.losses.last().copied().unwrap_or(f64::NAN),
+        breakdown,
+        iter_s: record.steps.iter().map(|step| step.0).collect(),
+        timeline: record
+            .timeline
+            .iter()
+            .map(|s| (s.seconds, (s.bytes as u64).saturating_sub(start)))
+            .collect(),
+        timeline_phase: record
+            .timeline
+            .iter()
+            .map(|s| s.tag.split('.').next().unwrap_or_default().to_string())
+            .collect(),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use burn::tensor::Tensor;
+
+    #[test]
+    fn split_keeps_images_in_order() {
+        type B = Flex;
+        let device = Default::default();
+        let images = Tensor::<B, 1>::arange_step(0..4 * 3, 1, &device)
+            .float()
+            .reshape([4, 3, 1, 1]);
+        let meta = |i: usize| memsave::models::detection::ImageMeta {
+            id: format!("{i:06}"),
+            ori_shape: [1, 1],
+            img_shape: [1, 1],
+            pad_shape: [1, 1],
+            scale_factor: [1.0; 2],
+            flip: false,
+        };
+        let batch = DetectionBatch::<B> {
+            images,
+            metas: (0..4).map(meta).collect(),
+            gt_bboxes: vec![Vec::new(); 4],
+            gt_labels: (0..4).map(|i| vec![i]).collect(),
+        };
+        let parts = split(batch, 2);
+        assert_eq!(parts.len(), 2);
+        assert_eq!(parts[1].gt_labels, vec![vec![2], vec![3]]);
+        let values: Vec<f32> = parts[1].images.clone().into_data().to_vec().unwrap();
+        assert_eq!(values, (6..12).map(|v| v as f32).collect::<Vec<_>>());
+    }
+}

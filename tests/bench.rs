@@ -1,0 +1,265 @@
+//! `memsave bench`: the five configurations on a small RetinaNet (ResNet-18, 64 x 64 images),
+//! each in its own process; the report's schema, its breakdown adding up and measuring what it
+//! says (Adam's state is twice SGD's), the pictures, `--compare`, and bad input.
+
+mod common;
+
+use std::path::Path;
+
+use common::{fresh_dir, memsave};
+use serde_json::Value;
+
+/// A small, quick bench: ResNet-18 at 64 x 64, narrow stages.
+fn small(out: &Path, extra: &[&str]) -> std::process::Output {
+    let out = out.to_str().unwrap();
+    let mut args = vec![
+        "bench",
+        "--depth",
+        "18",
+        "--image-size",
+        "64",
+        "--iters",
+        "2",
+        "--out",
+        out,
+        "--set",
+        "model.backbone.base_channels=16",
+    ];
+    args.extend_from_slice(extra);
+    memsave(&args)
+}
+
+fn text(output: &std::process::Output) -> (String, String) {
+    (
+        String::from_utf8_lossy(&output.stdout).into_owned(),
+        String::from_utf8_lossy(&output.stderr).into_owned(),
+    )
+}
+
+fn read(path: &Path) -> Value {
+    serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap()
+}
+
+fn bytes(config: &Value, key: &str) -> u64 {
+    config["breakdown"][key]
+        .as_u64()
+        .unwrap_or_else(|| panic!("{} has no breakdown.{key}", config["name"]))
+}
+
+fn is_png(path: &Path) {
+    let data = std::fs::read(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    assert!(
+        data.len() > 10_000,
+        "{}: {} bytes",
+        path.display(),
+        data.len()
+    );
+    assert_eq!(&data[..8], b"\x89PNG\r\n\x1a\n", "{}", path.display());
+}
+
+#[test]
+fn five_configurations_measured_reported_and_drawn() {
+    let out = fresh_dir("bench", "five");
+    let output = small(&out, &[]);
+    let (stdout, stderr) = text(&output);
+    assert!(output.status.success(), "{stdout}\n{stderr}");
+
+    let report = read(&out.join("bench.json"));
+    assert_eq!(report["image_size"], serde_json::json!([64, 64]));
+    assert_eq!(report["batch"], 2);
+    assert_eq!(report["iters"], 2);
+    assert!(report["device"].as_str().unwrap().contains("CPU"));
+    let configs = report["configs"].as_array().unwrap();
+    let names: Vec<&str> = configs
+        .iter()
+        .map(|c| c["name"].as_str().unwrap())
+        .collect();
+    assert_eq!(names, ["base", "amp", "accumulation", "checkpoint", "all"]);
+    for config in configs {
+        let name = &config["name"];
+        let peak = config["peak_bytes"].as_u64().unwrap();
+        assert!(peak > 1 << 20, "{name}: peak {peak}");
+        let time = config["median_iter_s"].as_f64().unwrap();
+        assert!(time > 0.0 && time < 300.0, "{name}: {time} s");
+        assert_eq!(config["iter_s"].as_array().unwrap().len(), 2, "{name}");
+        assert!(config["final_loss"].as_f64().unwrap().is_finite(), "{name}");
+        // The parts add up to the live bytes at the peak, which are the baseline plus the peak.
+        let total = bytes(config, "total");
+        assert_eq!(total, bytes(config, "baseline") + peak, "{name}");
+        let parts: u64 = [
+            "parameters",
+            "optimizer_state",
+            "activations",
+            "gradients",
+            "optimizer_step",
+            "other",
+        ]
+        .iter()
+        .map(|key| bytes(config, key))
+        .sum();
+        assert!(
+            parts >= total && parts <= total + total / 50,
+            "{name}: {parts} vs {total}"
+        );
+        assert!(bytes(config, "gradients") > 0, "{name}");
+        // A timeline of the last step, phases named.
+        let timeline = config["timeline"].as_array().unwrap();
+        assert!(timeline.len() > 10, "{name}: {} samples", timeline.len());
+        let phases: Vec<&str> = config["timeline_phase"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|p| p.as_str().unwrap())
+            .collect();
+        assert!(
+            phases.contains(&"forward") && phases.contains(&"backward"),
+            "{name}"
+        );
+    }
+    let config = |name: &str| configs.iter().find(|c| c["name"] == name).unwrap();
+    // The same weights everywhere; the half copy on top under mixed precision.
+    let weights = bytes(config("base"), "parameters");
+    for name in ["checkpoint", "accumulation"] {
+        let other = bytes(config(name), "parameters");
+        assert!(
+            other.abs_diff(weights) < weights / 1000,
+            "{name}: {other} vs {weights}"
+        );
+    }
+    let half = bytes(config("amp"), "parameters") - weights;
+    assert!(
+        half > weights / 4 && half < weights * 3 / 4,
+        "{half} vs {weights}"
+    );
+    // Checkpointing recomputes in backward; accumulation runs two micro-batches.
+    let phases = |name: &str| config(name)["timeline_phase"].to_string();
+    assert!(phases("checkpoint").contains("recompute"));
+    assert!(!phases("base").contains("recompute"));
+    // Accumulation trains on the same images, so its losses are those of base's halves.
+    let loss = |name: &str| config(name)["final_loss"].as_f64().unwrap();
+    assert!((loss("accumulation") - loss("base")).abs() < 0.5);
+    assert!((loss("checkpoint") - loss("base")).abs() < 1e-3);
+
+    // The table on stdout, the pictures on disk.
+    assert!(
+        stdout.contains("| config | peak MiB | memory vs base |"),
+        "{stdout}"
+    );
+    for name in names {
+        assert!(stdout.contains(&format!("| {name} |")), "{stdout}");
+    }
+    is_png(&out.join("bench_bars.png"));
+    is_png(&out.join("bench_timeline.png"));
+    let _ = std::fs::remove_dir_all(&out);
+}
+
+#[test]
+fn adam_state_is_measured_twice_sgd_and_a_comparison_sits_beside() {
+    let out = fresh_dir("bench", "adam");
+    let sgd_out = out.join("sgd");
+    let output = small(&sgd_out, &["--only", "base"]);
+    assert!(output.status.success(), "{:?}", text(&output));
+    let sgd = read(&sgd_out.join("bench.json"));
+
+    // The SGD run, relabelled, as another tool's report to compare with.
+    let mut other = sgd.clone();
+    other["framework"] = "Other 1.0".into();
+    let compare = out.join("other.json");
+    std::fs::write(&compare, other.to_string()).unwrap();
+    let adam_out = out.join("adam");
+    let output = small(
+        &adam_out,
+        &[
+            "--only",
+            "base",
+            "--optimizer",
+            "adam",
+            "--compare",
+            compare.to_str().unwrap(),
+        ],
+    );
+    let (stdout, stderr) = text(&output);
+    assert!(output.status.success(), "{stdout}\n{stderr}");
+    let adam = read(&adam_out.join("bench.json"));
+    assert_eq!(adam["optimizer"], "Adam");
+    let state = |report: &Value| bytes(&report["configs"][0], "optimizer_state") as f64;
+    let ratio = state(&adam) / state(&sgd);
+    assert!((1.8..2.2).contains(&ratio), "Adam's state / SGD's: {ratio}");
+    // SGD's momentum is one copy of the trainable weights: less than all the weights.
+    let weights = bytes(&sgd["configs"][0], "parameters") as f64;
+    assert!(state(&sgd) > 0.3 * weights && state(&sgd) < 1.05 * weights);
+    assert!(stdout.contains("beside Other 1.0"), "{stdout}");
+    assert!(stdout.contains("| base |"), "{stdout}");
+    is_png(&adam_out.join("bench_bars.png"));
+    let _ = std::fs::remove_dir_all(&out);
+}
+
+#[test]
+fn bad_input_is_a_clear_error() {
+    let out = fresh_dir("bench", "bad");
+    let dir = out.to_str().unwrap();
+    let cases: Vec<(Vec<&str>, &str)> = vec![
+        (vec!["--only", "fast"], "`fast` is not a configuration"),
+        (vec!["--batch", "3"], "--batch"),
+        (vec!["--iters", "0"], "--iters"),
+        (
+            vec!["--compare", "/nonexistent/torch.json"],
+            "/nonexistent/torch.json",
+        ),
+        (
+            vec!["--config", "/nonexistent/c.toml"],
+            "/nonexistent/c.toml",
+        ),
+        (
+            vec![
+                "--config",
+                "configs/resnet18_synthetic.toml",
+                "--only",
+                "base",
+            ],
+            "RetinaNet",
+        ),
+        (
+            vec!["--only", "base", "--set", "model.backbone.depht=18"],
+            "model.backbone.depht",
+        ),
+    ];
+    for (extra, expected) in cases {
+        let mut args = vec!["bench", "--out", dir, "--image-size", "64", "--depth", "18"];
+        args.extend(extra.iter().copied());
+        let output = memsave(&args);
+        let (_, stderr) = text(&output);
+        assert_eq!(output.status.code(), Some(1), "{args:?}: {stderr}");
+        assert!(stderr.contains(expected), "{args:?}: {stderr}");
+        assert!(!stderr.contains("panicked"), "{args:?}: {stderr}");
+    }
+    // A bad image size is refused by the argument parser.
+    let output = memsave(&["bench", "--out", dir, "--image-size", "abc"]);
+    assert_eq!(output.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&output.stderr).contains("`abc`"));
+    // Without CUDA, `--device cuda` says so.
+    #[cfg(not(feature = "cuda"))]
+    {
+        let output = memsave(&["bench", "--out", dir, "--device", "cuda"]);
+        let (_, stderr) = text(&output);
+        assert_eq!(output.status.code(), Some(1), "{stderr}");
+        assert!(stderr.contains("CUDA"), "{stderr}");
+    }
+    // A damaged comparison file names itself.
+    let damaged = out.join("damaged.json");
+    std::fs::write(&damaged, "{\"device\": 3").unwrap();
+    let output = memsave(&[
+        "bench",
+        "--out",
+        dir,
+        "--compare",
+        damaged.to_str().unwrap(),
+    ]);
+    let (_, stderr) = text(&output);
+    assert_eq!(output.status.code(), Some(1), "{stderr}");
+    assert!(
+        stderr.contains("damaged.json") && stderr.contains("not a bench.json"),
+        "{stderr}"
+    );
+    let _ = std::fs::remove_dir_all(&out);
+}
