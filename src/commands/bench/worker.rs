@@ -548,9 +548,8 @@ mod tests {
     fn split_keeps_images_in_order() {
         type B = Flex;
         let device = Default::default();
-        let images = Tensor::<B, 1>::arange_step(0..4 * 3, 1, &device)
-            .float()
-            .reshape([4, 3, 1, 1]);
+        let values: Vec<f32> = (0..12).map(|v| v as f32).collect();
+        let images = Tensor::<B, 1>::from_floats(values.as_slice(), &device).reshape([4, 3, 1, 1]);
         let meta = |i: usize| memsave::models::detection::ImageMeta {
             id: format!("{i:06}"),
             ori_shape: [1, 1],
