@@ -135,6 +135,80 @@ fn plain() -> Box<OptimizerHook> {
     Box::new(OptimizerHook::new().with_grad_clip(Some(GradClip::new(0.5, 2.0).unwrap())))
 }
 
+// --- The step in groups of parameters --------------------------------------------------------
+
+/// Sets the bytes per group of parameters the optimizer steps at once.
+struct StepGroups(usize);
+
+impl Hook<AB, Net> for StepGroups {
+    fn name(&self) -> &'static str {
+        "step_groups"
+    }
+
+    fn before_run(&mut self, state: &mut TrainState<AB, Net>) -> memsave::Result<()> {
+        state.step_group_bytes = self.0;
+        Ok(())
+    }
+}
+
+#[test]
+fn the_step_in_groups_of_parameters_equals_one_step_bit_for_bit() {
+    let hooks: Vec<(&str, fn() -> Box<dyn Hook<AB, Net>>, OptimizerKind)> = vec![
+        ("sgd", || plain(), sgd()),
+        (
+            "fp16",
+            || {
+                let scaler = LossScaler::new(512.0, ScaleMode::Static, 2.0, 1000).unwrap();
+                let mut hook = Fp16OptimizerHook::new(scaler);
+                hook.grad_clip = Some(GradClip::new(0.5, 2.0).unwrap());
+                Box::new(hook)
+            },
+            sgd(),
+        ),
+        (
+            "fp16_accumulation",
+            || {
+                let scaler = LossScaler::new(512.0, ScaleMode::Static, 2.0, 1000).unwrap();
+                let mut hook = GradientCumulativeFp16OptimizerHook::new(2, scaler).unwrap();
+                hook.grad_clip = Some(GradClip::new(0.5, 2.0).unwrap());
+                Box::new(hook)
+            },
+            sgd(),
+        ),
+        (
+            "adam",
+            || plain(),
+            OptimizerKind::Adam {
+                betas: (0.9, 0.999),
+                eps: 1e-8,
+                weight_decay: 1e-4,
+            },
+        ),
+    ];
+    for (name, hook, optimizer) in hooks {
+        let run = |group_bytes: usize| {
+            let dir = work_dir(&format!("groups-{name}-{group_bytes}"));
+            let mut runner = runner_with(
+                net(),
+                &optimizer,
+                0.05,
+                hook(),
+                data(2, 8),
+                RunLength::Iters(4),
+                &dir,
+            );
+            runner.register_hook(Box::new(StepGroups(group_bytes)));
+            runner.run().unwrap();
+            let _ = std::fs::remove_dir_all(&dir);
+            weights(&runner.into_model())
+        };
+        // One byte: every parameter is a group of its own.
+        let (grouped, whole) = (run(1), run(usize::MAX));
+        assert_ne!(grouped, weights(&net()), "{name}: the weights moved");
+        assert_eq!(grouped, whole, "{name}");
+    }
+}
+
 // --- Accumulation ----------------------------------------------------------------------------
 
 #[test]

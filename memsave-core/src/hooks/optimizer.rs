@@ -204,9 +204,13 @@ impl OptimizerHook {
             state.step(grads);
             return;
         };
+        // The gradients are still half (one micro-batch) or fp32 sums (accumulation), and
+        // scaled. Their norm is taken as they are and unscaled after (the same value, for a
+        // power-of-two scale); each group of parameters is then cast, unscaled and clipped just
+        // before it steps, in the order a full fp32 copy would have been.
         let scale = mixed.scaler.loss_scale();
-        grads::scale::<B, M>(&state.model, &mut grads, 1.0 / scale);
-        let norm = grads::norm_and_clip::<B, M>(&state.model, &mut grads, self.grad_clip.as_ref());
+        let norm_type = self.grad_clip.as_ref().map_or(2.0, |clip| clip.norm_type);
+        let norm = grads::global_norm::<B, M>(&state.model, &grads, norm_type).map(|n| n / scale);
         if norm.is_some_and(|norm| !norm.is_finite()) {
             mixed.scaler.update_scale(true);
             state.warn(format!(
@@ -217,7 +221,20 @@ impl OptimizerHook {
             ));
         } else {
             state.log.grad_norm = norm;
-            state.step(grads);
+            let clip = match (&self.grad_clip, norm) {
+                (Some(clip), Some(norm)) => Some(clip.max_norm / (norm + 1e-6)),
+                _ => None,
+            }
+            .filter(|&coefficient| coefficient < 1.0);
+            state.step_with(grads, &mut |model, group| {
+                grads::to_f32::<B, M>(model, group);
+                grads::scale::<B, M>(model, group, 1.0 / scale);
+                if let Some(coefficient) = clip {
+                    grads::scale::<B, M>(model, group, coefficient);
+                }
+            });
+            // The old half copy goes before the new one is made.
+            state.forward_model = None;
             state.forward_model = Some(memory::scope(memory::phase::HALF_WEIGHTS, || {
                 wrap_fp16_model(state.model.clone(), mixed.precision)
             }));
@@ -261,17 +278,15 @@ impl<B: AutodiffBackend, M: TrainModel<B>> Hook<B, M> for OptimizerHook {
             Some(mixed) => {
                 let scale = mixed.scaler.loss_scale();
                 let loss = loss.cast(DType::F32).mul_scalar(scale / divisor);
-                let mut grads = grads::backward::<B, M>(loss, state.forward_model(), None);
+                let grads = grads::backward::<B, M>(loss, state.forward_model(), None);
                 match summed {
                     // Each half gradient is cast as it is added to its fp32 sum.
                     Some(mut summed) => {
                         grads::accumulate::<B, M>(&state.model, &mut summed, grads);
                         summed
                     }
-                    None => {
-                        grads::to_f32::<B, M>(&state.model, &mut grads);
-                        grads
-                    }
+                    // Half: cast at the step, group by group, or below as a group's first sums.
+                    None => grads,
                 }
             }
         });
@@ -280,6 +295,13 @@ impl<B: AutodiffBackend, M: TrainModel<B>> Hook<B, M> for OptimizerHook {
             self.pending = 0;
             memory::scope(memory::phase::STEP, || self.step(state, grads));
         } else {
+            let mut grads = grads;
+            if self.mixed.is_some() {
+                // The group's first sums, in fp32.
+                memory::scope(memory::phase::BACKWARD, || {
+                    grads::to_f32::<B, M>(&state.model, &mut grads)
+                });
+            }
             self.summed = Some(grads);
             if let Some(mixed) = &self.mixed {
                 state.log.loss_scale = Some(mixed.scaler.loss_scale());

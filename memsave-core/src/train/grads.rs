@@ -278,6 +278,55 @@ pub fn map_grads<B: AutodiffBackend, M: AutodiffModule<B>>(
     model.visit(&mut Map::<B> { grads, f });
 }
 
+/// `grads` split into groups of parameters, in the model's order, each holding at most about
+/// `limit` bytes of gradients counted at 4 bytes an element (one parameter more, when a single
+/// one is larger): the optimizer steps a group at a time (see `TrainState::step`). The tensors
+/// are moved, not copied.
+pub fn into_chunks<B: AutodiffBackend, M: AutodiffModule<B>>(
+    model: &M,
+    mut grads: GradientsParams,
+    limit: usize,
+) -> Vec<GradientsParams> {
+    struct Split<'a> {
+        grads: &'a mut GradientsParams,
+        chunks: Vec<GradientsParams>,
+        current: GradientsParams,
+        bytes: usize,
+        limit: usize,
+    }
+    impl<B: AutodiffBackend> ModuleVisitor<B> for Split<'_> {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+            let Some(grad) = self.grads.remove::<B::InnerBackend, D>(param.id) else {
+                return;
+            };
+            self.bytes += grad.shape().num_elements() * 4;
+            self.current.register::<B::InnerBackend, D>(param.id, grad);
+            if self.bytes >= self.limit {
+                self.chunks
+                    .push(std::mem::replace(&mut self.current, GradientsParams::new()));
+                self.bytes = 0;
+            }
+        }
+    }
+    let mut split = Split {
+        grads: &mut grads,
+        chunks: Vec::new(),
+        current: GradientsParams::new(),
+        bytes: 0,
+        limit,
+    };
+    model.visit(&mut split);
+    let Split {
+        mut chunks,
+        current,
+        ..
+    } = split;
+    if !current.is_empty() {
+        chunks.push(current);
+    }
+    chunks
+}
+
 /// Multiplies every gradient by `factor` (unscaling: `1 / loss_scale`).
 pub fn scale<B: AutodiffBackend, M: AutodiffModule<B>>(
     model: &M,

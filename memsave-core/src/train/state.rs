@@ -11,6 +11,10 @@ use super::optim::Optim;
 use crate::fp16::Fp16Module;
 use crate::Result;
 
+/// Bytes of gradients (at 4 bytes an element) per group of parameters the optimizer steps at
+/// once (see [`TrainState::step`]).
+pub const STEP_GROUP_BYTES: usize = 16 << 20;
+
 /// A model the runner can train: it computes a scalar loss from a batch.
 pub trait TrainModel<B: AutodiffBackend>: AutodiffModule<B> + Fp16Module + 'static {
     /// One batch of training data.
@@ -109,6 +113,9 @@ pub struct TrainState<B: AutodiffBackend, M: TrainModel<B>> {
     pub work_dir: PathBuf,
     /// Copies of the trainable weights the optimizer keeps (for the memory check).
     pub optimizer_state_copies: u64,
+    /// Bytes of gradients per group of parameters the optimizer steps at once (see
+    /// [`TrainState::step`]); [`STEP_GROUP_BYTES`] unless changed.
+    pub step_group_bytes: usize,
     warnings: Vec<String>,
 }
 
@@ -136,6 +143,7 @@ impl<B: AutodiffBackend, M: TrainModel<B>> TrainState<B, M> {
             save_request: None,
             work_dir,
             optimizer_state_copies: 0,
+            step_group_bytes: STEP_GROUP_BYTES,
             warnings: Vec::new(),
         }
     }
@@ -168,8 +176,27 @@ impl<B: AutodiffBackend, M: TrainModel<B>> TrainState<B, M> {
     }
 
     /// Steps the optimizer on `model` with `grads`.
+    ///
+    /// The step runs a group of parameters at a time (about `step_group_bytes` of gradients
+    /// each, in the model's order): each parameter is updated exactly as by one step over all
+    /// of them, but only one group's new weights and optimizer state exist beside the old ones
+    /// at any moment, and each group's gradients are freed as soon as it has stepped.
     pub fn step(&mut self, grads: burn::optim::GradientsParams) {
-        self.model = self.optimizer.step(self.lr, self.model.clone(), grads);
+        self.step_with(grads, &mut |_, _| {});
+    }
+
+    /// [`TrainState::step`], calling `prepare` on each group's gradients first (the mixed
+    /// precision hook casts, unscales and clips them there, so that no full fp32 copy of the
+    /// half gradients is ever made).
+    pub fn step_with(
+        &mut self,
+        grads: burn::optim::GradientsParams,
+        prepare: &mut dyn FnMut(&M, &mut burn::optim::GradientsParams),
+    ) {
+        for mut group in super::grads::into_chunks::<B, M>(&self.model, grads, STEP_GROUP_BYTES) {
+            prepare(&self.model, &mut group);
+            self.model = self.optimizer.step(self.lr, self.model.clone(), group);
+        }
         self.log.stepped = true;
     }
 }

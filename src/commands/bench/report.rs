@@ -62,6 +62,10 @@ pub struct ConfigResult {
     /// where known.
     #[serde(default)]
     pub timeline_phase: Vec<String>,
+    /// The bytes each tag (phase and scope, `forward.layer2.0`) added from the step's start to
+    /// its peak, for a closer look than the breakdown's.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub peak_tags: Vec<(String, i64)>,
 }
 
 impl BenchReport {
@@ -217,6 +221,7 @@ mod tests {
             iter_s: vec![time],
             timeline: Vec::new(),
             timeline_phase: Vec::new(),
+            peak_tags: Vec::new(),
         }
     }
 

@@ -536,6 +536,11 @@ fn summarise(
             .iter()
             .map(|s| s.tag.split('.').next().unwrap_or_default().to_string())
             .collect(),
+        peak_tags: at_peak
+            .iter()
+            .filter(|t| t.live != 0)
+            .map(|t| (t.tag.clone(), t.live))
+            .collect(),
     })
 }
 
