@@ -7,8 +7,10 @@ process of its own, measured the same way, printing the same table and writing t
     python3 scripts/torch_reference.py --out torch.json            # 320x320, batch 2, CPU
     python3 scripts/torch_reference.py --image-size 1000x600 --device cuda --out torch.json
 
-The model is MMDetection's retinanet_r50_fpn as memsave builds it: ResNet-50 with frozen
-BatchNorm and the stem and first stage frozen (frozen_stages=1, norm_eval), FPN P3-P7 with
+The model is MMDetection's retinanet_r50_fpn as memsave builds it: ResNet-50 with the stem and
+first stage frozen (frozen_stages=1) and BatchNorm in eval mode with trainable weight and bias
+elsewhere (norm_eval; not torchvision's FrozenBatchNorm2d, whose affine parameters do not train
+and whose backward keeps nothing), FPN P3-P7 with
 the extra levels on C5 ("on_input"), RetinaHead with 4 convs of 256 channels, focal and L1
 losses, images kept at the given size (GeneralizedRCNNTransform's min and max size set to
 it). SGD with momentum 0.9, weight decay 1e-4, gradient clipping at 35. Random weights: no
@@ -54,10 +56,11 @@ def build_model(height, width, num_classes, checkpoint):
     from torchvision.models.detection import RetinaNet
     from torchvision.models.detection.backbone_utils import _resnet_fpn_extractor
     from torchvision.ops.feature_pyramid_network import LastLevelP6P7
-    from torchvision.ops.misc import FrozenBatchNorm2d
     from torchvision.models.resnet import Bottleneck
 
-    backbone = resnet50(weights=None, norm_layer=FrozenBatchNorm2d)
+    # MMDetection's ResNet: BatchNorm whose statistics are frozen (`norm_eval`, see `train`
+    # below) and whose weight and bias still train outside the frozen stages.
+    backbone = resnet50(weights=None)
     if checkpoint:
         original = Bottleneck.forward
 
@@ -110,6 +113,9 @@ def worker(args):
     height, width = args.image_size
     model = build_model(height, width, 20, name in ("checkpoint", "all")).to(device)
     model.train()
+    for module in model.backbone.body.modules():
+        if isinstance(module, torch.nn.BatchNorm2d):
+            module.eval()  # norm_eval
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.SGD(params, lr=1e-5, momentum=0.9, weight_decay=1e-4)
     scaler = None
@@ -213,10 +219,12 @@ def worker(args):
                 "total": totals[at],
                 "baseline": totals[0],
             }
+            # At most 1500 points, each the highest of its run (a peak is never smoothed away).
             t0 = times_us[0]
-            stride = max(1, len(times_us) // 3000)
-            for i in range(0, len(times_us), stride):
-                timeline.append([(times_us[i] - t0) / 1e6, max(0, totals[i] - totals[0])])
+            run = max(1, -(-len(times_us) // 1500))
+            for i in range(0, len(times_us), run):
+                j = max(range(i, min(i + run, len(totals))), key=totals.__getitem__)
+                timeline.append([(times_us[j] - t0) / 1e6, max(0, totals[j] - totals[0])])
         except Exception as error:  # the memory timeline is private API: keep the peak
             print(f"memory timeline unavailable: {error}", file=sys.stderr)
     print(f"step {args.warmup + args.iters + 1} {args.warmup + args.iters + 1}", flush=True)

@@ -15,6 +15,7 @@ use super::losses::{l1_loss, sigmoid_focal_loss};
 use super::postprocess::{detections, level_candidates, TestCfg};
 use super::{Detection, DetectionBatch, ImageMeta};
 use crate::memsave::fp16::Fp16;
+use crate::memsave::memory;
 use crate::memsave::train::TrainModel;
 use crate::memsave::{auto_fp16, force_fp32, Error, Result};
 use crate::resnet::{ResNet, ResNetConfig};
@@ -306,7 +307,8 @@ impl<B: crate::memsave::Backend> RetinaNet<B> {
     /// Images `[N, 3, H, W]` -> the pyramid levels (P3..P7).
     #[auto_fp16(apply_to = (images))]
     pub fn extract_feat(&self, images: Tensor<B, 4>) -> Vec<Tensor<B, 4>> {
-        self.neck.forward(self.backbone.forward(images))
+        let feats = memory::scope("backbone", || self.backbone.forward(images));
+        memory::scope("neck", || self.neck.forward(feats))
     }
 
     /// Images -> per level, class logits `[N, anchors_l, classes]` and box deltas
@@ -317,7 +319,10 @@ impl<B: crate::memsave::Backend> RetinaNet<B> {
     ) -> (Vec<(Tensor<B, 3>, Tensor<B, 3>)>, Vec<[usize; 2]>) {
         let feats = self.extract_feat(images);
         let sizes = feats.iter().map(|f| [f.dims()[2], f.dims()[3]]).collect();
-        (self.bbox_head.forward(feats), sizes)
+        (
+            memory::scope("bbox_head", || self.bbox_head.forward(feats)),
+            sizes,
+        )
     }
 
     /// The focal loss and the L1 box loss of a batch, each divided by its positives.
@@ -331,8 +336,10 @@ impl<B: crate::memsave::Backend> RetinaNet<B> {
             &batch.gt_labels,
             &device,
         );
-        let (cls, reg): (Vec<_>, Vec<_>) = outs.into_iter().unzip();
-        self.head_loss(Tensor::cat(cls, 1), Tensor::cat(reg, 1), targets)
+        memory::scope("loss", || {
+            let (cls, reg): (Vec<_>, Vec<_>) = outs.into_iter().unzip();
+            self.head_loss(Tensor::cat(cls, 1), Tensor::cat(reg, 1), targets)
+        })
     }
 
     /// The losses of the concatenated head outputs, in fp32.

@@ -1,18 +1,19 @@
 //! `memsave bench`: the strategy table of the source article, measured. RetinaNet R50-FPN on a
 //! synthetic VOC set, five configurations (`base`, `amp`, `accumulation`, `checkpoint`, `all`),
 //! each from the same config plus its one line, each in a process of its own
-//! (`memsave bench-worker`, see [`worker`]) so that each peak starts clean. Prints a Markdown
+//! (`memsave bench-worker`, see [`worker`]) so that each peak starts clean; the processes take
+//! their steps in turn, so that their times are interleaved. Prints a Markdown
 //! table, writes `bench.json`, `bench_bars.png` and `bench_timeline.png` to `--out`.
 
 mod plot;
 pub mod report;
 pub mod worker;
 
-use std::io::{BufRead, BufReader, Read};
+use std::io::{BufRead, BufReader, Read, Write};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 
-use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+use indicatif::{MultiProgress, ProgressBar, ProgressDrawTarget, ProgressStyle};
 use memsave::{Error, Result};
 
 use super::Device;
@@ -208,17 +209,16 @@ pub fn bench(args: BenchArgs) -> Result<()> {
         }
     };
 
-    let mut configs = Vec::new();
-    for name in &names {
-        let result = run_one(&args, name, &config, random_init, &data, &temp.0)?;
+    let configs = run_interleaved(&args, &names, &config, random_init, &data, &temp.0)?;
+    for result in &configs {
         eprintln!(
-            "memsave bench: {name}: peak {:.1} MiB above the step's start, {:.2} s/step, \
-             final loss {:.4}",
+            "memsave bench: {}: peak {:.1} MiB above the step's start, {:.2} s/step, final \
+             loss {:.4}",
+            result.name,
             report::mib(result.peak_bytes),
             result.median_iter_s,
             result.final_loss
         );
-        configs.push(result);
     }
 
     let model = model_words(&args);
@@ -291,15 +291,29 @@ fn device_words(device: Device) -> Result<String> {
     }
 }
 
-/// Runs one configuration in a child process, with a progress bar fed by its `step i n` lines.
-fn run_one(
+/// One configuration's process: its input (the pacing lines), its output lines, its error
+/// text (read by a thread), its progress bar.
+struct Worker {
+    name: String,
+    child: std::process::Child,
+    stdin: Option<std::process::ChildStdin>,
+    lines: std::io::Lines<BufReader<std::process::ChildStdout>>,
+    errors: Option<std::thread::JoinHandle<String>>,
+    bar: ProgressBar,
+    result: PathBuf,
+}
+
+/// Starts one configuration's process; it builds its model and data, then waits for a line on
+/// its input before each step.
+fn start(
     args: &BenchArgs,
     name: &str,
     config: &Path,
     random_init: bool,
     data: &Path,
     temp: &Path,
-) -> Result<ConfigResult> {
+    bars: &MultiProgress,
+) -> Result<Worker> {
     let exe = std::env::current_exe().map_err(|e| Error::Data(e.to_string()))?;
     let result = temp.join(format!("{name}.json"));
     let mut command = Command::new(exe);
@@ -314,6 +328,7 @@ fn run_one(
         .args(["--width", &args.image_size[1].to_string()])
         .args(["--iters", &args.iters.to_string()])
         .args(["--warmup", &args.warmup.to_string()])
+        .arg("--paced")
         .args([
             "--device",
             match args.device {
@@ -340,7 +355,10 @@ fn run_one(
     {
         command.arg(format!("--set={line}"));
     }
-    command.stdout(Stdio::piped()).stderr(Stdio::piped());
+    command
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
     let mut child = command
         .spawn()
         .map_err(|e| Error::Data(format!("could not start the `{name}` run: {e}")))?;
@@ -350,47 +368,124 @@ fn run_one(
         let _ = stderr.read_to_string(&mut text);
         text
     });
+    let stdin = child.stdin.take();
+    let lines = BufReader::new(child.stdout.take().expect("piped")).lines();
     let total = (args.warmup + args.iters) as u64;
-    let bar = ProgressBar::with_draw_target(Some(total), ProgressDrawTarget::stderr());
+    let bar = bars.add(ProgressBar::new(total));
     bar.set_style(
         ProgressStyle::with_template("{prefix:>12} {bar:30} {pos}/{len} steps  {elapsed}")
             .expect("a valid template"),
     );
     bar.set_prefix(name.to_string());
     bar.tick();
-    if let Some(stdout) = child.stdout.take() {
-        for line in BufReader::new(stdout).lines().map_while(|l| l.ok()) {
+    Ok(Worker {
+        name: name.to_string(),
+        child,
+        stdin,
+        lines,
+        errors: Some(errors),
+        bar,
+        result,
+    })
+}
+
+impl Worker {
+    /// Lets the process run one step and waits for it; false once the process has ended.
+    fn step(&mut self) -> bool {
+        let Some(stdin) = &mut self.stdin else {
+            return false;
+        };
+        if writeln!(stdin, "go").and_then(|()| stdin.flush()).is_err() {
+            self.stdin = None;
+            return false;
+        }
+        for line in self.lines.by_ref().map_while(|l| l.ok()) {
             if let Some(done) = line
                 .strip_prefix("step ")
                 .and_then(|rest| rest.split(' ').next())
                 .and_then(|n| n.parse::<u64>().ok())
             {
-                bar.set_position(done);
+                self.bar.set_position(done);
+                return true;
+            }
+        }
+        self.stdin = None;
+        false
+    }
+
+    /// Waits for the process to end; its result, or its error in words.
+    fn finish(mut self) -> Result<ConfigResult> {
+        drop(self.stdin.take());
+        let status = self.child.wait().map_err(|e| Error::Data(e.to_string()))?;
+        self.bar.finish_and_clear();
+        let errors = self
+            .errors
+            .take()
+            .and_then(|handle| handle.join().ok())
+            .unwrap_or_default();
+        let name = &self.name;
+        if !status.success() {
+            let reason = errors
+                .lines()
+                .rev()
+                .find_map(|l| l.strip_prefix("memsave: error: "))
+                .map(str::to_string)
+                .unwrap_or_else(|| {
+                    let lines: Vec<&str> = errors.lines().collect();
+                    lines[lines.len().saturating_sub(20)..].join("\n")
+                });
+            return Err(Error::Data(format!(
+                "the `{name}` configuration failed ({status}): {reason}"
+            )));
+        }
+        for warning in errors.lines().filter(|l| l.starts_with("memsave: warning")) {
+            eprintln!("{name}: {warning}");
+        }
+        let text = std::fs::read_to_string(&self.result).map_err(io(&self.result))?;
+        serde_json::from_str(&text)
+            .map_err(|e| Error::Data(format!("{}: {e}", self.result.display())))
+    }
+}
+
+/// Runs the configurations' processes side by side, one step at a time in turn (the first
+/// step of each, then the second of each, ...): each peak is its own process's, and the times
+/// are interleaved, so that a noisy machine slows every configuration alike.
+fn run_interleaved(
+    args: &BenchArgs,
+    names: &[String],
+    config: &Path,
+    random_init: bool,
+    data: &Path,
+    temp: &Path,
+) -> Result<Vec<ConfigResult>> {
+    let bars = MultiProgress::with_draw_target(ProgressDrawTarget::stderr());
+    let mut workers = Vec::new();
+    for name in names {
+        workers.push(start(args, name, config, random_init, data, temp, &bars)?);
+    }
+    for _ in 0..args.warmup + args.iters {
+        let mut any = false;
+        for worker in &mut workers {
+            any |= worker.step();
+        }
+        if !any {
+            break;
+        }
+    }
+    let mut results = Vec::new();
+    let mut failure = None;
+    for worker in workers {
+        match worker.finish() {
+            Ok(result) => results.push(result),
+            Err(error) => {
+                failure.get_or_insert(error);
             }
         }
     }
-    let status = child.wait().map_err(|e| Error::Data(e.to_string()))?;
-    bar.finish_and_clear();
-    let errors = errors.join().unwrap_or_default();
-    if !status.success() {
-        let reason = errors
-            .lines()
-            .rev()
-            .find_map(|l| l.strip_prefix("memsave: error: "))
-            .map(str::to_string)
-            .unwrap_or_else(|| {
-                let lines: Vec<&str> = errors.lines().collect();
-                lines[lines.len().saturating_sub(20)..].join("\n")
-            });
-        return Err(Error::Data(format!(
-            "the `{name}` configuration failed ({status}): {reason}"
-        )));
+    match failure {
+        Some(error) => Err(error),
+        None => Ok(results),
     }
-    for warning in errors.lines().filter(|l| l.starts_with("memsave: warning")) {
-        eprintln!("{name}: {warning}");
-    }
-    let text = std::fs::read_to_string(&result).map_err(io(&result))?;
-    serde_json::from_str(&text).map_err(|e| Error::Data(format!("{}: {e}", result.display())))
 }
 
 #[cfg(test)]

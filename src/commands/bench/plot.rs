@@ -82,7 +82,7 @@ fn panel(
         .flat_map(|r| names.iter().filter_map(|n| value(r, n)))
         .fold(0.0f64, f64::max)
         .max(1e-9)
-        * 1.15;
+        * 1.3;
     let mut chart = ChartBuilder::on(area)
         .caption(caption, (FONT, 18))
         .margin(12)
@@ -131,7 +131,8 @@ fn panel(
     }
     chart
         .configure_series_labels()
-        .background_style(WHITE.mix(0.8))
+        .position(SeriesLabelPosition::UpperLeft)
+        .background_style(WHITE.mix(0.9))
         .border_style(BLACK)
         .label_font((FONT, 14))
         .draw()?;

@@ -78,6 +78,10 @@ pub struct WorkerArgs {
     /// Where to write the result.
     #[arg(long)]
     result: PathBuf,
+    /// Wait for a line on the standard input before each step (`memsave bench` paces its
+    /// processes so that their steps take turns).
+    #[arg(long)]
+    paced: bool,
     /// Config overrides: the user's, the batch, the configuration's line.
     #[arg(long = "set", value_name = "KEY=VALUE")]
     set: Vec<String>,
@@ -218,6 +222,7 @@ struct Record {
 /// Times each optimizer step (a group of `micro` iterations), and takes its peak.
 struct Measure {
     micro: usize,
+    paced: bool,
     warmup: usize,
     last: usize,
     meter: Rc<dyn Meter>,
@@ -235,6 +240,14 @@ impl<B: AutodiffBackend, M: TrainModel<B>> Hook<B, M> for Measure {
     fn before_iter(&mut self, state: &mut TrainState<B, M>) -> Result<()> {
         if !state.iter.is_multiple_of(self.micro) {
             return Ok(());
+        }
+        if self.paced {
+            let mut line = String::new();
+            if std::io::stdin().read_line(&mut line).unwrap_or(0) == 0 {
+                return Err(Error::Data(
+                    "the bench that started this run has gone".into(),
+                ));
+            }
         }
         let group = state.iter / self.micro;
         if group < self.warmup {
@@ -429,6 +442,7 @@ where
     let record = Rc::new(RefCell::new(Record::default()));
     runner.register_hook(Box::new(Measure {
         micro,
+        paced: args.paced,
         warmup: args.warmup,
         last: args.warmup + args.iters - 1,
         meter: meter.clone(),
@@ -456,6 +470,9 @@ where
         meter.phases(),
     )
 }
+
+/// Samples kept of a timeline.
+const TIMELINE_POINTS: usize = 1500;
 
 /// The step with the highest peak, its breakdown, the median time, the timeline.
 fn summarise(
@@ -514,6 +531,13 @@ fn summarise(
         breakdown.insert("parameters".to_string(), parameters);
         breakdown.insert("optimizer_state".to_string(), added);
     }
+    // At most TIMELINE_POINTS samples, each the highest of its run of raw samples (a peak is
+    // never smoothed away).
+    let timeline: Vec<&memory::Sample> = record
+        .timeline
+        .chunks(record.timeline.len().div_ceil(TIMELINE_POINTS).max(1))
+        .filter_map(|run| run.iter().max_by_key(|s| s.bytes))
+        .collect();
     let start = record
         .timeline
         .first()
@@ -526,13 +550,11 @@ fn summarise(
         final_loss: record.losses.last().copied().unwrap_or(f64::NAN),
         breakdown,
         iter_s: record.steps.iter().map(|step| step.0).collect(),
-        timeline: record
-            .timeline
+        timeline: timeline
             .iter()
             .map(|s| (s.seconds, (s.bytes as u64).saturating_sub(start)))
             .collect(),
-        timeline_phase: record
-            .timeline
+        timeline_phase: timeline
             .iter()
             .map(|s| s.tag.split('.').next().unwrap_or_default().to_string())
             .collect(),
