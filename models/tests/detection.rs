@@ -443,14 +443,73 @@ fn checkpointing_the_backbone_leaves_the_detectors_gradients_unchanged() {
 fn the_detector_in_half_precision_gives_the_fp32_loss_and_gradients() {
     use memsave::fp16::{wrap_fp16_model, Precision};
     use memsave::train::TrainModel;
-    struct Materialise;
-    impl<B: Backend> burn::module::ModuleMapper<B> for Materialise {}
+    // The same weights in every run, whatever else draws from Flex's process-wide random
+    // stream meanwhile (tests run in parallel): each parameter redrawn from a seeded generator,
+    // constants (the classifier's prior bias, BatchNorm's ones) kept.
+    struct Seeded(u64);
+    impl<B: Backend> burn::module::ModuleMapper<B> for Seeded {
+        fn map_float<const D: usize>(
+            &mut self,
+            param: burn::module::Param<Tensor<B, D>>,
+        ) -> burn::module::Param<Tensor<B, D>> {
+            let (id, tensor, mapper) = param.consume();
+            let shape = tensor.shape();
+            let values: Vec<f32> = tensor
+                .clone()
+                .into_data()
+                .convert::<f32>()
+                .to_vec()
+                .unwrap();
+            let n = values.len() as f64;
+            let mean = values.iter().map(|&v| v as f64).sum::<f64>() / n;
+            let varies = values.iter().any(|&v| (v as f64 - mean).abs() > 1e-6);
+            // Weights: centred, spread 1 / sqrt(fan-in); vectors: their constant (to 1e-3) or
+            // a small spread.
+            let (mean, spread) = if D >= 2 {
+                (
+                    0.0,
+                    1.0 / ((shape.num_elements() / tensor.dims()[0]) as f64).sqrt(),
+                )
+            } else if varies {
+                (0.0, 0.05)
+            } else {
+                ((mean * 1000.0).round() / 1000.0, 0.0)
+            };
+            let fresh: Vec<f32> = (0..values.len())
+                .map(|_| {
+                    self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+                    let mut z = self.0;
+                    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+                    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+                    z ^= z >> 31;
+                    let unit = (z >> 11) as f64 / (1u64 << 53) as f64;
+                    (mean + spread * (2.0 * unit - 1.0)) as f32
+                })
+                .collect();
+            let data = burn::tensor::TensorData::new(fresh, shape);
+            let value = Tensor::<B, D>::from_data(data, &tensor.device());
+            let value = if tensor.is_require_grad() {
+                value.require_grad()
+            } else {
+                value
+            };
+            burn::module::Param::from_mapped_value(id, value, mapper)
+        }
+    }
     let device = Default::default();
     let fp32 = small_config(4)
         .init::<AB>(&device)
         .unwrap()
-        .map(&mut Materialise);
-    let b = batch::<AB>(&device);
+        .map(&mut Seeded(11));
+    let mut b = batch::<AB>(&device);
+    // Seeded images too (a smooth pattern, normalised-image scale).
+    let values: Vec<f32> = (0..2 * 3 * 96 * 128)
+        .map(|i| ((i as f32 * 0.37).sin() + (i as f32 * 0.011).cos()) * 0.8)
+        .collect();
+    b.images = Tensor::from_data(
+        burn::tensor::TensorData::new(values, [2, 3, 96, 128]),
+        &device,
+    );
     for precision in [Precision::F16, Precision::Bf16] {
         let half = wrap_fp16_model(fp32.clone(), precision);
         let (l32, l16) = (fp32.loss(b.clone()), half.loss(b.clone()));
