@@ -32,6 +32,12 @@ enum Command {
     /// One configuration of `memsave bench` (started by it).
     #[command(hide = true)]
     BenchWorker(commands::bench::worker::WorkerArgs),
+    /// Where a config's memory goes, and the cheapest strategies (checkpoint set, mixed
+    /// precision, accumulation, SGD, a smaller batch) that fit a memory budget.
+    Plan(commands::plan::PlanArgs),
+    /// One measuring run of `memsave plan` (started by it).
+    #[command(hide = true)]
+    PlanWorker(commands::plan::PlanWorkerArgs),
     /// Data sets: make a synthetic VOC set, score a detections file.
     Data {
         #[command(subcommand)]
@@ -60,6 +66,8 @@ fn main() -> ExitCode {
         Command::Test(args) => commands::test::test(args),
         Command::Bench(args) => commands::bench::bench(args),
         Command::BenchWorker(args) => commands::bench::worker::worker(args),
+        Command::Plan(args) => commands::plan::plan(args),
+        Command::PlanWorker(args) => commands::plan::worker(args),
         Command::Data { command } => commands::data::run(command),
     };
     match result {

@@ -55,7 +55,7 @@ fn the_base_config_is_plain_training() {
     let config = parse("").unwrap();
     assert_eq!(hook_name(&config), "optimizer");
     assert_eq!(config.run_length().unwrap(), RunLength::Epochs(2));
-    assert!(!config.model.backbone.with_cp);
+    assert!(!config.model.backbone.with_cp.starts_on());
 }
 
 #[test]
@@ -73,7 +73,7 @@ fn each_strategy_is_one_line() {
         &["model.backbone.with_cp=true".to_string()],
     )
     .unwrap();
-    assert!(checkpointing.model.backbone.with_cp);
+    assert!(checkpointing.model.backbone.with_cp.starts_on());
     assert_eq!(hook_name(&checkpointing), "optimizer");
     let both = parse(
         "[fp16]\nloss_scale = \"dynamic\"\n[optimizer_config]\ntype = \"GradientCumulativeOptimizerHook\"\ncumulative_iters = 2",
@@ -224,7 +224,7 @@ fn set_overrides_any_key() {
     ];
     let config = Cfg::parse(BASE, Path::new("test.toml"), &overrides).unwrap();
     assert_eq!(config.optimizer_config.cumulative_iters, Some(4));
-    assert!(config.model.backbone.with_cp);
+    assert!(config.model.backbone.with_cp.starts_on());
     assert_eq!(config.run_length().unwrap(), RunLength::Epochs(3));
     assert_eq!(
         config.fp16.unwrap().loss_scale,
@@ -261,7 +261,7 @@ fn base_files_are_inherited_and_overridden() {
     )
     .unwrap();
     let config = Cfg::load(&dir.join("cp.toml"), &[]).unwrap();
-    assert!(config.model.backbone.with_cp);
+    assert!(config.model.backbone.with_cp.starts_on());
     assert_eq!(
         config.model.backbone.depth, 18,
         "the rest of the table is inherited"
@@ -289,7 +289,7 @@ fn the_shipped_configs_load() {
     for (file, hook, with_cp) in expected {
         let config = Cfg::load(&root.join(file), &[]).unwrap();
         assert_eq!(hook_name(&config), hook, "{file}");
-        assert_eq!(config.model.backbone.with_cp, with_cp, "{file}");
+        assert_eq!(config.model.backbone.with_cp.starts_on(), with_cp, "{file}");
     }
 }
 

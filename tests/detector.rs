@@ -45,7 +45,10 @@ fn every_retinanet_config_reads_and_fits_together() {
                 .unwrap_or_else(|e| panic!("{}: {e}", path.display()));
             let detector = config.model.retinanet().unwrap();
             assert_eq!(detector.bbox_head.num_classes, 20);
-            assert_eq!(config.model.backbone.with_cp, suffix == "_checkpointing");
+            assert_eq!(
+                config.model.backbone.with_cp.starts_on(),
+                suffix == "_checkpointing"
+            );
             assert_eq!(config.fp16.is_some(), suffix == "_fp16");
             assert!(config.evaluation.is_some());
         }

@@ -10,6 +10,8 @@
 //! - [`nn`]: layers and operations that keep only what backward needs (norms, ReLU, the
 //!   convolution's weight gradient), norms that stay fp32 inside a half-precision model, and
 //!   dropout replayed under checkpointing.
+//! - [`planner`]: the memory planner (which segments to checkpoint for a budget) and the
+//!   advice on what fits.
 //! - [`scaler`], [`hooks`], [`train`], [`config`]: loss scaling, MMCV's runner and hooks,
 //!   snapshots, and the TOML configuration.
 
@@ -21,6 +23,7 @@ pub mod fp16;
 pub mod hooks;
 pub mod memory;
 pub mod nn;
+pub mod planner;
 pub mod scaler;
 pub mod train;
 

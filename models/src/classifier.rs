@@ -48,6 +48,8 @@ impl<B: Backend> ClsHead<B> {
 #[crate::memsave::model]
 #[derive(Module, Debug)]
 pub struct ImageClassifier<B: Backend> {
+    /// `set_with_cp` and the planner reach the backbone's blocks (`backbone.layer1.0`).
+    #[with_cp]
     backbone: ResNet<B>,
     head: ClsHead<B>,
     fp16_enabled: Fp16,

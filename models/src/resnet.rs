@@ -20,6 +20,7 @@ use memsave::checkpoint::HasWithCp;
 use memsave::fp16::Fp16;
 use memsave::memory;
 use memsave::nn::{conv2d, max_pool2d, BatchNorm, BatchNormConfig, Relu};
+use memsave::planner::WithCp;
 use memsave::{auto_fp16, with_cp};
 use serde::{Deserialize, Serialize};
 
@@ -53,8 +54,11 @@ pub struct ResNetConfig {
     /// Zero the last BN of every block (each residual branch starts as the identity), when the
     /// weights are initialised here rather than loaded.
     pub zero_init_residual: bool,
-    /// Checkpoint every block (recompute it in backward).
-    pub with_cp: bool,
+    /// Which blocks to checkpoint (recompute in backward): `true` every one (MMCV's), `false`
+    /// none, `"auto"` those the planner picks for `[memory] memory_budget`, or a list of
+    /// module paths of the whole model (`["backbone.layer1.0"]`, as `memsave plan` prints
+    /// them), applied once the model is built.
+    pub with_cp: WithCp,
     /// Where the weights come from: `{ type = "Pretrained", checkpoint = "PATH" }` loads a
     /// torchvision ResNet state dict (`.pth` or `.safetensors`); absent, random.
     pub init_cfg: Option<InitCfg>,
@@ -72,7 +76,7 @@ impl Default for ResNetConfig {
             norm_eval: false,
             style: Style::Pytorch,
             zero_init_residual: false,
-            with_cp: false,
+            with_cp: WithCp::Off,
             init_cfg: None,
         }
     }
@@ -119,7 +123,7 @@ impl ResNetConfig {
 
     /// With `with_cp` set.
     pub fn with_with_cp(mut self, with_cp: bool) -> Self {
-        self.with_cp = with_cp;
+        self.with_cp = if with_cp { WithCp::On } else { WithCp::Off };
         self
     }
 
@@ -273,7 +277,10 @@ impl ResNetConfig {
             resnet = resnet.norm_eval();
         }
         resnet = resnet.freeze_stages(self.frozen_stages);
-        Ok(memsave::checkpoint::set_with_cp(resnet, self.with_cp))
+        Ok(memsave::checkpoint::set_with_cp(
+            resnet,
+            self.with_cp.starts_on(),
+        ))
     }
 }
 

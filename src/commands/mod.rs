@@ -1,7 +1,8 @@
-//! The subcommands: `train`, `test`, `bench`, `data`.
+//! The subcommands: `train`, `test`, `bench`, `plan`, `data`.
 
 pub mod bench;
 pub mod data;
+pub mod plan;
 pub mod test;
 pub mod train;
 

@@ -5,6 +5,7 @@ use std::path::{Path, PathBuf};
 
 use burn::backend::{Autodiff, Flex};
 use burn::tensor::backend::AutodiffBackend;
+use memsave::checkpoint::{set_with_cp_paths, CheckpointModule};
 use memsave::config::Config;
 use memsave::models::classifier::ImageClassifier;
 use memsave::models::config::{DataSection, DetectionDataSection, ModelSection, ModelType};
@@ -13,6 +14,7 @@ use memsave::models::data::voc::VOC_CLASSES;
 use memsave::models::data::SyntheticClassification;
 use memsave::models::eval::hook::EvalHook;
 use memsave::models::eval::voc::ApMode;
+use memsave::planner::{AutoPlanHook, ProfileHook, StepMeter, WithCp};
 use memsave::train::{DataSource, Hook, Runner, TrainModel};
 
 use super::Device;
@@ -20,20 +22,20 @@ use super::Device;
 #[derive(clap::Args, Debug)]
 pub struct TrainArgs {
     /// The config file.
-    config: PathBuf,
+    pub config: PathBuf,
     /// Where checkpoints and the log go (default: the config's `work_dir`, else
     /// `work_dirs/<config name>`).
     #[arg(long)]
-    work_dir: Option<PathBuf>,
+    pub work_dir: Option<PathBuf>,
     /// Continue a run from this checkpoint (weights, optimizer, loss scale, position).
     #[arg(long)]
-    resume: Option<PathBuf>,
+    pub resume: Option<PathBuf>,
     /// Override a config key, as TOML: `--set optimizer_config.cumulative_iters=4`.
     #[arg(long = "set", value_name = "KEY=VALUE")]
-    set: Vec<String>,
+    pub set: Vec<String>,
     /// Where to train.
     #[arg(long, value_enum, default_value = "cpu")]
-    device: Device,
+    pub device: Device,
 }
 
 /// Any `[data]` section (read per model, once the model is known).
@@ -47,12 +49,52 @@ pub fn model_type(config: &Path, set: &[String]) -> memsave::Result<ModelType> {
 }
 
 pub fn train(args: TrainArgs) -> memsave::Result<()> {
+    run_job(&args, &Job::Train)
+}
+
+/// What to do with a config's model and data: train it, or measure some of its steps for
+/// `memsave plan` (in a process of its own, so that its peak is clean).
+#[derive(Clone, Debug)]
+pub enum Job {
+    /// `memsave train`.
+    Train,
+    /// `warmup` steps, `iters` measured steps (time, peak), then one step profiled (with every
+    /// segment checkpointed when `checkpoint_all`); the result as JSON in `out`.
+    Measure {
+        warmup: usize,
+        iters: usize,
+        checkpoint_all: bool,
+        out: PathBuf,
+    },
+}
+
+/// What a measuring job writes.
+#[derive(Debug, serde::Serialize, serde::Deserialize)]
+pub struct Measurement {
+    /// Per measured step: seconds and peak live bytes.
+    pub steps: Vec<(f64, u64)>,
+    /// The profiled step.
+    pub profile: memsave::planner::Profile,
+    /// Bytes of every parameter (weights and statistics) and of the trainable ones.
+    pub parameters: u64,
+    /// See `parameters`.
+    pub trainable: u64,
+    /// Copies of the trainable weights the optimizer keeps.
+    pub optimizer_state_copies: u64,
+}
+
+pub fn run_job(args: &TrainArgs, job: &Job) -> memsave::Result<()> {
     match args.device {
-        Device::Cpu => train_on::<Autodiff<Flex>>(&args, Default::default(), Default::default()),
-        #[cfg(feature = "cuda")]
-        Device::Cuda => {
-            train_on::<Autodiff<burn::backend::Cuda>>(&args, Default::default(), Default::default())
+        Device::Cpu => {
+            train_on::<Autodiff<Flex>>(args, job, Default::default(), Default::default())
         }
+        #[cfg(feature = "cuda")]
+        Device::Cuda => train_on::<Autodiff<burn::backend::Cuda>>(
+            args,
+            job,
+            Default::default(),
+            Default::default(),
+        ),
         #[cfg(not(feature = "cuda"))]
         Device::Cuda => Err(super::no_cuda()),
     }
@@ -72,6 +114,7 @@ fn work_dir<M, D>(args: &TrainArgs, config: &Config<M, D>) -> PathBuf {
 /// device).
 fn train_on<B>(
     args: &TrainArgs,
+    job: &Job,
     device: B::Device,
     inner: <B::InnerBackend as burn::tensor::backend::BackendTypes>::Device,
 ) -> memsave::Result<()>
@@ -96,7 +139,10 @@ where
                     SyntheticClassification::<B>::new(data.clone(), num_classes, device.clone())?
                 }
             };
-            run(args, &config, model, data, Vec::new(), device)
+            let batch = match &config.data {
+                DataSection::SyntheticClassification(data) => data.samples_per_gpu,
+            };
+            run(args, job, &config, model, data, batch, Vec::new(), device)
         }
         ModelType::RetinaNet => {
             let config =
@@ -160,25 +206,64 @@ where
                     mode,
                 )?));
             }
-            run(args, &config, model, data, extra, device)
+            let batch = data_config.samples_per_gpu;
+            run(args, job, &config, model, data, batch, extra, device)
         }
     }
 }
 
+#[allow(clippy::too_many_arguments)]
 fn run<B, M, D, Data>(
     args: &TrainArgs,
+    job: &Job,
     config: &Config<ModelSection, D>,
     model: M,
     data: Data,
+    batch: usize,
     extra: Vec<Box<dyn Hook<B, M>>>,
     device: B::Device,
 ) -> memsave::Result<()>
 where
     B: AutodiffBackend + memsave::Backend,
-    M: TrainModel<B>,
+    M: TrainModel<B> + CheckpointModule,
     Data: DataSource<M::Batch> + 'static,
 {
     let work_dir = work_dir(args, config);
+    // `with_cp`: a pinned list of segments applies to the built model; "auto" plans.
+    let with_cp = &config.model.backbone.with_cp;
+    // A measuring job plans nothing: `memsave plan` gives it the checkpoint set to measure.
+    let budget = match job {
+        Job::Train => config.memory_budget(with_cp)?,
+        Job::Measure { .. } => None,
+    };
+    let model = match with_cp {
+        WithCp::Paths(paths) => set_with_cp_paths(model, paths)?,
+        _ => model,
+    };
+    if let Job::Measure {
+        warmup,
+        iters,
+        checkpoint_all,
+        out,
+    } = job
+    {
+        return measure(
+            config,
+            model,
+            data,
+            (*warmup, *iters, *checkpoint_all),
+            out,
+            device,
+        );
+    }
+    let planner = match budget {
+        Some(budget) => Some(AutoPlanHook::new(
+            budget,
+            config.planner_setting(batch),
+            &device,
+        )?),
+        None => None,
+    };
     let mut runner = Runner::new(
         model,
         &config.optimizer_kind(),
@@ -188,6 +273,10 @@ where
         &work_dir,
         device,
     )?;
+    if let Some(planner) = planner {
+        // First after the optimizer hook: the profile starts right before the forward.
+        runner.register_hook(Box::new(planner));
+    }
     for hook in config.hooks() {
         runner.register_hook(hook);
     }
@@ -209,4 +298,63 @@ where
         work_dir.display()
     );
     Ok(())
+}
+
+/// `warmup` steps, `iters` measured ones and a profiled one of `model` on `data`; the
+/// [`Measurement`] to `out`.
+fn measure<B, M, D, Data>(
+    config: &Config<ModelSection, D>,
+    model: M,
+    data: Data,
+    (warmup, iters, checkpoint_all): (usize, usize, bool),
+    out: &Path,
+    device: B::Device,
+) -> memsave::Result<()>
+where
+    B: AutodiffBackend + memsave::Backend,
+    M: TrainModel<B> + CheckpointModule,
+    Data: DataSource<M::Batch> + 'static,
+{
+    let probe = || {
+        memsave::planner::probe_for(&device).ok_or_else(|| {
+            memsave::Error::invalid("--device", "the memory of this device cannot be read")
+        })
+    };
+    let (parameters, trainable) = memsave::train::params::param_bytes::<B, M>(&model);
+    let work_dir = std::env::temp_dir().join(format!("memsave-plan-{}", std::process::id()));
+    let mut runner = Runner::new(
+        model,
+        &config.optimizer_kind(),
+        config.optimizer_hook()?,
+        data,
+        memsave::train::RunLength::Iters(warmup + iters + 1),
+        &work_dir,
+        device.clone(),
+    )?;
+    let meter = StepMeter::new(warmup, warmup + iters, probe()?);
+    let steps = meter.steps.clone();
+    let mut profiler = ProfileHook::new(warmup + iters, probe()?);
+    profiler.checkpoint_all = checkpoint_all;
+    let profile = profiler.profile.clone();
+    runner.register_hook(Box::new(meter));
+    runner.register_hook(Box::new(profiler));
+    let copies = runner.state().optimizer_state_copies;
+    runner.run()?;
+    let _ = std::fs::remove_dir_all(&work_dir);
+    let profile = profile
+        .take()
+        .ok_or_else(|| memsave::Error::Data("the profiled step did not run".into()))?;
+    let measurement = Measurement {
+        steps: steps.take(),
+        profile,
+        parameters,
+        trainable,
+        optimizer_state_copies: copies,
+    };
+    let text = serde_json::to_string(&measurement)
+        .map_err(|error| memsave::Error::Data(error.to_string()))?;
+    std::fs::write(out, text).map_err(|source| memsave::Error::Io {
+        path: out.to_path_buf(),
+        source,
+    })
 }

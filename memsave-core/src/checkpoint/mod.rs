@@ -17,6 +17,7 @@
 
 mod autodiff;
 mod context;
+pub mod profile;
 mod segment;
 mod stream;
 mod threads;
@@ -34,6 +35,7 @@ pub use threads::{join_helpers, live_helpers, recomputations};
 /// What the macros generate code against. Not a stable API.
 #[doc(hidden)]
 pub mod __private {
+    pub use super::join_path;
     pub use super::stream::__private::*;
     pub use super::with_cp_method;
 }
@@ -173,11 +175,20 @@ where
         }
         _ => None,
     };
-    if with_cp && floats.iter().any(B::is_tracked) {
-        B::checkpoint_segment(method, module, input, segment, stream)
-    } else {
-        segment(module, input)
-    }
+    let checkpointed = with_cp && floats.iter().any(B::is_tracked);
+    let device = floats.first().map(|first| B::float_device(first));
+    let sync = || {
+        if let Some(device) = &device {
+            let _ = B::sync(device);
+        }
+    };
+    profile::forward(SegmentId::of(module), checkpointed, sync, || {
+        if checkpointed {
+            B::checkpoint_segment(method, module, input, segment, stream)
+        } else {
+            segment(module, input)
+        }
+    })
 }
 
 /// The segments that ran without checkpointing because a tracked tensor entered them other
@@ -293,6 +304,83 @@ pub trait CheckpointModule: Sized {
 
     /// Sets every `with_cp` flag of this module and of its `#[with_cp]` fields to `on`.
     fn set_with_cp(self, on: bool) -> Self;
+
+    /// Sets the `with_cp` flag of each segment below this module to `on(its path)`, where the
+    /// path of this module is `path` and a marked field's is `path.field` (`Vec` items by
+    /// index: `backbone.layer2.1`; an enum's variant adds nothing). See [`set_with_cp_paths`].
+    fn set_with_cp_by_path(self, _path: &str, _on: &dyn Fn(&str) -> bool) -> Self {
+        self
+    }
+
+    /// Calls `visit` with the path and identity of each segment (a module with a `with_cp`
+    /// flag) at or below this module, reached through `#[with_cp]` fields, in field order.
+    fn visit_segments(&self, _path: &str, _visit: &mut dyn FnMut(&str, SegmentId)) {}
+}
+
+/// Which module a segment runs: its address and type while the model is not moved (what the
+/// planner's profile links its measurements to module paths by).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct SegmentId {
+    address: usize,
+    type_name: &'static str,
+}
+
+impl SegmentId {
+    /// The identity of `module`.
+    pub fn of<M>(module: &M) -> SegmentId {
+        SegmentId {
+            address: module as *const M as usize,
+            type_name: std::any::type_name::<M>(),
+        }
+    }
+
+    /// The module's type, short (`Bottleneck`).
+    pub fn type_name(&self) -> String {
+        short_name(self.type_name)
+    }
+}
+
+/// The module paths of the segments of `model` (`backbone.layer1.0`, ...), in field order.
+pub fn segment_paths<M: CheckpointModule>(model: &M) -> Vec<String> {
+    let mut paths = Vec::new();
+    model.visit_segments("", &mut |path, _| paths.push(path.to_string()));
+    paths
+}
+
+/// Checkpoints exactly the segments of `model` whose paths are in `paths` (as
+/// [`segment_paths`] names them), and no other: a plan pinned by hand, or the planner's.
+/// A path that names no segment is an error that lists the closest ones.
+pub fn set_with_cp_paths<M: CheckpointModule>(model: M, paths: &[String]) -> crate::Result<M> {
+    let known = segment_paths(&model);
+    for path in paths {
+        if !known.contains(path) {
+            let mut close: Vec<&String> = known
+                .iter()
+                .filter(|known| {
+                    known.starts_with(path.as_str()) || path.starts_with(known.as_str())
+                })
+                .take(6)
+                .collect();
+            if close.is_empty() {
+                close = known.iter().take(6).collect();
+            }
+            let close: Vec<String> = close.iter().map(|p| format!("`{p}`")).collect();
+            return Err(crate::Error::invalid(
+                "with_cp",
+                format!(
+                    "`{path}` is not a checkpointable segment of this model; its {} segments \
+                     include {}",
+                    known.len(),
+                    if close.is_empty() {
+                        "none".to_string()
+                    } else {
+                        close.join(", ")
+                    }
+                ),
+            ));
+        }
+    }
+    Ok(model.set_with_cp_by_path("", &|path| paths.iter().any(|p| p == path)))
 }
 
 /// Switches checkpointing on (or off) in `model`: its `with_cp` flag and, through every field
@@ -309,6 +397,19 @@ impl<T: CheckpointModule> CheckpointModule for Vec<T> {
             .map(|module| module.set_with_cp(on))
             .collect()
     }
+
+    fn set_with_cp_by_path(self, path: &str, on: &dyn Fn(&str) -> bool) -> Self {
+        self.into_iter()
+            .enumerate()
+            .map(|(index, module)| module.set_with_cp_by_path(&join_index(path, index), on))
+            .collect()
+    }
+
+    fn visit_segments(&self, path: &str, visit: &mut dyn FnMut(&str, SegmentId)) {
+        for (index, module) in self.iter().enumerate() {
+            module.visit_segments(&join_index(path, index), visit);
+        }
+    }
 }
 
 impl<T: CheckpointModule> CheckpointModule for Option<T> {
@@ -316,6 +417,16 @@ impl<T: CheckpointModule> CheckpointModule for Option<T> {
 
     fn set_with_cp(self, on: bool) -> Self {
         self.map(|module| module.set_with_cp(on))
+    }
+
+    fn set_with_cp_by_path(self, path: &str, on: &dyn Fn(&str) -> bool) -> Self {
+        self.map(|module| module.set_with_cp_by_path(path, on))
+    }
+
+    fn visit_segments(&self, path: &str, visit: &mut dyn FnMut(&str, SegmentId)) {
+        if let Some(module) = self {
+            module.visit_segments(path, visit);
+        }
     }
 }
 
@@ -325,6 +436,14 @@ impl<T: CheckpointModule> CheckpointModule for Box<T> {
     fn set_with_cp(self, on: bool) -> Self {
         Box::new((*self).set_with_cp(on))
     }
+
+    fn set_with_cp_by_path(self, path: &str, on: &dyn Fn(&str) -> bool) -> Self {
+        Box::new((*self).set_with_cp_by_path(path, on))
+    }
+
+    fn visit_segments(&self, path: &str, visit: &mut dyn FnMut(&str, SegmentId)) {
+        (**self).visit_segments(path, visit);
+    }
 }
 
 impl<T: CheckpointModule, const N: usize> CheckpointModule for [T; N] {
@@ -333,4 +452,32 @@ impl<T: CheckpointModule, const N: usize> CheckpointModule for [T; N] {
     fn set_with_cp(self, on: bool) -> Self {
         self.map(|module| module.set_with_cp(on))
     }
+
+    fn set_with_cp_by_path(self, path: &str, on: &dyn Fn(&str) -> bool) -> Self {
+        let mut index = 0;
+        self.map(|module| {
+            index += 1;
+            module.set_with_cp_by_path(&join_index(path, index - 1), on)
+        })
+    }
+
+    fn visit_segments(&self, path: &str, visit: &mut dyn FnMut(&str, SegmentId)) {
+        for (index, module) in self.iter().enumerate() {
+            module.visit_segments(&join_index(path, index), visit);
+        }
+    }
+}
+
+/// `path.name`, or `name` at the root.
+#[doc(hidden)]
+pub fn join_path(path: &str, name: &str) -> String {
+    if path.is_empty() {
+        name.to_string()
+    } else {
+        format!("{path}.{name}")
+    }
+}
+
+fn join_index(path: &str, index: usize) -> String {
+    join_path(path, &index.to_string())
 }

@@ -78,10 +78,13 @@ pub(crate) fn run_on_helper<R: Send>(work: impl FnOnce() -> R + Send) -> R {
 /// hooks do); never from inside a backward pass, whose lock the helpers wait for.
 pub fn join_helpers() {
     let handles = std::mem::take(&mut *lock());
-    for handle in handles {
-        // A helper that panicked has already reported it to the backward pass it served.
-        let _ = handle.join();
-    }
+    let count = handles.len();
+    super::profile::joined(count, || {
+        for handle in handles {
+            // A helper that panicked has already reported it to the backward pass it served.
+            let _ = handle.join();
+        }
+    });
 }
 
 /// Joins the helpers that have ended, without waiting for the others.

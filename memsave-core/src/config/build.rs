@@ -8,6 +8,9 @@ use crate::hooks::{Groups, LoggerHook, LrSchedule, LrUpdaterHook, OptimizerHook,
 use crate::train::{Hook, OptimizerKind, RunLength, TrainModel};
 use crate::{Error, Result};
 
+use crate::planner::advise::Setting;
+use crate::planner::{Budget, WithCp};
+
 impl<M, D> Config<M, D> {
     /// Every check that serde's types do not make themselves; errors name the key.
     pub(super) fn validate(&self) -> Result<()> {
@@ -39,6 +42,42 @@ impl<M, D> Config<M, D> {
             }
             other => under("lr_config", other),
         })
+    }
+
+    /// The budget the planner works to, for a model whose `with_cp` is `with_cp`: `Some` with
+    /// `"auto"`; an error for `"auto"` without `[memory] memory_budget`, or a budget without
+    /// `"auto"` (which nothing would read).
+    pub fn memory_budget(&self, with_cp: &WithCp) -> Result<Option<Budget>> {
+        match (with_cp, self.memory.memory_budget) {
+            (WithCp::Auto, Some(budget)) => Ok(Some(budget)),
+            (WithCp::Auto, None) => Err(Error::invalid(
+                "model.backbone.with_cp",
+                "\"auto\" checkpoints what a memory budget needs: set one in `[memory]` \
+                 (`memory_budget = \"3GiB\"`, or `\"60%\"` of the peak without checkpointing)",
+            )),
+            (_, Some(_)) => Err(Error::invalid(
+                "memory.memory_budget",
+                "is read by the planner only: set `model.backbone.with_cp = \"auto\"` for it to \
+                 pick the segments to checkpoint",
+            )),
+            (_, None) => Ok(None),
+        }
+    }
+
+    /// What the planner's advice starts from: this config's precision, optimizer and
+    /// accumulation, with `micro_batch` samples per micro-step.
+    pub fn planner_setting(&self, micro_batch: usize) -> Setting {
+        let accumulates = self.optimizer_config.kind.accumulates();
+        Setting {
+            fp16: self.fp16.is_some() || self.optimizer_config.kind.is_fp16(),
+            micro_batch,
+            cumulative: if accumulates {
+                self.optimizer_config.cumulative_iters.unwrap_or(1).max(1)
+            } else {
+                1
+            },
+            adam: matches!(self.optimizer.kind, OptimizerKind::Adam { .. }),
+        }
     }
 
     /// The optimizer.

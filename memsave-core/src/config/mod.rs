@@ -77,6 +77,9 @@ pub struct Config<M, D> {
     /// metric='mAP')`); absent: none.
     #[serde(default)]
     pub evaluation: Option<EvaluationSection>,
+    /// What a step must fit in (`memory_budget`), for `with_cp = "auto"`.
+    #[serde(default)]
+    pub memory: crate::planner::MemorySection,
 }
 
 impl<M: DeserializeOwned, D: DeserializeOwned> Config<M, D> {

@@ -290,6 +290,7 @@ impl<B: AutodiffBackend, M: TrainModel<B>> Hook<B, M> for OptimizerHook {
                 }
             }
         });
+        crate::checkpoint::profile::boundary(crate::checkpoint::profile::Boundary::BackwardEnd);
         self.pending += 1;
         if self.groups.boundary(state) {
             self.pending = 0;

@@ -174,6 +174,40 @@ pub mod cuda {
         Some((usage.bytes_in_use, usage.bytes_reserved))
     }
 
+    /// The planner's probe on CUDA: live bytes are the pools' bytes in use. CubeCL keeps no
+    /// resettable high-water mark of them, so a window's peak is the most seen at the live
+    /// readings the profile takes (before and after each segment and recomputation), a lower
+    /// bound of the true one; the checks of the following steps correct a plan that is over.
+    pub struct PoolProbe {
+        device: CudaDevice,
+        seen: std::sync::atomic::AtomicU64,
+    }
+
+    impl PoolProbe {
+        /// A probe of `device`'s pools.
+        pub fn new(device: CudaDevice) -> Self {
+            PoolProbe {
+                device,
+                seen: std::sync::atomic::AtomicU64::new(0),
+            }
+        }
+    }
+
+    impl crate::checkpoint::profile::Probe for PoolProbe {
+        fn live(&self) -> u64 {
+            let live = pool_usage(&self.device).map_or(0, |(used, _)| used);
+            self.seen
+                .fetch_max(live, std::sync::atomic::Ordering::Relaxed);
+            live
+        }
+        fn window_peak(&self) -> u64 {
+            let live = pool_usage(&self.device).map_or(0, |(used, _)| used);
+            self.seen
+                .swap(live, std::sync::atomic::Ordering::Relaxed)
+                .max(live)
+        }
+    }
+
     /// Whether a CUDA driver and `device` can be opened: `Err` with the runtime's words where
     /// not (CubeCL panics when the driver library is missing; that panic is caught here).
     pub fn probe(device: &CudaDevice) -> Result<(), String> {

@@ -236,6 +236,7 @@ where
             let (loss, parts) = crate::memory::scope(crate::memory::phase::FORWARD, || {
                 self.state.forward_model().loss_with_parts(batch)
             });
+            crate::checkpoint::profile::boundary(crate::checkpoint::profile::Boundary::ForwardEnd);
             self.state.log.parts = parts
                 .iter()
                 .map(|(name, part)| (*name, super::grads::scalar(part)))

@@ -174,6 +174,38 @@ fn checkpoint_module(memsave: &TokenStream, model: &Model) -> Option<TokenStream
     } else {
         quote!(#memsave::fp16::__private::Unmarked)
     };
+    // A marked field's path: the struct's path and the field's name; an enum's variant adds
+    // nothing (as in PyTorch's module paths).
+    let sub_path = |field: &Field| {
+        if matches!(model.body, Body::Enum(_)) {
+            quote!(path)
+        } else {
+            let name = field_name(field);
+            quote!(&#memsave::checkpoint::__private::join_path(path, #name))
+        }
+    };
+    // Per path: the flag set by `on(path)`, the marked fields switched below their names.
+    let by_path = rebuild(model, &|field, value| {
+        if field.ident().is_some_and(|ident| ident == CP_FLAG) && model.cp_flag().is_some() {
+            quote!(on(path))
+        } else if field.with_cp.is_some() {
+            let path = sub_path(field);
+            quote_spanned! {field.ty.span()=>
+                #memsave::checkpoint::CheckpointModule::set_with_cp_by_path(#value, #path, on)
+            }
+        } else {
+            value
+        }
+    });
+    let visits = visit_marked(model, &|field, value| {
+        let path = sub_path(field);
+        quote! {
+            #memsave::checkpoint::CheckpointModule::visit_segments(#value, #path, visit);
+        }
+    });
+    let own = model
+        .cp_flag()
+        .map(|_| quote!(visit(path, #memsave::checkpoint::SegmentId::of(self));));
     Some(quote! {
         #header {
             type Mark = #mark;
@@ -181,8 +213,70 @@ fn checkpoint_module(memsave: &TokenStream, model: &Model) -> Option<TokenStream
             fn set_with_cp(self, on: bool) -> Self {
                 #body
             }
+
+            #[allow(unused_variables)]
+            fn set_with_cp_by_path(self, path: &str, on: &dyn Fn(&str) -> bool) -> Self {
+                #by_path
+            }
+
+            #[allow(unused_variables)]
+            fn visit_segments(
+                &self,
+                path: &str,
+                visit: &mut dyn FnMut(&str, #memsave::checkpoint::SegmentId),
+            ) {
+                #own
+                #visits
+            }
         }
     })
+}
+
+/// A struct field's name in a module path: its name, or its position in a tuple struct.
+fn field_name(field: &Field) -> String {
+    match &field.member {
+        Member::Named(ident) => ident.to_string(),
+        Member::Unnamed(index) => index.index.to_string(),
+    }
+}
+
+/// Statements calling `each` on a reference to every field marked `#[with_cp]`, through a
+/// `match` for an enum.
+fn visit_marked(model: &Model, each: &dyn Fn(&Field, TokenStream) -> TokenStream) -> TokenStream {
+    match &model.body {
+        Body::Struct(fields) => {
+            let calls = fields
+                .iter()
+                .filter(|field| field.with_cp.is_some())
+                .map(|field| {
+                    let member = &field.member;
+                    each(field, quote_spanned!(field.ty.span()=> &self.#member))
+                });
+            quote!(#(#calls)*)
+        }
+        Body::Enum(variants) => {
+            let arms = variants.iter().map(|variant| {
+                let name = &variant.ident;
+                let bindings: Vec<_> = variant.fields.iter().map(binding).collect();
+                let calls = variant
+                    .fields
+                    .iter()
+                    .zip(&bindings)
+                    .filter(|(field, _)| field.with_cp.is_some())
+                    .map(|(field, bound)| each(field, quote!(#bound)));
+                let pattern = match variant.style {
+                    Style::Unit => quote!(Self::#name),
+                    Style::Unnamed => quote!(Self::#name(#(#bindings),*)),
+                    Style::Named => {
+                        let members = variant.fields.iter().map(|field| &field.member);
+                        quote!(Self::#name { #(#members: #bindings),* })
+                    }
+                };
+                quote!(#pattern => { #(#calls)* })
+            });
+            quote!(match self { #(#arms,)* })
+        }
+    }
 }
 
 /// `HasWithCp`, when the struct has the flag.

@@ -66,6 +66,10 @@ pub struct BenchArgs {
     /// Override a config key for every configuration, as TOML.
     #[arg(long = "set", value_name = "KEY=VALUE")]
     set: Vec<String>,
+    /// The memory budget of the `planned` configuration (`--only ...,planned`): a share of its
+    /// peak without checkpointing (`80%`) or bytes (`1.5GiB`).
+    #[arg(long)]
+    planned_budget: Option<String>,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
@@ -96,6 +100,10 @@ fn parse_size(text: &str) -> std::result::Result<[usize; 2], String> {
     }
 }
 
+/// The budget of `planned` unless `--planned-budget` says otherwise: a share of its unplanned
+/// peak (all the memory of its step: weights, optimizer state, gradients, activations).
+pub const PLANNED_BUDGET: &str = "60%";
+
 /// The config lines that switch a configuration on (over the batch of `base`).
 pub fn strategy_lines(name: &str, batch: usize) -> Result<Vec<String>> {
     let amp = vec!["fp16.loss_scale=512.0".to_string()];
@@ -105,6 +113,11 @@ pub fn strategy_lines(name: &str, batch: usize) -> Result<Vec<String>> {
         format!("data.samples_per_gpu={}", batch / 2),
     ];
     let checkpoint = vec!["model.backbone.with_cp=true".to_string()];
+    // The planner picks the blocks for a budget (`--planned-budget` sets another).
+    let planned = vec![
+        "model.backbone.with_cp=\"auto\"".to_string(),
+        format!("memory.memory_budget=\"{PLANNED_BUDGET}\""),
+    ];
     let base = vec![format!("data.samples_per_gpu={batch}")];
     if matches!(name, "accumulation" | "all") && (batch < 2 || batch % 2 == 1) {
         return Err(Error::invalid(
@@ -120,14 +133,30 @@ pub fn strategy_lines(name: &str, batch: usize) -> Result<Vec<String>> {
         "amp" => [base, amp].concat(),
         "accumulation" => accumulation,
         "checkpoint" => [base, checkpoint].concat(),
+        "planned" => [base, planned].concat(),
         "all" => [amp, accumulation, checkpoint].concat(),
         other => {
             return Err(Error::invalid(
                 "--only",
-                format!("`{other}` is not a configuration: {}", CONFIGS.join(", ")),
+                format!(
+                    "`{other}` is not a configuration: {}, or `planned` (the planner's \
+                     checkpoint set for `--planned-budget`)",
+                    CONFIGS.join(", ")
+                ),
             ))
         }
     })
+}
+
+/// Every override of a configuration: the user's, its own lines, the planned budget.
+fn config_lines(args: &BenchArgs, name: &str) -> Result<Vec<String>> {
+    let mut lines: Vec<String> = args.set.clone();
+    lines.extend(strategy_lines(name, args.batch)?);
+    if let (Some(budget), "planned") = (&args.planned_budget, name) {
+        memsave::planner::Budget::parse(budget, "--planned-budget")?;
+        lines.push(format!("memory.memory_budget=\"{budget}\""));
+    }
+    Ok(lines)
 }
 
 /// A folder removed when dropped.
@@ -185,12 +214,7 @@ pub fn bench(args: BenchArgs) -> Result<()> {
     };
     // Each configuration's config, checked before anything runs.
     for name in &names {
-        let sets: Vec<String> = args
-            .set
-            .iter()
-            .cloned()
-            .chain(strategy_lines(name, args.batch)?)
-            .collect();
+        let sets = config_lines(&args, name)?;
         worker::load_config(
             &config,
             &sets,
@@ -347,12 +371,7 @@ fn start(
     if random_init {
         command.arg("--random-init");
     }
-    for line in args
-        .set
-        .iter()
-        .cloned()
-        .chain(strategy_lines(name, args.batch)?)
-    {
+    for line in config_lines(args, name)? {
         command.arg(format!("--set={line}"));
     }
     command

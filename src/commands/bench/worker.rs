@@ -410,6 +410,12 @@ where
     let before_model = meter.live();
     let model: RetinaNet<B> = memory::scope("model", || {
         let model = detector.init::<B>(&device)?;
+        let model = match &config.model.backbone.with_cp {
+            memsave::planner::WithCp::Paths(paths) => {
+                memsave::checkpoint::set_with_cp_paths(model, paths)?
+            }
+            _ => model,
+        };
         // Materialise every (lazily initialised) parameter while the tag is open.
         param_bytes::<B, _>(&model);
         Ok::<_, Error>(model)
@@ -451,6 +457,14 @@ where
         timeline: None,
         losses: Vec::new(),
     }));
+    if let Some(budget) = config.memory_budget(&config.model.backbone.with_cp)? {
+        // `planned`: the planner profiles the warm-up step and checkpoints for the budget.
+        runner.register_hook(Box::new(memsave::planner::AutoPlanHook::new(
+            budget,
+            config.planner_setting(config.data.samples_per_gpu),
+            &runner.state().device.clone(),
+        )?));
+    }
     let built = meter.live();
     runner.run()?;
     // The half copy of the weights the forward ran on (mixed precision), resident.

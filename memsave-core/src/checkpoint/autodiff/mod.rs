@@ -178,8 +178,9 @@ impl<B: Backend, C: CheckpointStrategy> CheckpointBackend for Autodiff<B, C> {
         let count = floats(&output).len();
         let stash: Stash<B> = Arc::new(Mutex::new(vec![None; count]));
         let module = module.clone();
+        let id = super::profile::pending();
         let run: Run<B> = Box::new(move |output_grads| {
-            recompute::<B, C, M, I, O, F>(module, input, segment, draws, stream, output_grads)
+            recompute::<B, C, M, I, O, F>(module, input, segment, draws, stream, output_grads, id)
         });
         let state = AnchorState {
             run: Arc::new(Mutex::new(Some(run))),

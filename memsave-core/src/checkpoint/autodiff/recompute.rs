@@ -9,7 +9,7 @@ use burn::module::{Module, ModuleMapper, Param};
 use burn::prelude::Backend;
 use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::ops::{FloatTensor, FloatTensorOps};
-use burn::tensor::{Tensor, TensorPrimitive};
+use burn::tensor::{Tensor, TensorMetadata, TensorPrimitive};
 
 use super::super::context::{self, Draws};
 use super::super::segment::{floats, Segment};
@@ -27,6 +27,7 @@ pub(super) fn recompute<B, C, M, I, O, F>(
     draws: Draws,
     stream: Option<u64>,
     output_grads: Vec<Option<FloatTensor<B>>>,
+    id: Option<crate::checkpoint::SegmentId>,
 ) -> Result<Grads<B>, String>
 where
     B: Backend,
@@ -37,6 +38,7 @@ where
     F: Fn(&M, I) -> O + Send + Sync + 'static,
 {
     let input_count = floats(&input).len();
+    let started = crate::checkpoint::profile::live_if_recording();
     let (sender, receiver) = mpsc::channel::<Message<B>>();
     threads::spawn(move || {
         let report = sender.clone();
@@ -49,6 +51,7 @@ where
                     stream,
                     output_grads,
                     sender,
+                    id,
                 )
             })
         }));
@@ -70,7 +73,23 @@ where
         match receiver.recv().map_err(|_| lost())? {
             Message::Grad(Key::Input(index), grad) => grads.inputs[index] = Some(grad),
             Message::Grad(Key::Param(node), grad) => grads.params.push((node, grad)),
-            Message::Done => return Ok(grads),
+            Message::Done => {
+                // What the helper keeps until the outer backward ends, beside the gradients.
+                if let (Some(started), Some(id)) = (started, id) {
+                    let sent: u64 = grads
+                        .inputs
+                        .iter()
+                        .flatten()
+                        .chain(grads.params.iter().map(|(_, grad)| grad))
+                        .map(|grad: &FloatTensor<B>| {
+                            let shape = grad.shape();
+                            (shape.num_elements() * grad.dtype().size()) as u64
+                        })
+                        .sum();
+                    crate::checkpoint::profile::released(id, started, sent);
+                }
+                return Ok(grads);
+            }
             Message::Panicked(message) => return Err(recompute_panic(&message)),
         }
     }
@@ -101,6 +120,7 @@ pub(super) fn backprop_segment<B, C, M, I, O, F>(
     stream: Option<u64>,
     output_grads: Vec<Option<FloatTensor<B>>>,
     sender: mpsc::Sender<Message<B>>,
+    id: Option<crate::checkpoint::SegmentId>,
 ) where
     B: Backend,
     C: CheckpointStrategy,
@@ -130,7 +150,17 @@ pub(super) fn backprop_segment<B, C, M, I, O, F>(
     if let (Some(seed), Some(first)) = (stream, floats(&input).first()) {
         Ad::<B, C>::seed(&Ad::<B, C>::float_device(first), seed);
     }
-    let output = crate::memory::scope(crate::memory::phase::RECOMPUTE, || segment(&module, input));
+    let device = floats(&input)
+        .first()
+        .map(|first| Ad::<B, C>::float_device(first));
+    let sync = || {
+        if let Some(device) = &device {
+            let _ = B::sync(device);
+        }
+    };
+    let output = crate::checkpoint::profile::recompute(id, sync, || {
+        crate::memory::scope(crate::memory::phase::RECOMPUTE, || segment(&module, input))
+    });
 
     // The anchor only runs once an output has its gradient: there is one to size things by.
     let like = output_grads

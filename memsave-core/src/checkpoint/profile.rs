@@ -1,0 +1,294 @@
+//! What the planner measures of a training step: per segment, the bytes its forward leaves live
+//! and its time; per recomputation in backward, the bytes it makes live and its time; and, at
+//! the boundaries of the step's phases, the live bytes and the highest live bytes since the
+//! previous boundary. Off unless [`start`] was called: then each segment and recomputation costs
+//! two reads of the live bytes and a device sync.
+//!
+//! The events are read by [`crate::planner::Profile::from_events`]. Bytes come from a
+//! [`Probe`]: the counting allocator on the CPU ([`AllocatorProbe`]), the device's pools
+//! elsewhere.
+
+use std::cell::Cell;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Mutex;
+use std::time::Instant;
+
+use super::SegmentId;
+
+/// Reads a device's memory for the profile.
+pub trait Probe: Send + Sync {
+    /// Bytes live now.
+    fn live(&self) -> u64;
+    /// The most bytes live since the previous call (or since [`start`]), starting a new window.
+    fn window_peak(&self) -> u64;
+    /// Bytes live now under the backward pass's tag (gradients), where tags are counted.
+    fn gradients(&self) -> Option<u64> {
+        None
+    }
+}
+
+/// The counting allocator ([`crate::memory::CountingAllocator`]).
+pub struct AllocatorProbe;
+
+impl Probe for AllocatorProbe {
+    fn live(&self) -> u64 {
+        crate::memory::current_bytes() as u64
+    }
+    fn window_peak(&self) -> u64 {
+        crate::memory::take_window_peak() as u64
+    }
+    fn gradients(&self) -> Option<u64> {
+        let backward = crate::memory::phase::BACKWARD;
+        let recompute = crate::memory::phase::RECOMPUTE;
+        Some(
+            crate::memory::live_by_tag()
+                .iter()
+                .filter(|t| t.tag.starts_with(backward) && !t.tag.contains(recompute))
+                .map(|t| t.live.max(0) as u64)
+                .sum(),
+        )
+    }
+}
+
+/// A boundary between phases of the step.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Boundary {
+    /// The step starts (before its forward).
+    Start,
+    /// The forward and the loss are done; backward starts.
+    ForwardEnd,
+    /// Backward is done; the optimizer step starts.
+    BackwardEnd,
+    /// The step is done.
+    End,
+}
+
+/// One measurement.
+#[derive(Clone, Debug)]
+pub enum Event {
+    /// A segment's forward ran (checkpointed or not).
+    Forward {
+        /// Its module.
+        id: SegmentId,
+        /// Live bytes before and after it.
+        before: u64,
+        /// See `before`.
+        after: u64,
+        /// Its time.
+        seconds: f64,
+        /// Whether it was checkpointed (kept only its input).
+        checkpointed: bool,
+    },
+    /// A checkpointed segment was recomputed in backward. Starts a window.
+    Recompute {
+        /// Its module.
+        id: SegmentId,
+        /// The most live bytes since the previous window started.
+        window_peak: u64,
+        /// Live bytes before and after the recomputed forward.
+        before: u64,
+        /// See `before`.
+        after: u64,
+        /// Gradient bytes live when it started.
+        gradients: Option<u64>,
+        /// The recomputed forward's time.
+        seconds: f64,
+    },
+    /// A recomputation's helper sent its last gradient: what it still holds (its inputs and
+    /// graph, scratch memory) stays live until the outer backward ends.
+    Released {
+        /// Its module.
+        id: SegmentId,
+        /// Bytes it holds beyond the gradients it sent.
+        held: u64,
+    },
+    /// The recomputations' helper threads were joined at the end of backward: what they held
+    /// until then (on the CPU, each thread's matrix-product scratch) was freed.
+    Joined {
+        /// How many.
+        helpers: usize,
+        /// Live bytes before and after.
+        before: u64,
+        /// See `before`.
+        after: u64,
+    },
+    /// A phase boundary. Starts a window.
+    Boundary {
+        /// Which.
+        at: Boundary,
+        /// The most live bytes since the previous window started.
+        window_peak: u64,
+        /// Live bytes now.
+        live: u64,
+        /// Gradient bytes live now.
+        gradients: Option<u64>,
+        /// Seconds since [`start`].
+        seconds: f64,
+    },
+}
+
+struct Recorder {
+    probe: Box<dyn Probe>,
+    events: Vec<Event>,
+    started: Instant,
+}
+
+static ACTIVE: AtomicBool = AtomicBool::new(false);
+static RECORDER: Mutex<Option<Recorder>> = Mutex::new(None);
+
+thread_local! {
+    /// The segment whose `checkpoint_segment` runs on this thread now.
+    static PENDING: Cell<Option<SegmentId>> = const { Cell::new(None) };
+}
+
+fn recorder() -> std::sync::MutexGuard<'static, Option<Recorder>> {
+    RECORDER
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+/// Starts recording, with `probe` reading the memory; drops what an earlier recording left.
+pub fn start(probe: Box<dyn Probe>) {
+    probe.window_peak();
+    *recorder() = Some(Recorder {
+        probe,
+        events: Vec::new(),
+        started: Instant::now(),
+    });
+    ACTIVE.store(true, Ordering::SeqCst);
+}
+
+/// Stops recording; returns the events.
+pub fn stop() -> Vec<Event> {
+    ACTIVE.store(false, Ordering::SeqCst);
+    recorder().take().map(|r| r.events).unwrap_or_default()
+}
+
+/// Whether a recording is on.
+pub fn is_recording() -> bool {
+    ACTIVE.load(Ordering::Relaxed)
+}
+
+/// Marks a phase boundary (the runner and the optimizer hook do); nothing unless recording.
+pub fn boundary(at: Boundary) {
+    if !is_recording() {
+        return;
+    }
+    if let Some(recorder) = recorder().as_mut() {
+        let window_peak = recorder.probe.window_peak();
+        let event = Event::Boundary {
+            at,
+            window_peak,
+            live: recorder.probe.live(),
+            gradients: recorder.probe.gradients(),
+            seconds: recorder.started.elapsed().as_secs_f64(),
+        };
+        recorder.events.push(event);
+    }
+}
+
+fn live() -> u64 {
+    recorder().as_ref().map_or(0, |r| r.probe.live())
+}
+
+/// Runs a segment's forward `f`, recording it when a recording is on; `sync` waits for the
+/// device. While `f` runs, [`pending`] names the segment (for its recomputation).
+pub(crate) fn forward<O>(
+    id: SegmentId,
+    checkpointed: bool,
+    sync: impl Fn(),
+    f: impl FnOnce() -> O,
+) -> O {
+    let previous = PENDING.with(|p| p.replace(Some(id)));
+    struct Restore(Option<SegmentId>);
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            PENDING.with(|p| p.set(self.0));
+        }
+    }
+    let _restore = Restore(previous);
+    if !is_recording() {
+        return f();
+    }
+    sync();
+    let before = live();
+    let started = Instant::now();
+    let out = f();
+    sync();
+    let seconds = started.elapsed().as_secs_f64();
+    let after = live();
+    if let Some(recorder) = recorder().as_mut() {
+        recorder.events.push(Event::Forward {
+            id,
+            before,
+            after,
+            seconds,
+            checkpointed,
+        });
+    }
+    out
+}
+
+/// The segment whose forward runs on this thread now, if any.
+pub(crate) fn pending() -> Option<SegmentId> {
+    PENDING.with(Cell::get)
+}
+
+/// Runs a recomputation `f` of the segment `id`, recording it when a recording is on.
+pub(crate) fn recompute<O>(id: Option<SegmentId>, sync: impl Fn(), f: impl FnOnce() -> O) -> O {
+    let Some(id) = id.filter(|_| is_recording()) else {
+        return f();
+    };
+    sync();
+    let (window_peak, before, gradients) = match recorder().as_ref() {
+        Some(r) => (r.probe.window_peak(), r.probe.live(), r.probe.gradients()),
+        None => return f(),
+    };
+    let started = Instant::now();
+    let out = f();
+    sync();
+    let seconds = started.elapsed().as_secs_f64();
+    let after = live();
+    if let Some(recorder) = recorder().as_mut() {
+        recorder.events.push(Event::Recompute {
+            id,
+            window_peak,
+            before,
+            after,
+            gradients,
+            seconds,
+        });
+    }
+    out
+}
+
+/// Runs `join` (joining `helpers` helper threads), recording what it freed.
+pub(crate) fn joined(helpers: usize, join: impl FnOnce()) {
+    if !is_recording() || helpers == 0 {
+        return join();
+    }
+    let before = live();
+    join();
+    let after = live();
+    if let Some(recorder) = recorder().as_mut() {
+        recorder.events.push(Event::Joined {
+            helpers,
+            before,
+            after,
+        });
+    }
+}
+
+/// Live bytes now, when a recording is on.
+pub(crate) fn live_if_recording() -> Option<u64> {
+    is_recording().then(live)
+}
+
+/// Records what the recomputation of `id`, started at `started` live bytes, holds now beside
+/// the `sent` bytes of gradients it handed over.
+pub(crate) fn released(id: SegmentId, started: u64, sent: u64) {
+    let held = live().saturating_sub(started).saturating_sub(sent);
+    if let Some(recorder) = recorder().as_mut() {
+        recorder.events.push(Event::Released { id, held });
+    }
+}

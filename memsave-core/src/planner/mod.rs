@@ -1,0 +1,425 @@
+//! The memory planner: checkpoint only the segments a memory budget needs, at the least
+//! recomputation time, and say what else would fit when checkpointing cannot.
+//!
+//! - [`profile`]: one step with every segment checkpointed, measured ([`Profile`]): per segment
+//!   the bytes it would keep and the time its recomputation costs, per window of the step its
+//!   peak; it predicts the peak and time of any checkpoint set.
+//! - [`solve`]: the cheapest set under a budget ([`plan`]), exact by dynamic programming.
+//! - [`advise`]: the cheapest combination with mixed precision, accumulation, SGD and a smaller
+//!   batch ([`advise::advise`]).
+//! - [`AutoPlanHook`]: `with_cp = "auto"` in training: the first step is the profile, the
+//!   plan applies from the second, and the measured peaks of the next steps are checked
+//!   against the budget (segments are added if one is over).
+//! - [`budget`]: `memory_budget` and `with_cp` as a config writes them.
+
+pub mod advise;
+pub mod budget;
+pub mod profile;
+pub mod solve;
+
+use std::cell::RefCell;
+use std::collections::HashMap;
+use std::io::Write;
+use std::rc::Rc;
+
+use burn::tensor::backend::AutodiffBackend;
+
+pub use budget::{Budget, MemorySection, WithCp};
+pub use profile::{Profile, SegmentProfile, Window};
+pub use solve::{plan, BelowFloor, Plan};
+
+use crate::checkpoint::profile::{self as recorder, AllocatorProbe, Boundary, Probe};
+use crate::checkpoint::{CheckpointModule, SegmentId};
+use crate::train::params::param_bytes;
+use crate::train::{Hook, TrainModel, TrainState};
+use crate::{Error, Result};
+
+/// The memory probe for a run on `device`: the counting allocator on the CPU (when it is
+/// installed), CubeCL's pools on CUDA; `None` where memory cannot be read.
+pub fn probe_for<D: 'static>(device: &D) -> Option<Box<dyn Probe>> {
+    #[cfg(feature = "cuda")]
+    if let Some(device) = (device as &dyn std::any::Any).downcast_ref::<cubecl::cuda::CudaDevice>()
+    {
+        return Some(Box::new(crate::memory::cuda::PoolProbe::new(
+            device.clone(),
+        )));
+    }
+    let _ = device;
+    crate::memory::is_counting().then(|| Box::new(AllocatorProbe) as Box<dyn Probe>)
+}
+
+/// Each segment of `model` by identity, to its module path.
+pub fn segment_ids<M: CheckpointModule>(model: &M) -> HashMap<SegmentId, String> {
+    let mut ids = HashMap::new();
+    model.visit_segments("", &mut |path, id| {
+        ids.insert(id, path.to_string());
+    });
+    ids
+}
+
+/// Sets every segment of the model, and of the forward copy under mixed precision, by `on`.
+fn set_flags<B: AutodiffBackend, M: TrainModel<B> + CheckpointModule>(
+    state: &mut TrainState<B, M>,
+    on: &dyn Fn(&str) -> bool,
+) {
+    state.model = state.model.clone().set_with_cp_by_path("", on);
+    if let Some(forward) = state.forward_model.take() {
+        state.forward_model = Some(forward.set_with_cp_by_path("", on));
+    }
+}
+
+/// Records the profile of one iteration ([`Profile`]); the model runs with every segment
+/// checkpointed in it, and its flags are left so. `memsave plan` and the bench use it.
+pub struct ProfileHook {
+    /// The iteration to profile.
+    pub iter: usize,
+    /// The profile, once taken.
+    pub profile: Rc<RefCell<Option<Profile>>>,
+    /// Whether the profiled iteration runs with every segment checkpointed (the planner's
+    /// profile), else as the model stands (a measurement of it).
+    pub checkpoint_all: bool,
+    ids: HashMap<SegmentId, String>,
+    probe: Option<Box<dyn Probe>>,
+}
+
+impl ProfileHook {
+    /// Profiles iteration `iter` with every segment checkpointed, memory read by `probe`.
+    pub fn new(iter: usize, probe: Box<dyn Probe>) -> Self {
+        ProfileHook {
+            iter,
+            profile: Rc::new(RefCell::new(None)),
+            checkpoint_all: true,
+            ids: HashMap::new(),
+            probe: Some(probe),
+        }
+    }
+
+    fn begin<B: AutodiffBackend, M: TrainModel<B> + CheckpointModule>(
+        &mut self,
+        state: &mut TrainState<B, M>,
+    ) {
+        if self.checkpoint_all {
+            set_flags(state, &|_| true);
+        }
+        self.ids = segment_ids(state.forward_model());
+        if let Some(probe) = self.probe.take() {
+            recorder::start(probe);
+        }
+        recorder::boundary(Boundary::Start);
+    }
+
+    fn end<B: AutodiffBackend, M: TrainModel<B> + CheckpointModule>(
+        &mut self,
+        state: &TrainState<B, M>,
+    ) -> Profile {
+        recorder::boundary(Boundary::End);
+        let events = recorder::stop();
+        let (_, trainable) = param_bytes::<B, M>(&state.model);
+        Profile::from_events(&events, &self.ids, trainable as u64)
+    }
+}
+
+impl<B: AutodiffBackend, M: TrainModel<B> + CheckpointModule> Hook<B, M> for ProfileHook {
+    fn name(&self) -> &'static str {
+        "profile"
+    }
+
+    fn before_iter(&mut self, state: &mut TrainState<B, M>) -> Result<()> {
+        if state.iter == self.iter {
+            self.begin(state);
+        }
+        Ok(())
+    }
+
+    fn after_iter(&mut self, state: &mut TrainState<B, M>) -> Result<()> {
+        if state.iter == self.iter {
+            let profile = self.end(state);
+            *self.profile.borrow_mut() = Some(profile);
+        }
+        Ok(())
+    }
+}
+
+/// Measures iterations `from..to`: the time of each and its peak live bytes.
+pub struct StepMeter {
+    /// The first iteration measured.
+    pub from: usize,
+    /// The iteration after the last one measured.
+    pub to: usize,
+    /// Per measured iteration: seconds and peak bytes.
+    pub steps: Rc<RefCell<Vec<(f64, u64)>>>,
+    probe: Box<dyn Probe>,
+    started: Option<std::time::Instant>,
+}
+
+impl StepMeter {
+    /// Measures iterations `from..to`, memory read by `probe`.
+    pub fn new(from: usize, to: usize, probe: Box<dyn Probe>) -> Self {
+        StepMeter {
+            from,
+            to,
+            steps: Rc::new(RefCell::new(Vec::new())),
+            probe,
+            started: None,
+        }
+    }
+}
+
+impl<B: AutodiffBackend, M: TrainModel<B>> Hook<B, M> for StepMeter {
+    fn name(&self) -> &'static str {
+        "step_meter"
+    }
+
+    fn before_iter(&mut self, state: &mut TrainState<B, M>) -> Result<()> {
+        if (self.from..self.to).contains(&state.iter) {
+            let _ = B::sync(&state.device);
+            self.probe.window_peak();
+            self.started = Some(std::time::Instant::now());
+        }
+        Ok(())
+    }
+
+    fn after_iter(&mut self, state: &mut TrainState<B, M>) -> Result<()> {
+        if let Some(started) = self.started.take() {
+            let _ = B::sync(&state.device);
+            let seconds = started.elapsed().as_secs_f64();
+            let peak = self.probe.window_peak();
+            self.steps.borrow_mut().push((seconds, peak));
+        }
+        Ok(())
+    }
+}
+
+/// How many steps after the plan applies have their peak checked against the budget.
+pub const CHECKED_STEPS: usize = 3;
+
+/// `with_cp = "auto"`: profiles the run's first iteration (every segment checkpointed, the
+/// same gradients as without), plans for the budget, applies the plan from the next iteration,
+/// and checks the measured peak of the following [`CHECKED_STEPS`] iterations: one over the
+/// budget has segments added by the excess, and is logged. A budget below what checkpointing
+/// everything takes ends the run (before any snapshot of that step) with the advice of
+/// [`advise::advise`].
+pub struct AutoPlanHook {
+    budget: Budget,
+    setting: advise::Setting,
+    profile: ProfileHook,
+    planned: Option<(Profile, Plan, u64)>,
+    checked: usize,
+    probe: Option<Box<dyn Probe>>,
+}
+
+impl AutoPlanHook {
+    /// A planner for `budget` on `device`; `setting` is the config's (for the advice).
+    pub fn new<D: 'static>(budget: Budget, setting: advise::Setting, device: &D) -> Result<Self> {
+        let no_probe = || {
+            Error::invalid(
+                "with_cp",
+                "\"auto\" measures memory, and it cannot be read here: memsave's counting \
+                 allocator is not this program's global allocator (see memsave::memory), and \
+                 the device is not CUDA",
+            )
+        };
+        Ok(AutoPlanHook {
+            budget,
+            setting,
+            profile: ProfileHook::new(usize::MAX, probe_for(device).ok_or_else(no_probe)?),
+            planned: None,
+            checked: 0,
+            probe: Some(probe_for(device).ok_or_else(no_probe)?),
+        })
+    }
+
+    /// The profile, the plan and the budget in bytes, once planned.
+    pub fn planned(&self) -> Option<&(Profile, Plan, u64)> {
+        self.planned.as_ref()
+    }
+}
+
+/// A line to stderr and to `train.log` in the work directory.
+fn note<B: AutodiffBackend, M: TrainModel<B>>(state: &TrainState<B, M>, line: &str) {
+    eprintln!("memsave: {line}");
+    if std::fs::create_dir_all(&state.work_dir).is_ok() {
+        if let Ok(mut file) = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(state.work_dir.join("train.log"))
+        {
+            let _ = writeln!(file, "memsave: {line}");
+        }
+    }
+}
+
+/// The advice for a budget nothing fits with checkpointing alone, in words.
+pub fn advice_text(candidates: &[advise::Candidate], budget: u64) -> String {
+    let human = crate::memory::human;
+    let mut lines = vec![format!(
+        "what would fit {} (predicted from the profiled step):",
+        human(budget)
+    )];
+    let fitting: Vec<&advise::Candidate> = candidates.iter().filter(|c| c.fits).take(4).collect();
+    if fitting.is_empty() {
+        let least = candidates.iter().min_by_key(|c| c.peak);
+        lines.push(format!(
+            "  nothing memsave can switch on: the least is {} ({}); a larger budget or device \
+             is needed",
+            least.map_or("?".to_string(), |c| human(c.peak)),
+            least.map_or("?".to_string(), |c| c.label.clone())
+        ));
+    }
+    for candidate in fitting {
+        let changes = candidate
+            .changes_training
+            .as_ref()
+            .map(|c| format!("; {c}"))
+            .unwrap_or_default();
+        lines.push(format!(
+            "  {}: peak {}, step {:.3} s{changes}\n    --set {}",
+            candidate.label,
+            human(candidate.peak),
+            candidate.seconds,
+            candidate.sets.join(" --set ")
+        ));
+    }
+    lines.join("\n")
+}
+
+impl<B: AutodiffBackend, M: TrainModel<B> + CheckpointModule> Hook<B, M> for AutoPlanHook {
+    fn name(&self) -> &'static str {
+        "planner"
+    }
+
+    fn before_run(&mut self, state: &mut TrainState<B, M>) -> Result<()> {
+        self.profile.iter = state.iter;
+        set_flags(state, &|_| true);
+        Ok(())
+    }
+
+    fn before_iter(&mut self, state: &mut TrainState<B, M>) -> Result<()> {
+        if state.iter == self.profile.iter {
+            self.profile.begin(state);
+        } else if self.planned.is_some() && self.checked < CHECKED_STEPS {
+            if let Some(probe) = &self.probe {
+                probe.window_peak();
+            }
+        }
+        Ok(())
+    }
+
+    fn after_iter(&mut self, state: &mut TrainState<B, M>) -> Result<()> {
+        let human = crate::memory::human;
+        if state.iter == self.profile.iter {
+            let profile = self.profile.end(state);
+            let unplanned = profile.unplanned_peak();
+            let budget = self.budget.bytes(unplanned);
+            match plan(&profile, budget) {
+                Ok(plan) => {
+                    let chosen = plan.paths.clone();
+                    set_flags(state, &|path| chosen.iter().any(|p| p == path));
+                    note(
+                        state,
+                        &format!(
+                            "plan: checkpoint {} of {} segments ({}) for a budget of {} ({}); \
+                             predicted peak {} (unplanned {}, all checkpointed {}), step {:.3} s \
+                             (all checkpointed {:.3} s){}",
+                            plan.paths.len(),
+                            profile.segments.len(),
+                            if plan.paths.is_empty() {
+                                "none".to_string()
+                            } else {
+                                plan.paths.join(", ")
+                            },
+                            human(budget),
+                            self.budget,
+                            human(plan.peak),
+                            human(unplanned),
+                            human(profile.floor()),
+                            plan.seconds,
+                            profile.step_seconds,
+                            if plan.exact {
+                                ""
+                            } else {
+                                "; not proven optimal (greedy)"
+                            }
+                        ),
+                    );
+                    self.planned = Some((profile, plan, budget));
+                }
+                Err(below) => {
+                    let measured = [advise::Measured {
+                        setting: self.setting,
+                        profile: profile.clone(),
+                    }];
+                    let candidates = advise::advise(&self.setting, &measured, budget);
+                    return Err(Error::OutOfMemory {
+                        what: format!(
+                            "one step with every one of the {} segments checkpointed, the \
+                             least any checkpoint set takes,",
+                            profile.segments.len()
+                        ),
+                        needed: below.floor,
+                        place: format!("the memory budget `{}`", self.budget),
+                        available: Some(budget),
+                        advice: advice_text(&candidates, budget),
+                    });
+                }
+            }
+            return Ok(());
+        }
+        let Some((profile, current, budget)) = self.planned.clone() else {
+            return Ok(());
+        };
+        if self.checked >= CHECKED_STEPS {
+            return Ok(());
+        }
+        self.checked += 1;
+        let Some(measured) = self.probe.as_ref().map(|p| p.window_peak()) else {
+            return Ok(());
+        };
+        let line = format!(
+            "plan: step {}: budget={budget} predicted={} measured={measured}",
+            state.iter + 1,
+            current.peak
+        );
+        if measured <= budget {
+            note(state, &line);
+            return Ok(());
+        }
+        // Over: demand the excess of the prediction, and checkpoint what that needs.
+        let excess = measured - budget;
+        let tighter = budget.saturating_sub(excess);
+        let next = plan(&profile, tighter).unwrap_or_else(|below| {
+            let all = vec![true; profile.segments.len()];
+            let _ = below;
+            Plan {
+                paths: profile.segments.iter().map(|s| s.path.clone()).collect(),
+                peak: profile.predict_peak(&all),
+                seconds: profile.predict_seconds(&all),
+                checkpointed: all,
+                exact: false,
+            }
+        });
+        let added: Vec<String> = next
+            .paths
+            .iter()
+            .filter(|p| !current.paths.contains(p))
+            .cloned()
+            .collect();
+        let chosen = next.paths.clone();
+        set_flags(state, &|path| chosen.iter().any(|p| p == path));
+        note(
+            state,
+            &format!(
+                "{line}: over the budget by {}; checkpointing {} more segment(s) ({})",
+                human(excess),
+                added.len(),
+                if added.is_empty() {
+                    "none left: the budget cannot be held by checkpointing".to_string()
+                } else {
+                    added.join(", ")
+                }
+            ),
+        );
+        self.planned = Some((profile, next, budget));
+        Ok(())
+    }
+}

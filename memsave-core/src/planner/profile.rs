@@ -1,0 +1,346 @@
+//! A profiled step, and the peak and time it predicts for a checkpoint set.
+//!
+//! The profile is one training step with every segment checkpointed (the least memory
+//! checkpointing can give). Its timeline is cut into *windows*: the forward, the backward until
+//! the first recomputation, one window per recomputation (from its start to the next one's),
+//! and the optimizer step. For each window it keeps the highest live bytes measured in it;
+//! for each recomputation, the bytes the segment keeps for backward when it is *not*
+//! checkpointed (what its recomputed forward made live, less its output, which exists either
+//! way) and its time.
+//!
+//! A segment left unchecked keeps those bytes from its forward until its backward: in the
+//! forward window, the window before the first recomputation, and the windows of every
+//! recomputation that runs before its own. So the peak of a checkpoint set S is
+//! `max over windows w of (peak(w) + sum of kept(i) for the segments i not in S still alive
+//! in w)`, and its step time the profiled time less the recomputations of the segments not in
+//! S. The transient of each recomputation is in its window's peak.
+
+use std::collections::HashMap;
+
+use serde::{Deserialize, Serialize};
+
+use crate::checkpoint::profile::{Boundary, Event};
+use crate::checkpoint::SegmentId;
+
+/// A checkpointable segment.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct SegmentProfile {
+    /// Its module path (`backbone.layer2.1`).
+    pub path: String,
+    /// Its module's type (`Bottleneck`).
+    pub kind: String,
+    /// Bytes it keeps for backward when not checkpointed (all its calls).
+    pub kept_bytes: u64,
+    /// Its output's bytes (kept either way).
+    pub output_bytes: u64,
+    /// The time of its forward in the profiled step (checkpointed: untracked), seconds.
+    pub forward_seconds: f64,
+    /// The time of its recomputation in backward, seconds: what checkpointing it costs.
+    pub recompute_seconds: f64,
+    /// How many times it ran in the step (a module called on several inputs is one segment).
+    pub calls: usize,
+}
+
+/// A stretch of the profiled step.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Window {
+    /// What ran (`forward`, `backward`, `recompute backbone.layer2.1`, `step`).
+    pub label: String,
+    /// The highest live bytes in it, everything checkpointed.
+    pub peak: u64,
+    /// Gradient bytes live as it started (where the allocator's tags tell).
+    pub gradients: u64,
+    /// Whether its bytes above the resident ones grow with the batch (all but the step's).
+    pub batch_scaled: bool,
+    /// The calls still holding their activations in it when their segment is not checkpointed:
+    /// (segment index, bytes).
+    pub alive: Vec<(usize, u64)>,
+    /// The recomputations started up to and in this window, with what each one's helper
+    /// holds until backward ends: (segment index, bytes). Unchecked, they hold nothing.
+    #[serde(default)]
+    pub recomputed: Vec<(usize, u64)>,
+}
+
+/// One profiled step.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Profile {
+    /// Live bytes at the step's start: weights, optimizer state, data, runtime.
+    pub resident: u64,
+    /// Bytes of the trainable parameters (a gradient's, an optimizer state copy's).
+    pub trainable: u64,
+    /// Gradient bytes live when backward ended.
+    pub gradients: u64,
+    /// Bytes the step left live that were not there at its start (the optimizer's state, made
+    /// by a first step); added to the windows before the step, where later steps hold them.
+    pub growth: u64,
+    /// The profiled step's time, seconds (everything checkpointed).
+    pub step_seconds: f64,
+    /// Bytes each recomputation's helper thread frees when it is joined after backward (on the
+    /// CPU, the matrix-product library's per-thread scratch): held in every window from its
+    /// recomputation on.
+    #[serde(default)]
+    pub helper_bytes: u64,
+    /// The checkpointable segments, in the order of their first forward.
+    pub segments: Vec<SegmentProfile>,
+    /// Segments that ran but were not checkpointed in the profile (their input needed no
+    /// gradient), by path: they cannot be planned.
+    pub unplannable: Vec<String>,
+    /// The windows, in order.
+    pub windows: Vec<Window>,
+}
+
+impl Profile {
+    /// The profile of a step's `events` (from [`crate::checkpoint::profile`], recorded with every
+    /// segment checkpointed), its segments named by `paths` (from
+    /// [`crate::checkpoint::CheckpointModule::visit_segments`] on the model that ran the
+    /// forward). `trainable`: the bytes of the trainable parameters.
+    pub fn from_events(
+        events: &[Event],
+        paths: &HashMap<SegmentId, String>,
+        trainable: u64,
+    ) -> Profile {
+        let name = |id: &SegmentId| {
+            paths
+                .get(id)
+                .cloned()
+                .unwrap_or_else(|| format!("<{}>", id.type_name()))
+        };
+        let mut segments: Vec<SegmentProfile> = Vec::new();
+        let mut index_of: HashMap<SegmentId, usize> = HashMap::new();
+        // Per segment, the outputs of its checkpointed forwards not yet matched (last first).
+        let mut outputs: HashMap<SegmentId, Vec<u64>> = HashMap::new();
+        let mut unplannable = Vec::new();
+        for event in events {
+            if let Event::Forward {
+                id,
+                before,
+                after,
+                seconds,
+                checkpointed,
+            } = event
+            {
+                if !checkpointed {
+                    let path = name(id);
+                    if !unplannable.contains(&path) {
+                        unplannable.push(path);
+                    }
+                    continue;
+                }
+                let index = *index_of.entry(*id).or_insert_with(|| {
+                    segments.push(SegmentProfile {
+                        path: name(id),
+                        kind: id.type_name(),
+                        kept_bytes: 0,
+                        output_bytes: 0,
+                        forward_seconds: 0.0,
+                        recompute_seconds: 0.0,
+                        calls: 0,
+                    });
+                    segments.len() - 1
+                });
+                let output = after.saturating_sub(*before);
+                let segment = &mut segments[index];
+                segment.output_bytes += output;
+                segment.forward_seconds += seconds;
+                segment.calls += 1;
+                outputs.entry(*id).or_default().push(output);
+            }
+        }
+        unplannable.retain(|path| !segments.iter().any(|s| &s.path == path));
+
+        // Each recomputation: its segment and kept bytes.
+        let mut recomputed: Vec<(usize, u64)> = Vec::new();
+        for event in events {
+            if let Event::Recompute {
+                id,
+                before,
+                after,
+                seconds,
+                ..
+            } = event
+            {
+                let Some(&index) = index_of.get(id) else {
+                    continue;
+                };
+                let output = outputs.get_mut(id).and_then(Vec::pop).unwrap_or(0);
+                let kept = after.saturating_sub(*before).saturating_sub(output);
+                segments[index].kept_bytes += kept;
+                segments[index].recompute_seconds += seconds;
+                recomputed.push((index, kept));
+            }
+        }
+
+        // The windows: each starts at an event and takes its peak from the next one's.
+        let mut windows: Vec<Window> = Vec::new();
+        let mut label = "forward".to_string();
+        let mut alive: Vec<(usize, u64)> = recomputed.clone();
+        let mut batch_scaled = true;
+        let mut window_gradients = 0;
+        let mut next_recompute = 0;
+        let mut done: Vec<(usize, u64)> = Vec::new();
+        let mut helper_bytes = 0;
+        let (mut resident, mut first_seconds, mut last_seconds) = (None, None, 0.0);
+        let (mut end_live, mut backward_gradients) = (None, 0);
+        for event in events {
+            // The recomputations held in the window this event closes.
+            let mut held = done.clone();
+            let (peak, next_label, gradients) = match event {
+                Event::Forward { .. } => continue,
+                Event::Joined {
+                    helpers,
+                    before,
+                    after,
+                } => {
+                    helper_bytes = before.saturating_sub(*after) / (*helpers).max(1) as u64;
+                    continue;
+                }
+                Event::Released { id, held } => {
+                    // Charged to the window of its recomputation and every later one.
+                    if let (Some(&index), Some(last)) = (index_of.get(id), done.last_mut()) {
+                        if last.0 == index {
+                            last.1 += held;
+                        }
+                    }
+                    continue;
+                }
+                Event::Boundary {
+                    at,
+                    window_peak,
+                    live,
+                    gradients,
+                    seconds,
+                } => {
+                    first_seconds.get_or_insert(*seconds);
+                    last_seconds = *seconds;
+                    match at {
+                        Boundary::Start => {
+                            resident = Some(*live);
+                            continue;
+                        }
+                        Boundary::ForwardEnd => (*window_peak, "backward".to_string(), *gradients),
+                        Boundary::BackwardEnd => {
+                            backward_gradients = gradients.unwrap_or(0);
+                            (*window_peak, "step".to_string(), *gradients)
+                        }
+                        Boundary::End => {
+                            end_live = Some(*live);
+                            (*window_peak, String::new(), *gradients)
+                        }
+                    }
+                }
+                Event::Recompute {
+                    id,
+                    window_peak,
+                    gradients,
+                    ..
+                } => {
+                    if let Some(&index) = index_of.get(id) {
+                        next_recompute += 1;
+                        done.push((index, 0));
+                    }
+                    held = done[..done.len().saturating_sub(1)].to_vec();
+                    (*window_peak, format!("recompute {}", name(id)), *gradients)
+                }
+            };
+            windows.push(Window {
+                label: std::mem::replace(&mut label, next_label.clone()),
+                peak,
+                gradients: window_gradients,
+                batch_scaled,
+                alive: alive.clone(),
+                recomputed: std::mem::take(&mut held),
+            });
+            window_gradients = gradients.unwrap_or(0);
+            if next_label == "step" {
+                alive.clear();
+                done.clear();
+                batch_scaled = false;
+            } else if next_label.starts_with("recompute") {
+                // From this recomputation on, only those still to come hold theirs.
+                alive = recomputed[next_recompute.min(recomputed.len())..].to_vec();
+            }
+            if next_label.is_empty() {
+                break;
+            }
+        }
+        let resident = resident.unwrap_or(0);
+        let growth = end_live.map_or(0, |end| end.saturating_sub(resident));
+        Profile {
+            resident,
+            trainable,
+            gradients: backward_gradients,
+            growth,
+            step_seconds: last_seconds - first_seconds.unwrap_or(last_seconds),
+            helper_bytes,
+            segments,
+            unplannable,
+            windows,
+        }
+    }
+
+    /// The peak predicted with the segments `checkpointed` (one flag per segment) and the rest
+    /// keeping their activations.
+    pub fn predict_peak(&self, checkpointed: &[bool]) -> u64 {
+        self.windows
+            .iter()
+            .map(|window| {
+                let unchecked = |index: &usize| !checkpointed.get(*index).copied().unwrap_or(false);
+                let kept: u64 = window
+                    .alive
+                    .iter()
+                    .filter(|(index, _)| unchecked(index))
+                    .map(|(_, bytes)| bytes)
+                    .sum();
+                // An unchecked segment starts no helper thread.
+                let held: u64 = window
+                    .recomputed
+                    .iter()
+                    .filter(|(index, _)| unchecked(index))
+                    .map(|(_, held)| (*held).max(self.helper_bytes))
+                    .sum();
+                (window.peak + kept + self.carried(window)).saturating_sub(held)
+            })
+            .max()
+            .unwrap_or(self.resident)
+    }
+
+    /// What a later step holds in `window` that the profiled one did not (the optimizer state
+    /// a first step makes).
+    pub(crate) fn carried(&self, window: &Window) -> u64 {
+        if window.batch_scaled {
+            self.growth
+        } else {
+            0
+        }
+    }
+
+    /// The step time predicted with the segments `checkpointed`.
+    pub fn predict_seconds(&self, checkpointed: &[bool]) -> f64 {
+        let saved: f64 = self
+            .segments
+            .iter()
+            .enumerate()
+            .filter(|(index, _)| !checkpointed.get(*index).copied().unwrap_or(false))
+            .map(|(_, segment)| segment.recompute_seconds)
+            .sum();
+        (self.step_seconds - saved).max(0.0)
+    }
+
+    /// The peak without checkpointing.
+    pub fn unplanned_peak(&self) -> u64 {
+        self.predict_peak(&[])
+    }
+
+    /// The peak with every segment checkpointed: the least checkpointing can do.
+    pub fn floor(&self) -> u64 {
+        self.predict_peak(&vec![true; self.segments.len()])
+    }
+
+    /// Flags for the segments whose paths are in `paths`.
+    pub fn flags(&self, paths: &[String]) -> Vec<bool> {
+        self.segments
+            .iter()
+            .map(|segment| paths.contains(&segment.path))
+            .collect()
+    }
+}

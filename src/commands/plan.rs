@@ -1,0 +1,515 @@
+//! `memsave plan CONFIG --budget SIZE`: where a config's memory goes, what each checkpointable
+//! segment keeps and costs, and the cheapest combination of strategies that fits the budget;
+//! with `--verify`, that combination measured beside the unplanned run.
+//!
+//! Every figure comes from steps measured in processes of their own (`memsave plan-worker`):
+//! the config without checkpointing (its breakdown and peak), the config with every segment
+//! checkpointed (the planner's profile), and, to predict the other strategies from measurements,
+//! the same with mixed precision and with half the batch.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::Instant;
+
+use memsave::config::Config;
+use memsave::memory::human;
+use memsave::models::config::{DataSection, DetectionDataSection, ModelSection, ModelType};
+use memsave::planner::advise::{self, Candidate, Measured, Setting};
+use memsave::planner::{Budget, Profile, SegmentProfile};
+use memsave::{Error, Result};
+use serde::Serialize;
+
+use super::train::{model_type, Job, Measurement, TrainArgs};
+use super::Device;
+
+#[derive(clap::Args, Debug)]
+pub struct PlanArgs {
+    /// The config file.
+    config: PathBuf,
+    /// What a step must fit in: bytes (`3GiB`, `512MiB`, `2.5GB`) or a share of the peak
+    /// without checkpointing (`60%`).
+    #[arg(long)]
+    budget: String,
+    /// Override a config key, as TOML: `--set data.samples_per_gpu=4`.
+    #[arg(long = "set", value_name = "KEY=VALUE")]
+    set: Vec<String>,
+    /// Run the chosen plan and print its measured peak and time beside the prediction.
+    #[arg(long)]
+    verify: bool,
+    /// Print the report as JSON.
+    #[arg(long)]
+    json: bool,
+    /// Measured steps per run (after one warm-up step).
+    #[arg(long, default_value_t = 2)]
+    iters: usize,
+    /// Where to run.
+    #[arg(long, value_enum, default_value = "cpu")]
+    device: Device,
+}
+
+/// `memsave plan-worker`: one measuring run (started by `memsave plan`).
+#[derive(clap::Args, Debug)]
+pub struct PlanWorkerArgs {
+    /// The config file.
+    config: PathBuf,
+    /// Config overrides.
+    #[arg(long = "set", value_name = "KEY=VALUE")]
+    set: Vec<String>,
+    /// Where to run.
+    #[arg(long, value_enum)]
+    device: Device,
+    /// Warm-up steps.
+    #[arg(long)]
+    warmup: usize,
+    /// Measured steps.
+    #[arg(long)]
+    iters: usize,
+    /// Profile with every segment checkpointed.
+    #[arg(long)]
+    checkpoint_all: bool,
+    /// Where to write the measurement.
+    #[arg(long)]
+    out: PathBuf,
+}
+
+pub fn worker(args: PlanWorkerArgs) -> Result<()> {
+    let train = TrainArgs {
+        config: args.config,
+        work_dir: None,
+        resume: None,
+        set: args.set,
+        device: args.device,
+    };
+    super::train::run_job(
+        &train,
+        &Job::Measure {
+            warmup: args.warmup,
+            iters: args.iters,
+            checkpoint_all: args.checkpoint_all,
+            out: args.out,
+        },
+    )
+}
+
+/// The breakdown of a measured step, bytes.
+#[derive(Clone, Debug, Serialize)]
+pub struct Breakdown {
+    pub parameters: u64,
+    pub gradients: u64,
+    pub optimizer_state: u64,
+    pub activations: u64,
+    pub other: u64,
+    pub peak: u64,
+    pub step_seconds: f64,
+}
+
+/// What `--verify` measured.
+#[derive(Clone, Debug, Serialize)]
+pub struct Verified {
+    pub measured_peak: u64,
+    pub measured_seconds: f64,
+    pub unplanned_seconds: f64,
+    pub memory_ratio: f64,
+    pub time_ratio: f64,
+}
+
+/// Everything `memsave plan` says.
+#[derive(Clone, Debug, Serialize)]
+pub struct PlanReport {
+    pub config: PathBuf,
+    pub budget: String,
+    pub budget_bytes: u64,
+    pub unplanned: Breakdown,
+    pub nothing_needed: bool,
+    pub segments: Vec<SegmentProfile>,
+    pub floor: u64,
+    pub planning_ms: f64,
+    pub advice_ms: f64,
+    pub candidates: Vec<Candidate>,
+    pub chosen: Option<Candidate>,
+    pub verify: Option<Verified>,
+}
+
+/// Samples per micro-step of a config.
+fn micro_batch(config: &Path, sets: &[String]) -> Result<usize> {
+    Ok(match model_type(config, sets)? {
+        ModelType::ImageClassifier => {
+            match Config::<ModelSection, DataSection>::load(config, sets)?.data {
+                DataSection::SyntheticClassification(data) => data.samples_per_gpu,
+            }
+        }
+        ModelType::RetinaNet => {
+            Config::<ModelSection, DetectionDataSection>::load(config, sets)?
+                .data
+                .samples_per_gpu
+        }
+    })
+}
+
+/// Runs one measuring process.
+fn run_worker(
+    args: &PlanArgs,
+    extra: &[String],
+    iters: usize,
+    checkpoint_all: bool,
+) -> Result<Measurement> {
+    let out = std::env::temp_dir().join(format!(
+        "memsave-plan-{}-{}.json",
+        std::process::id(),
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos())
+    ));
+    let exe = std::env::current_exe().map_err(|source| Error::Io {
+        path: PathBuf::from("memsave"),
+        source,
+    })?;
+    let mut command = Command::new(exe);
+    command.arg("plan-worker").arg(&args.config);
+    for set in args.set.iter().chain(extra) {
+        command.arg("--set").arg(set);
+    }
+    let device = match args.device {
+        Device::Cpu => "cpu",
+        Device::Cuda => "cuda",
+    };
+    command
+        .args(["--device", device, "--warmup", "1", "--iters"])
+        .arg(iters.to_string())
+        .arg("--out")
+        .arg(&out);
+    if checkpoint_all {
+        command.arg("--checkpoint-all");
+    }
+    let output = command.output().map_err(|source| Error::Io {
+        path: PathBuf::from("memsave plan-worker"),
+        source,
+    })?;
+    if !output.status.success() {
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        let message = stderr
+            .lines()
+            .rev()
+            .find(|line| line.contains("error"))
+            .unwrap_or(stderr.trim())
+            .trim_start_matches("memsave: error: ")
+            .to_string();
+        let _ = std::fs::remove_file(&out);
+        return Err(Error::Data(format!(
+            "measuring the config with {}: {message}",
+            if extra.is_empty() {
+                "its own settings".to_string()
+            } else {
+                format!("`{}`", extra.join("`, `"))
+            }
+        )));
+    }
+    let text = std::fs::read_to_string(&out).map_err(|source| Error::Io {
+        path: out.clone(),
+        source,
+    })?;
+    let _ = std::fs::remove_file(&out);
+    serde_json::from_str(&text).map_err(|error| Error::Data(error.to_string()))
+}
+
+fn median(mut values: Vec<f64>) -> f64 {
+    values.sort_by(f64::total_cmp);
+    match values.len() {
+        0 => f64::NAN,
+        n if n % 2 == 1 => values[n / 2],
+        n => (values[n / 2 - 1] + values[n / 2]) / 2.0,
+    }
+}
+
+fn peak_of(measurement: &Measurement) -> u64 {
+    let steps = measurement.steps.iter().map(|s| s.1).max().unwrap_or(0);
+    let profiled = measurement
+        .profile
+        .windows
+        .iter()
+        .map(|w| w.peak)
+        .max()
+        .unwrap_or(0);
+    steps.max(profiled)
+}
+
+fn breakdown(measurement: &Measurement, cumulative: usize) -> Breakdown {
+    let profile: &Profile = &measurement.profile;
+    let optimizer_state = measurement.trainable * measurement.optimizer_state_copies;
+    let peak = peak_of(measurement);
+    let window = profile.windows.iter().max_by_key(|w| w.peak);
+    let (window_peak, gradients) = window.map_or((peak, 0), |w| (w.peak, w.gradients));
+    Breakdown {
+        parameters: measurement.parameters,
+        gradients,
+        optimizer_state,
+        activations: window_peak.saturating_sub(profile.resident + gradients),
+        other: profile
+            .resident
+            .saturating_sub(measurement.parameters + optimizer_state),
+        peak,
+        step_seconds: median(measurement.steps.iter().map(|s| s.0).collect()) * cumulative as f64,
+    }
+}
+
+pub fn plan(args: PlanArgs) -> Result<()> {
+    let budget = Budget::parse(&args.budget, "--budget")?;
+    if args.iters == 0 {
+        return Err(Error::invalid("--iters", "at least one step is measured"));
+    }
+    let batch = micro_batch(&args.config, &args.set)?;
+    let setting: Setting = {
+        let config = Config::<ModelSection, memsave::models::config::AnyData>::load(
+            &args.config,
+            &args.set,
+        )?;
+        config.planner_setting(batch)
+    };
+    let say = |line: &str| {
+        if !args.json {
+            eprintln!("{line}");
+        }
+    };
+    let unplanned_sets = vec!["model.backbone.with_cp=false".to_string()];
+    say("memsave plan: measuring the config without checkpointing ...");
+    let unplanned = run_worker(&args, &unplanned_sets, args.iters, false)?;
+    let unplanned_breakdown = breakdown(&unplanned, setting.cumulative);
+    let budget_bytes = budget.bytes(unplanned_breakdown.peak);
+    let mut report = PlanReport {
+        config: args.config.clone(),
+        budget: budget.to_string(),
+        budget_bytes,
+        unplanned: unplanned_breakdown.clone(),
+        nothing_needed: budget_bytes >= unplanned_breakdown.peak,
+        segments: Vec::new(),
+        floor: 0,
+        planning_ms: 0.0,
+        advice_ms: 0.0,
+        candidates: Vec::new(),
+        chosen: None,
+        verify: None,
+    };
+    if !report.nothing_needed {
+        say("memsave plan: profiling with every segment checkpointed ...");
+        let base = run_worker(&args, &[], 0, true)?;
+        let mut measured = vec![Measured {
+            setting,
+            profile: base.profile.clone(),
+        }];
+        if !setting.fp16 {
+            say("memsave plan: profiling under mixed precision ...");
+            let fp16 = run_worker(&args, &["fp16.loss_scale=\"dynamic\"".to_string()], 0, true)?;
+            measured.push(Measured {
+                setting: Setting {
+                    fp16: true,
+                    ..setting
+                },
+                profile: fp16.profile,
+            });
+        }
+        if setting.micro_batch >= 2 && setting.micro_batch % 2 == 0 {
+            say("memsave plan: profiling half the batch ...");
+            let half = setting.micro_batch / 2;
+            let sets = vec![format!("data.samples_per_gpu={half}")];
+            let measurement = run_worker(&args, &sets, 0, true)?;
+            measured.push(Measured {
+                setting: Setting {
+                    micro_batch: half,
+                    ..setting
+                },
+                profile: measurement.profile,
+            });
+        }
+        // The search itself, at a budget it can meet (below the floor it stops at once).
+        let started = Instant::now();
+        let _ = memsave::planner::plan(&base.profile, budget_bytes.max(base.profile.floor()));
+        report.planning_ms = started.elapsed().as_secs_f64() * 1e3;
+        report.segments = base.profile.segments.clone();
+        report.floor = base.profile.floor();
+        let started = Instant::now();
+        report.candidates = advise::advise(&setting, &measured, budget_bytes);
+        report.advice_ms = started.elapsed().as_secs_f64() * 1e3;
+        report.chosen = report.candidates.first().filter(|c| c.fits).cloned();
+    }
+    if args.verify {
+        let sets = match &report.chosen {
+            Some(chosen) => chosen.sets.clone(),
+            None if report.nothing_needed => unplanned_sets.clone(),
+            None => {
+                return Err(Error::invalid(
+                    "--budget",
+                    format!(
+                        "nothing fits {} ({}): there is no plan to verify",
+                        human(budget_bytes),
+                        args.budget
+                    ),
+                ))
+            }
+        };
+        let cumulative = report.chosen.as_ref().map_or(1, |c| c.setting.cumulative);
+        // Interleaved with the unplanned run, for the time ratio: planned, unplanned, planned.
+        say("memsave plan: verifying the plan (planned, unplanned, planned) ...");
+        let first = run_worker(&args, &sets, args.iters, false)?;
+        let again = run_worker(&args, &unplanned_sets, args.iters, false)?;
+        let second = run_worker(&args, &sets, args.iters, false)?;
+        let planned_seconds = median(
+            first
+                .steps
+                .iter()
+                .chain(&second.steps)
+                .map(|s| s.0)
+                .collect(),
+        ) * cumulative as f64;
+        let unplanned_seconds = median(
+            unplanned
+                .steps
+                .iter()
+                .chain(&again.steps)
+                .map(|s| s.0)
+                .collect(),
+        ) * setting.cumulative as f64;
+        let measured_peak = peak_of(&first).max(peak_of(&second));
+        let unplanned_peak = report.unplanned.peak.max(peak_of(&again));
+        report.verify = Some(Verified {
+            measured_peak,
+            measured_seconds: planned_seconds,
+            unplanned_seconds,
+            memory_ratio: measured_peak as f64 / unplanned_peak as f64,
+            time_ratio: planned_seconds / unplanned_seconds,
+        });
+    }
+    if args.json {
+        println!(
+            "{}",
+            serde_json::to_string_pretty(&report).map_err(|e| Error::Data(e.to_string()))?
+        );
+    } else {
+        print_report(&report, &setting);
+    }
+    Ok(())
+}
+
+fn mib(bytes: u64) -> String {
+    format!("{:.1}", bytes as f64 / (1024.0 * 1024.0))
+}
+
+fn print_report(report: &PlanReport, setting: &Setting) {
+    let b = &report.unplanned;
+    println!(
+        "{}: batch {} ({} x {}), {}, {}",
+        report.config.display(),
+        setting.batch(),
+        setting.micro_batch,
+        setting.cumulative,
+        if setting.fp16 {
+            "mixed precision"
+        } else {
+            "fp32"
+        },
+        if setting.adam { "Adam" } else { "SGD" }
+    );
+    println!("\nwithout checkpointing (measured):");
+    for (name, bytes) in [
+        ("parameters", b.parameters),
+        ("gradients", b.gradients),
+        ("optimizer state", b.optimizer_state),
+        ("activations", b.activations),
+        ("other", b.other),
+        ("peak", b.peak),
+    ] {
+        println!("  {name:<16} {:>10} MiB", mib(bytes));
+    }
+    println!("  {:<16} {:>10.3} s", "step", b.step_seconds);
+    println!(
+        "\nbudget: {} = {} bytes ({} MiB)",
+        report.budget,
+        report.budget_bytes,
+        mib(report.budget_bytes)
+    );
+    if report.nothing_needed {
+        println!(
+            "nothing is needed: the config as it stands peaks at {} ({} bytes), within the budget",
+            human(b.peak),
+            b.peak
+        );
+    } else {
+        println!(
+            "\nsegments (measured, every one checkpointed): {}",
+            report.segments.len()
+        );
+        println!(
+            "  {:<28} {:<12} {:>10} {:>12} {:>13}",
+            "segment", "type", "kept MiB", "forward ms", "recompute ms"
+        );
+        for s in &report.segments {
+            println!(
+                "  {:<28} {:<12} {:>10} {:>12.2} {:>13.2}",
+                s.path,
+                s.kind,
+                mib(s.kept_bytes),
+                s.forward_seconds * 1e3,
+                s.recompute_seconds * 1e3
+            );
+        }
+        println!(
+            "  every one checkpointed: peak {} MiB (the floor of checkpointing)",
+            mib(report.floor)
+        );
+        println!(
+            "\ncandidates (predicted; best first; planning the checkpoint set took {:.2} ms, \
+             all {} candidates {:.2} ms):",
+            report.planning_ms,
+            report.candidates.len(),
+            report.advice_ms
+        );
+        println!(
+            "  {:<62} {:>10} {:>9} {:>5}",
+            "strategies", "peak MiB", "step s", "fits"
+        );
+        for c in &report.candidates {
+            println!(
+                "  {:<62} {:>10} {:>9.3} {:>5}{}",
+                c.label,
+                mib(c.peak),
+                c.seconds,
+                if c.fits { "yes" } else { "no" },
+                c.changes_training
+                    .as_ref()
+                    .map(|w| format!("  ({w})"))
+                    .unwrap_or_default()
+            );
+        }
+        match &report.chosen {
+            Some(c) => {
+                println!(
+                    "\nchosen: {}: predicted peak {} MiB, step {:.3} s{}",
+                    c.label,
+                    mib(c.peak),
+                    c.seconds,
+                    if c.exact { "" } else { " (greedy search)" }
+                );
+                if let Some(words) = &c.changes_training {
+                    println!("  note: {words}");
+                }
+                println!("  --set {}", c.sets.join(" --set "));
+            }
+            None => println!(
+                "\nnothing memsave can switch on fits {}: a larger budget or device is needed",
+                human(report.budget_bytes)
+            ),
+        }
+    }
+    if let Some(v) = &report.verify {
+        let predicted = report.chosen.as_ref().map_or(b.peak, |c| c.peak);
+        println!(
+            "\nverified: measured peak {} MiB, step {:.3} s (unplanned {:.3} s)",
+            mib(v.measured_peak),
+            v.measured_seconds,
+            v.unplanned_seconds
+        );
+        println!(
+            "plan: budget={} predicted={} measured={} memory_ratio={:.3} time_ratio={:.3}",
+            report.budget_bytes, predicted, v.measured_peak, v.memory_ratio, v.time_ratio
+        );
+    }
+}
