@@ -29,7 +29,10 @@ fn model(device: &burn::tensor::Device<B>) -> ImageClassifier<B> {
     backbone.depth = 18;
     backbone.base_channels = 16;
     <B as burn::prelude::Backend>::seed(device, 7);
-    ImageClassifier::new(&backbone, 4, device).unwrap()
+    let model = ImageClassifier::new(&backbone, 4, device).unwrap();
+    // Every (lazy) weight drawn now, in one order, whatever is checkpointed later.
+    memsave::train::params::param_bytes::<B, _>(&model);
+    model
 }
 
 fn data(device: &burn::tensor::Device<B>) -> SyntheticClassification<B> {

@@ -229,6 +229,9 @@ where
     Data: DataSource<M::Batch> + 'static,
 {
     let work_dir = work_dir(args, config);
+    // Every (lazily initialised) weight drawn now, in one order: a checkpointed segment would
+    // otherwise draw its own when it first runs, and checkpointing would change the start.
+    memsave::train::params::param_bytes::<B, M>(&model);
     // `with_cp`: a pinned list of segments applies to the built model; "auto" plans.
     let with_cp = &config.model.backbone.with_cp;
     // A measuring job plans nothing: `memsave plan` gives it the checkpoint set to measure.

@@ -74,6 +74,18 @@ pub(crate) fn run_on_helper<R: Send>(work: impl FnOnce() -> R + Send) -> R {
     })
 }
 
+/// Frees this thread's matrix-product scratch (gemm's `L2_SLAB`, the size of the L2 cache). A
+/// helper calls it when its last product is done: it stays alive, blocked, until the outer
+/// backward ends, and would hold the scratch until then (2 MiB per recomputed segment here).
+/// After it, no product may run on this thread: gemm would find no room in its scratch.
+pub(crate) fn release_scratch() {
+    let _ = gemm_common::gemm::L2_SLAB.try_with(|slab| {
+        if let Ok(mut slab) = slab.try_borrow_mut() {
+            *slab = dyn_stack::MemBuffer::new(dyn_stack::StackReq::empty());
+        }
+    });
+}
+
 /// Waits for every helper thread to end. Call it after `backward()` returned (the training
 /// hooks do); never from inside a backward pass, whose lock the helpers wait for.
 pub fn join_helpers() {

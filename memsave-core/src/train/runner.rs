@@ -440,7 +440,9 @@ fn memory_advice(smaller: Option<String>, strategies: bool) -> String {
         format!(
             "{smaller}, or save memory with a strategy: mixed precision (`[fp16]`), gradient \
              accumulation over smaller batches (`optimizer_config.cumulative_iters`), gradient \
-             checkpointing (`with_cp = true`)"
+             checkpointing (`with_cp = true`); `memsave plan CONFIG --budget SIZE` measures \
+             which combination fits SIZE at the least cost, and `with_cp = \"auto\"` with \
+             `[memory] memory_budget = SIZE` checkpoints only the blocks that SIZE needs"
         )
     } else {
         format!("{smaller} (no strategy makes the input batch itself smaller)")

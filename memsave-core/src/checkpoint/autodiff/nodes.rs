@@ -212,6 +212,9 @@ impl<B: Backend> Backward<B, 1> for Barrier {
 
     fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _: &mut Checkpointer) {
         let _ = grads.consume::<B>(&ops.node);
+        // The helper's products are done (what is left is the root's addition and the clean-up,
+        // which waits for the outer backward): its scratch goes now, not when the thread ends.
+        super::super::threads::release_scratch();
         let _ = ops.state.send(Message::Done);
     }
 }
