@@ -253,7 +253,8 @@ fn note<B: AutodiffBackend, M: TrainModel<B>>(state: &TrainState<B, M>, line: &s
 pub fn advice_text(candidates: &[advise::Candidate], budget: u64) -> String {
     let human = crate::memory::human;
     let mut lines = vec![format!(
-        "what would fit {} (predicted from the profiled step):",
+        "what would fit {} (predicted from the profiled step; `memsave plan CONFIG --budget SIZE` \
+         also measures mixed precision and half the batch):",
         human(budget)
     )];
     let fitting: Vec<&advise::Candidate> = candidates.iter().filter(|c| c.fits).take(4).collect();
