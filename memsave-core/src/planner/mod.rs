@@ -206,6 +206,7 @@ pub struct AutoPlanHook {
     planned: Option<(Profile, Plan, u64)>,
     checked: usize,
     probe: Option<Box<dyn Probe>>,
+    current: Rc<RefCell<Vec<String>>>,
 }
 
 impl AutoPlanHook {
@@ -226,12 +227,24 @@ impl AutoPlanHook {
             planned: None,
             checked: 0,
             probe: Some(probe_for(device).ok_or_else(no_probe)?),
+            current: Rc::new(RefCell::new(Vec::new())),
         })
     }
 
     /// The profile, the plan and the budget in bytes, once planned.
     pub fn planned(&self) -> Option<&(Profile, Plan, u64)> {
         self.planned.as_ref()
+    }
+
+    /// Reads the peaks of the checked steps with `probe` instead of the device's.
+    pub fn with_check_probe(mut self, probe: Box<dyn Probe>) -> Self {
+        self.probe = Some(probe);
+        self
+    }
+
+    /// The checkpointed segments' paths as they stand (shared, for reading after the run).
+    pub fn plan_handle(&self) -> Rc<RefCell<Vec<String>>> {
+        self.current.clone()
     }
 }
 
@@ -316,6 +329,7 @@ impl<B: AutodiffBackend, M: TrainModel<B> + CheckpointModule> Hook<B, M> for Aut
                 Ok(plan) => {
                     let chosen = plan.paths.clone();
                     set_flags(state, &|path| chosen.iter().any(|p| p == path));
+                    *self.current.borrow_mut() = chosen.clone();
                     note(
                         state,
                         &format!(
@@ -407,6 +421,7 @@ impl<B: AutodiffBackend, M: TrainModel<B> + CheckpointModule> Hook<B, M> for Aut
             .collect();
         let chosen = next.paths.clone();
         set_flags(state, &|path| chosen.iter().any(|p| p == path));
+        *self.current.borrow_mut() = chosen.clone();
         note(
             state,
             &format!(

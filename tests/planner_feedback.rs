@@ -1,0 +1,84 @@
+//! `with_cp = "auto"` in training: the plan applies from the second step, and a checked step
+//! whose measured peak is over the budget makes the planner checkpoint more, and say so in
+//! train.log. (The over-budget peak is a probe's: the real one is within the budget.)
+
+mod common;
+
+use burn::backend::{Autodiff, Flex};
+use memsave::checkpoint::profile::Probe;
+use memsave::hooks::OptimizerHook;
+use memsave::memory::CountingAllocator;
+use memsave::models::classifier::ImageClassifier;
+use memsave::models::data::{SyntheticClassification, SyntheticClassificationConfig};
+use memsave::models::resnet::ResNetConfig;
+use memsave::planner::advise::Setting;
+use memsave::planner::{AutoPlanHook, Budget};
+use memsave::train::{OptimizerKind, RunLength, Runner};
+
+#[global_allocator]
+static ALLOCATOR: CountingAllocator = CountingAllocator;
+
+type B = Autodiff<Flex>;
+
+/// Reports a peak far over any budget.
+struct Over;
+
+impl Probe for Over {
+    fn live(&self) -> u64 {
+        0
+    }
+    fn window_peak(&self) -> u64 {
+        u64::MAX / 4
+    }
+}
+
+#[test]
+fn a_step_over_the_budget_adds_segments_and_says_so() {
+    common::watchdog(300, || {
+        let device = Default::default();
+        let mut backbone = ResNetConfig::default();
+        backbone.depth = 18;
+        backbone.base_channels = 8;
+        let model = ImageClassifier::<B>::new(&backbone, 4, &device).unwrap();
+        let data = SyntheticClassification::<B>::new(
+            SyntheticClassificationConfig::new(4, 16, 64),
+            4,
+            device,
+        )
+        .unwrap();
+        let work_dir = common::fresh_dir("planner_feedback", "over");
+        let mut runner = Runner::new(
+            model,
+            &OptimizerKind::Sgd {
+                momentum: 0.9,
+                weight_decay: 0.0,
+                nesterov: false,
+            },
+            Box::new(OptimizerHook::new()),
+            data,
+            RunLength::Iters(3),
+            &work_dir,
+            device,
+        )
+        .unwrap();
+        let setting = Setting {
+            fp16: false,
+            micro_batch: 4,
+            cumulative: 1,
+            adam: false,
+        };
+        // The whole unplanned peak: nothing needs checkpointing at first.
+        let planner = AutoPlanHook::new(Budget::Fraction(1.0), setting, &device)
+            .unwrap()
+            .with_check_probe(Box::new(Over));
+        let current = planner.plan_handle();
+        runner.register_hook(Box::new(planner));
+        runner.run().unwrap();
+        let log = std::fs::read_to_string(work_dir.join("train.log")).unwrap();
+        assert!(log.contains("plan: checkpoint 0 of 8 segments"), "{log}");
+        assert!(log.contains("plan: step 2: budget="), "{log}");
+        assert!(log.contains("over the budget by"), "{log}");
+        assert!(log.contains("checkpointing 8 more segment(s)"), "{log}");
+        assert_eq!(current.borrow().len(), 8);
+    })
+}
