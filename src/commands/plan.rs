@@ -149,7 +149,7 @@ fn micro_batch(config: &Path, sets: &[String]) -> Result<usize> {
 /// Runs one measuring process.
 fn run_worker(
     args: &PlanArgs,
-    extra: &[String],
+    (what, extra): (&str, &[String]),
     iters: usize,
     checkpoint_all: bool,
 ) -> Result<Measurement> {
@@ -193,15 +193,12 @@ fn run_worker(
             .find(|line| line.contains("error"))
             .unwrap_or(stderr.trim())
             .trim_start_matches("memsave: error: ")
+            .trim_start_matches("data: ")
             .to_string();
         let _ = std::fs::remove_file(&out);
         return Err(Error::Data(format!(
-            "measuring the config with {}: {message}",
-            if extra.is_empty() {
-                "its own settings".to_string()
-            } else {
-                format!("`{}`", extra.join("`, `"))
-            }
+            "memsave plan could not measure {what} ({}): {message}",
+            args.config.display()
         )));
     }
     let text = std::fs::read_to_string(&out).map_err(|source| Error::Io {
@@ -272,7 +269,12 @@ pub fn plan(args: PlanArgs) -> Result<()> {
     };
     let unplanned_sets = vec!["model.backbone.with_cp=false".to_string()];
     say("memsave plan: measuring the config without checkpointing ...");
-    let unplanned = run_worker(&args, &unplanned_sets, args.iters, false)?;
+    let unplanned = run_worker(
+        &args,
+        ("the config without checkpointing", &unplanned_sets),
+        args.iters,
+        false,
+    )?;
     let unplanned_breakdown = breakdown(&unplanned, setting.cumulative);
     let budget_bytes = budget.bytes(unplanned_breakdown.peak);
     let mut report = PlanReport {
@@ -291,14 +293,27 @@ pub fn plan(args: PlanArgs) -> Result<()> {
     };
     if !report.nothing_needed {
         say("memsave plan: profiling with every segment checkpointed ...");
-        let base = run_worker(&args, &[], 0, true)?;
+        let base = run_worker(
+            &args,
+            ("the config with every segment checkpointed", &[]),
+            0,
+            true,
+        )?;
         let mut measured = vec![Measured {
             setting,
             profile: base.profile.clone(),
         }];
         if !setting.fp16 {
             say("memsave plan: profiling under mixed precision ...");
-            let fp16 = run_worker(&args, &["fp16.loss_scale=\"dynamic\"".to_string()], 0, true)?;
+            let fp16 = run_worker(
+                &args,
+                (
+                    "the config under mixed precision",
+                    &["fp16.loss_scale=\"dynamic\"".to_string()],
+                ),
+                0,
+                true,
+            )?;
             measured.push(Measured {
                 setting: Setting {
                     fp16: true,
@@ -311,7 +326,7 @@ pub fn plan(args: PlanArgs) -> Result<()> {
             say("memsave plan: profiling half the batch ...");
             let half = setting.micro_batch / 2;
             let sets = vec![format!("data.samples_per_gpu={half}")];
-            let measurement = run_worker(&args, &sets, 0, true)?;
+            let measurement = run_worker(&args, ("the config at half the batch", &sets), 0, true)?;
             measured.push(Measured {
                 setting: Setting {
                     micro_batch: half,
@@ -349,9 +364,14 @@ pub fn plan(args: PlanArgs) -> Result<()> {
         let cumulative = report.chosen.as_ref().map_or(1, |c| c.setting.cumulative);
         // Interleaved with the unplanned run, for the time ratio: planned, unplanned, planned.
         say("memsave plan: verifying the plan (planned, unplanned, planned) ...");
-        let first = run_worker(&args, &sets, args.iters, false)?;
-        let again = run_worker(&args, &unplanned_sets, args.iters, false)?;
-        let second = run_worker(&args, &sets, args.iters, false)?;
+        let first = run_worker(&args, ("the plan", &sets), args.iters, false)?;
+        let again = run_worker(
+            &args,
+            ("the config without checkpointing", &unplanned_sets),
+            args.iters,
+            false,
+        )?;
+        let second = run_worker(&args, ("the plan", &sets), args.iters, false)?;
         let planned_seconds = median(
             first
                 .steps
@@ -406,7 +426,7 @@ fn print_report(report: &PlanReport, setting: &Setting) {
         } else {
             "fp32"
         },
-        if setting.adam { "Adam" } else { "SGD" }
+        if setting.adam { "Adam(W)" } else { "SGD" }
     );
     println!("\nwithout checkpointing (measured):");
     for (name, bytes) in [

@@ -171,7 +171,12 @@ where
                 device.clone(),
             )?;
             let mut extra: Vec<Box<dyn Hook<B, _>>> = Vec::new();
-            if let Some(evaluation) = &config.evaluation {
+            // A measuring job trains a few steps only: no evaluation data.
+            let evaluation = match job {
+                Job::Train => config.evaluation.as_ref(),
+                Job::Measure { .. } => None,
+            };
+            if let Some(evaluation) = evaluation {
                 if evaluation.metric != "mAP" {
                     return Err(memsave::Error::invalid(
                         "evaluation.metric",

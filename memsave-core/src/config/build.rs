@@ -76,7 +76,10 @@ impl<M, D> Config<M, D> {
             } else {
                 1
             },
-            adam: matches!(self.optimizer.kind, OptimizerKind::Adam { .. }),
+            adam: matches!(
+                self.optimizer.kind,
+                OptimizerKind::Adam { .. } | OptimizerKind::AdamW { .. }
+            ),
         }
     }
 

@@ -24,7 +24,7 @@ pub struct Setting {
     pub micro_batch: usize,
     /// Micro-steps per optimizer step.
     pub cumulative: usize,
-    /// Adam (else SGD with momentum, or what the config had).
+    /// Adam or AdamW: two moments per weight (else SGD, with at most one).
     pub adam: bool,
 }
 
@@ -243,7 +243,7 @@ fn candidate(current: &Setting, setting: &Setting, profile: &Profile, budget: u6
         ));
     }
     if current.adam && !setting.adam {
-        words.push("SGD instead of Adam".to_string());
+        words.push("SGD instead of Adam(W)".to_string());
     }
     if setting.batch() != current.batch() {
         words.push(format!("batch {}", setting.batch()));
@@ -267,7 +267,7 @@ fn candidate(current: &Setting, setting: &Setting, profile: &Profile, budget: u6
         ));
     }
     if current.adam && !setting.adam {
-        changes.push("SGD with momentum 0.9 replaces Adam (a different optimizer)".to_string());
+        changes.push("SGD with momentum 0.9 replaces Adam(W) (a different optimizer)".to_string());
     }
     Candidate {
         label: words.join(" + "),
