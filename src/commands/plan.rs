@@ -95,7 +95,10 @@ pub fn worker(args: PlanWorkerArgs) -> Result<()> {
 #[derive(Clone, Debug, Serialize)]
 pub struct Breakdown {
     pub parameters: u64,
+    /// Gradient bytes live at the peak.
     pub gradients: u64,
+    /// Gradient bytes live when backward ended (all of them).
+    pub gradients_at_backward_end: u64,
     pub optimizer_state: u64,
     pub activations: u64,
     pub other: u64,
@@ -239,6 +242,7 @@ fn breakdown(measurement: &Measurement, cumulative: usize) -> Breakdown {
     Breakdown {
         parameters: measurement.parameters,
         gradients,
+        gradients_at_backward_end: profile.gradients,
         optimizer_state,
         activations: window_peak.saturating_sub(profile.resident + gradients),
         other: profile
@@ -428,7 +432,7 @@ fn print_report(report: &PlanReport, setting: &Setting) {
         },
         if setting.adam { "Adam(W)" } else { "SGD" }
     );
-    println!("\nwithout checkpointing (measured):");
+    println!("\nwithout checkpointing (measured; live at the peak):");
     for (name, bytes) in [
         ("parameters", b.parameters),
         ("gradients", b.gradients),
@@ -439,6 +443,10 @@ fn print_report(report: &PlanReport, setting: &Setting) {
     ] {
         println!("  {name:<16} {:>10} MiB", mib(bytes));
     }
+    println!(
+        "  (gradients when backward ends: {} MiB; other: the data, the runtime)",
+        mib(b.gradients_at_backward_end)
+    );
     println!("  {:<16} {:>10.3} s", "step", b.step_seconds);
     println!(
         "\nbudget: {} = {} bytes ({} MiB)",
