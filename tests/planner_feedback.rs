@@ -4,21 +4,30 @@
 
 mod common;
 
+use std::sync::atomic::{AtomicUsize, Ordering};
+
 use burn::backend::{Autodiff, Flex};
+use burn::module::Module;
+use burn::tensor::backend::AutodiffBackend;
+use burn::tensor::Tensor;
 use memsave::checkpoint::profile::Probe;
 use memsave::hooks::OptimizerHook;
 use memsave::memory::CountingAllocator;
+use memsave::models::classifier::ClassificationBatch;
 use memsave::models::classifier::ImageClassifier;
 use memsave::models::data::{SyntheticClassification, SyntheticClassificationConfig};
 use memsave::models::resnet::ResNetConfig;
 use memsave::planner::advise::Setting;
 use memsave::planner::{AutoPlanHook, Budget};
-use memsave::train::{OptimizerKind, RunLength, Runner};
+use memsave::train::{OptimizerKind, RunLength, Runner, TrainModel};
 
 #[global_allocator]
 static ALLOCATOR: CountingAllocator = CountingAllocator;
 
 type B = Autodiff<Flex>;
+
+/// The profile's recorder is one per process: these tests take turns.
+static TURN: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
 /// Reports a peak far over any budget.
 struct Over;
@@ -34,6 +43,7 @@ impl Probe for Over {
 
 #[test]
 fn a_step_over_the_budget_adds_segments_and_says_so() {
+    let _turn = TURN.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
     common::watchdog(300, || {
         let device = Default::default();
         let mut backbone = ResNetConfig::default();
@@ -80,5 +90,78 @@ fn a_step_over_the_budget_adds_segments_and_says_so() {
         assert!(log.contains("over the budget by"), "{log}");
         assert!(log.contains("checkpointing 8 more segment(s)"), "{log}");
         assert_eq!(current.borrow().len(), 8);
+    })
+}
+
+/// The classifier, whose fourth forward fails as a device allocator does when it is full.
+#[memsave::model]
+#[derive(Module, Debug)]
+struct Failing<B: burn::prelude::Backend> {
+    #[with_cp]
+    inner: ImageClassifier<B>,
+}
+
+static FORWARDS: AtomicUsize = AtomicUsize::new(0);
+
+impl<B: AutodiffBackend + memsave::Backend> TrainModel<B> for Failing<B> {
+    type Batch = ClassificationBatch<B>;
+
+    fn loss(&self, batch: Self::Batch) -> Tensor<B, 1> {
+        if FORWARDS.fetch_add(1, Ordering::SeqCst) == 3 {
+            panic!("can't allocate buffer of size: 1048576");
+        }
+        self.inner.loss(batch)
+    }
+}
+
+#[test]
+fn a_device_out_of_memory_after_the_plan_ends_with_what_would_fit() {
+    let _turn = TURN.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+    common::watchdog(300, || {
+        let device = Default::default();
+        let mut backbone = ResNetConfig::default();
+        backbone.depth = 18;
+        backbone.base_channels = 8;
+        let model = Failing {
+            inner: ImageClassifier::<B>::new(&backbone, 4, &device).unwrap(),
+        };
+        let data = SyntheticClassification::<B>::new(
+            SyntheticClassificationConfig::new(4, 16, 64),
+            4,
+            device,
+        )
+        .unwrap();
+        let work_dir = common::fresh_dir("planner_feedback", "oom");
+        let mut runner = Runner::new(
+            model,
+            &OptimizerKind::Sgd {
+                momentum: 0.9,
+                weight_decay: 0.0,
+                nesterov: false,
+            },
+            Box::new(OptimizerHook::new()),
+            data,
+            RunLength::Iters(6),
+            &work_dir,
+            device,
+        )
+        .unwrap();
+        let setting = Setting {
+            fp16: false,
+            micro_batch: 4,
+            cumulative: 1,
+            adam: false,
+        };
+        let planner = AutoPlanHook::new(Budget::Fraction(1.0), setting, &device).unwrap();
+        runner.register_hook(Box::new(planner));
+        let error = runner.run().unwrap_err().to_string();
+        eprintln!("{error}");
+        assert!(
+            error.starts_with("not enough memory: iteration 3"),
+            "{error}"
+        );
+        assert!(error.contains("did not fit"), "{error}");
+        assert!(error.contains("what would fit"), "{error}");
+        assert!(error.contains("memsave plan"), "{error}");
     })
 }

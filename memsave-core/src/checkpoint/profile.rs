@@ -4,6 +4,8 @@
 //! previous boundary. Off unless [`start`] was called: then each segment and recomputation costs
 //! two reads of the live bytes and a device sync.
 //!
+//! One recording at a time per process (the recorder is global, as the allocator's counts are).
+//!
 //! The events are read by [`crate::planner::Profile::from_events`]. Bytes come from a
 //! [`Probe`]: the counting allocator on the CPU ([`AllocatorProbe`]), the device's pools
 //! elsewhere.

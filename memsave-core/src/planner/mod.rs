@@ -302,6 +302,24 @@ impl<B: AutodiffBackend, M: TrainModel<B> + CheckpointModule> Hook<B, M> for Aut
         "planner"
     }
 
+    fn out_of_memory_advice(&self, state: &TrainState<B, M>) -> Option<String> {
+        let (profile, plan, _) = self.planned.as_ref()?;
+        // What the device held when it could give no more: its pools' high-water mark on CUDA.
+        let held = crate::memory::device_peak_bytes(&state.device)?;
+        let measured = [advise::Measured {
+            setting: self.setting,
+            profile: profile.clone(),
+        }];
+        let candidates = advise::advise(&self.setting, &measured, held);
+        Some(format!(
+            "the plan ({} of {} segments checkpointed, predicted {}) did not fit; {}",
+            plan.paths.len(),
+            profile.segments.len(),
+            crate::memory::human(plan.peak),
+            advice_text(&candidates, held)
+        ))
+    }
+
     fn before_run(&mut self, state: &mut TrainState<B, M>) -> Result<()> {
         self.profile.iter = state.iter;
         set_flags(state, &|_| true);

@@ -65,6 +65,12 @@ pub trait Hook<B: AutodiffBackend, M: TrainModel<B>> {
         Ok(())
     }
 
+    /// What to add to the advice when a step ran out of device memory (the planner says what
+    /// its profile predicts would fit the memory the device held).
+    fn out_of_memory_advice(&self, _state: &TrainState<B, M>) -> Option<String> {
+        None
+    }
+
     /// The precision the model trains in, for the optimizer hook (`"fp32"`, `"f16"`, `"bf16"`):
     /// written in snapshots, compared on resume.
     fn precision(&self) -> Option<String> {
@@ -254,6 +260,12 @@ where
                 self.state.loss = None;
                 let needed = crate::memory::out_of_memory_size(&message).unwrap_or(0);
                 let (place, _) = crate::memory::device_available_bytes(&self.state.device);
+                let mut advice = memory_advice(self.data.footprint().map(|f| f.smaller), true);
+                for hook in std::iter::once(&self.optimizer_hook).chain(&self.hooks) {
+                    if let Some(more) = hook.out_of_memory_advice(&self.state) {
+                        advice = format!("{advice}; {more}");
+                    }
+                }
                 Err(Error::OutOfMemory {
                     what: format!(
                         "iteration {} (a buffer the device allocator could not find room for)",
@@ -262,7 +274,7 @@ where
                     needed,
                     place,
                     available: None,
-                    advice: memory_advice(self.data.footprint().map(|f| f.smaller), true),
+                    advice,
                 })
             }
         }
