@@ -38,6 +38,9 @@ enum Command {
     /// One measuring run of `memsave plan` (started by it).
     #[command(hide = true)]
     PlanWorker(commands::plan::PlanWorkerArgs),
+    /// Burn's global orchestrator for training on several machines: start it once, then
+    /// `memsave train CONFIG --nodes M --node-rank R --orchestrator ws://HOST:PORT` on each.
+    Orchestrator(commands::orchestrator::OrchestratorArgs),
     /// Data sets: make a synthetic VOC set, score a detections file.
     Data {
         #[command(subcommand)]
@@ -60,6 +63,14 @@ fn main() -> ExitCode {
             report(info);
         }
     }));
+    // Burn's collective (data parallelism across machines) would install an INFO-level log
+    // of every connection and transfer; warnings and errors are what a user needs.
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .try_init();
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Train(args) => commands::train::train(args),
@@ -69,6 +80,7 @@ fn main() -> ExitCode {
         Command::Plan(args) => commands::plan::plan(args),
         Command::PlanWorker(args) => commands::plan::worker(args),
         Command::Data { command } => commands::data::run(command),
+        Command::Orchestrator(args) => commands::orchestrator::orchestrator(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

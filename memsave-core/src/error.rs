@@ -62,6 +62,15 @@ pub enum Error {
         /// What to change.
         advice: String,
     },
+    /// Data-parallel training stopped because a peer failed, was lost or did not answer: the
+    /// message names the peer (its rank, or the node) and what happened.
+    #[error("data-parallel peer {peer}: {message}")]
+    Peer {
+        /// The peer at fault, in words (`rank 1`, `node 1 (rank 1)`, `another node`).
+        peer: String,
+        /// What happened.
+        message: String,
+    },
     /// A file could not be read or written.
     #[error("{}: {source}", path.display())]
     Io {

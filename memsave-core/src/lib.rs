@@ -18,6 +18,7 @@
 pub mod cast;
 pub mod checkpoint;
 pub mod config;
+pub mod dist;
 mod error;
 pub mod fp16;
 pub mod hooks;

@@ -1,7 +1,8 @@
-//! The subcommands: `train`, `test`, `bench`, `plan`, `data`.
+//! The subcommands: `train`, `test`, `bench`, `plan`, `data`, `orchestrator`.
 
 pub mod bench;
 pub mod data;
+pub mod orchestrator;
 pub mod plan;
 pub mod test;
 pub mod train;

@@ -79,6 +79,7 @@ pub fn worker(args: PlanWorkerArgs) -> Result<()> {
         resume: None,
         set: args.set,
         device: args.device,
+        dist: Default::default(),
     };
     super::train::run_job(
         &train,

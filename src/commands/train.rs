@@ -2,11 +2,13 @@
 //! its hooks.
 
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use burn::backend::{Autodiff, Flex};
 use burn::tensor::backend::AutodiffBackend;
 use memsave::checkpoint::{set_with_cp_paths, CheckpointModule};
 use memsave::config::Config;
+use memsave::dist::{run_local, BurnPeer, Collective, Shard, Topology};
 use memsave::models::classifier::ImageClassifier;
 use memsave::models::config::{DataSection, DetectionDataSection, ModelSection, ModelType};
 use memsave::models::data::voc::loader::VocDetection;
@@ -18,6 +20,14 @@ use memsave::planner::{AutoPlanHook, ProfileHook, StepMeter, WithCp};
 use memsave::train::{DataSource, Hook, Runner, TrainModel};
 
 use super::Device;
+
+/// Held while a model is seeded and its weights drawn: the peers of a data-parallel run share
+/// the backend's random stream, and drawing one model at a time keeps each draw the seed's (a
+/// run's start is then the same on every run, and the same as alone).
+static INIT: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+/// One peer of a data-parallel run, as the runner holds it.
+type Peer<B> = Arc<BurnPeer<<B as AutodiffBackend>::InnerBackend>>;
 
 #[derive(clap::Args, Debug)]
 pub struct TrainArgs {
@@ -36,6 +46,84 @@ pub struct TrainArgs {
     /// Where to train.
     #[arg(long, value_enum, default_value = "cpu")]
     pub device: Device,
+    /// Data parallelism (MMCV's distributed training).
+    #[command(flatten)]
+    pub dist: DistArgs,
+}
+
+/// Data-parallel training on Burn's collective: `--devices N` peers in this process (one per
+/// device), on each of `--nodes M` machines.
+#[derive(clap::Args, Clone, Debug)]
+pub struct DistArgs {
+    /// Peers in this process, one per device: CUDA devices 0..N, or N peers sharing the CPU.
+    /// `data.samples_per_gpu` is per peer.
+    #[arg(long, default_value_t = 1)]
+    pub devices: usize,
+    /// Machines (processes) in the run, each started with the same flags but `--node-rank`.
+    #[arg(long, default_value_t = 1)]
+    pub nodes: usize,
+    /// This machine's place among the nodes, from 0 (node 0 holds rank 0, which logs and saves).
+    #[arg(long, default_value_t = 0)]
+    pub node_rank: usize,
+    /// The address of `memsave orchestrator`: ws://HOST:PORT.
+    #[arg(long, value_name = "ADDR")]
+    pub orchestrator: Option<String>,
+    /// The address the other nodes reach this one at (default ws://127.0.0.1:DATA_PORT).
+    #[arg(long, value_name = "ADDR")]
+    pub node_address: Option<String>,
+    /// The port this node's tensor service listens on (default 3200 + node rank).
+    #[arg(long)]
+    pub data_port: Option<u16>,
+    /// Seconds a peer waits for the others in one collective call before the run ends.
+    #[arg(long, value_name = "SECONDS", default_value_t = 1800.0)]
+    pub peer_timeout: f64,
+}
+
+impl Default for DistArgs {
+    fn default() -> Self {
+        DistArgs {
+            devices: 1,
+            nodes: 1,
+            node_rank: 0,
+            orchestrator: None,
+            node_address: None,
+            data_port: None,
+            peer_timeout: 1800.0,
+        }
+    }
+}
+
+impl DistArgs {
+    /// Whether the run is data parallel.
+    pub fn is_parallel(&self) -> bool {
+        self.devices != 1 || self.nodes != 1
+    }
+
+    /// The topology the flags describe, checked.
+    pub fn topology(&self) -> memsave::Result<Topology> {
+        if !(self.peer_timeout.is_finite() && self.peer_timeout > 0.0) {
+            return Err(memsave::Error::invalid(
+                "--peer-timeout",
+                format!(
+                    "must be a positive number of seconds, got {}",
+                    self.peer_timeout
+                ),
+            ));
+        }
+        let topology = Topology {
+            devices: self.devices,
+            nodes: self.nodes,
+            node_rank: self.node_rank,
+            orchestrator: self.orchestrator.clone(),
+            node_address: self.node_address.clone(),
+            data_port: self
+                .data_port
+                .unwrap_or_else(|| 3200u16.saturating_add(self.node_rank as u16)),
+            timeout: std::time::Duration::from_secs_f64(self.peer_timeout),
+        };
+        topology.check()?;
+        Ok(topology)
+    }
 }
 
 /// Any `[data]` section (read per model, once the model is known).
@@ -84,9 +172,39 @@ pub struct Measurement {
 }
 
 pub fn run_job(args: &TrainArgs, job: &Job) -> memsave::Result<()> {
+    if args.dist.is_parallel() {
+        if !matches!(job, Job::Train) {
+            return Err(memsave::Error::invalid(
+                "--devices",
+                "measuring runs (memsave plan) use one device",
+            ));
+        }
+        let topology = args.dist.topology()?;
+        return match args.device {
+            // N peers sharing the CPU.
+            Device::Cpu => train_parallel::<Autodiff<Flex>>(
+                args,
+                &topology,
+                vec![(Default::default(), Default::default()); topology.devices],
+            ),
+            #[cfg(feature = "cuda")]
+            Device::Cuda => {
+                // CUDA devices 0..N (an index past the last is the peer's error).
+                let devices = (0..topology.devices)
+                    .map(|i| {
+                        let device = burn::backend::cuda::CudaDevice::new(i);
+                        (device.clone(), device)
+                    })
+                    .collect();
+                train_parallel::<Autodiff<burn::backend::Cuda>>(args, &topology, devices)
+            }
+            #[cfg(not(feature = "cuda"))]
+            Device::Cuda => Err(super::no_cuda()),
+        };
+    }
     match args.device {
         Device::Cpu => {
-            train_on::<Autodiff<Flex>>(args, job, Default::default(), Default::default())
+            train_on::<Autodiff<Flex>>(args, job, Default::default(), Default::default(), None)
         }
         #[cfg(feature = "cuda")]
         Device::Cuda => train_on::<Autodiff<burn::backend::Cuda>>(
@@ -94,10 +212,44 @@ pub fn run_job(args: &TrainArgs, job: &Job) -> memsave::Result<()> {
             job,
             Default::default(),
             Default::default(),
+            None,
         ),
         #[cfg(not(feature = "cuda"))]
         Device::Cuda => Err(super::no_cuda()),
     }
+}
+
+/// Inner-backend device of an autodiff backend's.
+type InnerDevice<B> =
+    <<B as AutodiffBackend>::InnerBackend as burn::tensor::backend::BackendTypes>::Device;
+
+/// The peers of this process, one per device, each training the whole job on its shard.
+fn train_parallel<B>(
+    args: &TrainArgs,
+    topology: &Topology,
+    devices: Vec<(B::Device, InnerDevice<B>)>,
+) -> memsave::Result<()>
+where
+    B: AutodiffBackend + memsave::Backend,
+    B::InnerBackend: memsave::Backend,
+{
+    let inner: Vec<InnerDevice<B>> = devices.iter().map(|(_, inner)| inner.clone()).collect();
+    let outer: Vec<B::Device> = devices.into_iter().map(|(outer, _)| outer).collect();
+    if topology.node_rank == 0 {
+        eprintln!(
+            "memsave: data parallel: {} peers ({} per node on {} node(s)); gradients averaged \
+             over all of them at every step, BatchNorm statistics per peer",
+            topology.world(),
+            topology.devices,
+            topology.nodes
+        );
+    }
+    run_local::<B::InnerBackend, (), _>(topology, inner, |peer| {
+        let local = peer.rank() - topology.node_rank * topology.devices;
+        let device = outer[local].clone();
+        train_on::<B>(args, &Job::Train, device, peer.device().clone(), Some(peer))
+    })?;
+    Ok(())
 }
 
 fn work_dir<M, D>(args: &TrainArgs, config: &Config<M, D>) -> PathBuf {
@@ -117,11 +269,13 @@ fn train_on<B>(
     job: &Job,
     device: B::Device,
     inner: <B::InnerBackend as burn::tensor::backend::BackendTypes>::Device,
+    peer: Option<Peer<B>>,
 ) -> memsave::Result<()>
 where
     B: AutodiffBackend + memsave::Backend,
     B::InnerBackend: memsave::Backend,
 {
+    let shard = peer.as_ref().map_or(Shard::whole(), |peer| peer.shard());
     match model_type(&args.config, &args.set)? {
         ModelType::ImageClassifier => {
             let config = Config::<ModelSection, DataSection>::load(&args.config, &args.set)?;
@@ -132,17 +286,34 @@ where
                     "only detectors are evaluated during training",
                 ));
             }
-            B::seed(&device, config.seed);
-            let model = ImageClassifier::<B>::new(&config.model.backbone, num_classes, &device)?;
+            let model = {
+                let _one_at_a_time = INIT.lock().unwrap_or_else(|e| e.into_inner());
+                B::seed(&device, config.seed);
+                let model =
+                    ImageClassifier::<B>::new(&config.model.backbone, num_classes, &device)?;
+                memsave::train::params::param_bytes::<B, _>(&model);
+                model
+            };
             let data = match &config.data {
                 DataSection::SyntheticClassification(data) => {
                     SyntheticClassification::<B>::new(data.clone(), num_classes, device.clone())?
+                        .with_shard(shard)
                 }
             };
             let batch = match &config.data {
                 DataSection::SyntheticClassification(data) => data.samples_per_gpu,
             };
-            run(args, job, &config, model, data, batch, Vec::new(), device)
+            run(
+                args,
+                job,
+                &config,
+                model,
+                data,
+                batch,
+                Vec::new(),
+                device,
+                peer,
+            )
         }
         ModelType::RetinaNet => {
             let config =
@@ -158,16 +329,22 @@ where
                     ),
                 ));
             }
-            B::seed(&device, config.seed);
-            let model = detector.init::<B>(&device)?;
+            let model = {
+                let _one_at_a_time = INIT.lock().unwrap_or_else(|e| e.into_inner());
+                B::seed(&device, config.seed);
+                let model = detector.init::<B>(&device)?;
+                memsave::train::params::param_bytes::<B, _>(&model);
+                model
+            };
             let data_config = &config.data;
-            let data = VocDetection::<B>::new(
+            let data = VocDetection::<B>::new_shard(
                 &data_config.train,
                 "data.train",
                 true,
                 data_config.samples_per_gpu,
                 data_config.workers_per_gpu,
                 config.seed,
+                shard,
                 device.clone(),
             )?;
             let mut extra: Vec<Box<dyn Hook<B, _>>> = Vec::new();
@@ -176,6 +353,8 @@ where
                 Job::Train => config.evaluation.as_ref(),
                 Job::Measure { .. } => None,
             };
+            // Rank 0 evaluates a data-parallel run.
+            let evaluation = evaluation.filter(|_| shard.rank == 0);
             if let Some(evaluation) = evaluation {
                 if evaluation.metric != "mAP" {
                     return Err(memsave::Error::invalid(
@@ -212,7 +391,7 @@ where
                 )?));
             }
             let batch = data_config.samples_per_gpu;
-            run(args, job, &config, model, data, batch, extra, device)
+            run(args, job, &config, model, data, batch, extra, device, peer)
         }
     }
 }
@@ -227,6 +406,7 @@ fn run<B, M, D, Data>(
     batch: usize,
     extra: Vec<Box<dyn Hook<B, M>>>,
     device: B::Device,
+    peer: Option<Peer<B>>,
 ) -> memsave::Result<()>
 where
     B: AutodiffBackend + memsave::Backend,
@@ -234,6 +414,7 @@ where
     Data: DataSource<M::Batch> + 'static,
 {
     let work_dir = work_dir(args, config);
+    let main = peer.as_ref().is_none_or(|peer| peer.rank() == 0);
     // Every (lazily initialised) weight drawn now, in one order: a checkpointed segment would
     // otherwise draw its own when it first runs, and checkpointing would change the start.
     memsave::train::params::param_bytes::<B, M>(&model);
@@ -264,6 +445,14 @@ where
             device,
         );
     }
+    if budget.is_some() && args.dist.devices > 1 {
+        return Err(memsave::Error::invalid(
+            "model.backbone.with_cp",
+            "\"auto\" profiles one training process, and --devices runs several peers in \
+             one: plan with `memsave plan CONFIG --budget SIZE` and pin the blocks it prints \
+             (`with_cp = [\"...\"]`), or run one peer per node (--devices 1)",
+        ));
+    }
     let planner = match budget {
         Some(budget) => Some(AutoPlanHook::new(
             budget,
@@ -281,6 +470,9 @@ where
         &work_dir,
         device,
     )?;
+    if let Some(peer) = peer {
+        runner.set_collective(peer);
+    }
     if let Some(planner) = planner {
         // First after the optimizer hook: the profile starts right before the forward.
         runner.register_hook(Box::new(planner));
@@ -293,13 +485,18 @@ where
     }
     if let Some(checkpoint) = &args.resume {
         runner.resume(checkpoint)?;
-        eprintln!(
-            "memsave: resumed from {} at iteration {}",
-            checkpoint.display(),
-            runner.state().iter
-        );
+        if main {
+            eprintln!(
+                "memsave: resumed from {} at iteration {}",
+                checkpoint.display(),
+                runner.state().iter
+            );
+        }
     }
     runner.run()?;
+    if !main {
+        return Ok(());
+    }
     eprintln!(
         "memsave: trained {} iterations; checkpoints and train.log in {}",
         runner.state().max_iters,

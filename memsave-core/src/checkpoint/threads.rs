@@ -31,11 +31,22 @@
 
 use std::cell::Cell;
 use std::sync::Mutex;
-use std::thread::JoinHandle;
+use std::thread::{JoinHandle, ThreadId};
 
-static HELPERS: Mutex<Vec<JoinHandle<()>>> = Mutex::new(Vec::new());
+/// The helpers not joined yet, each with the thread whose backward pass it serves (its owner):
+/// peers of a data-parallel run train on threads of one process, and each joins its own.
+static HELPERS: Mutex<Vec<(ThreadId, JoinHandle<()>)>> = Mutex::new(Vec::new());
 thread_local! {
     static RECOMPUTATIONS: Cell<u64> = const { Cell::new(0) };
+    /// On a helper: the thread that owns it (a nested helper inherits its parent's owner).
+    static OWNER: Cell<Option<ThreadId>> = const { Cell::new(None) };
+}
+
+/// The thread whose backward pass the current thread serves (itself, unless a helper).
+fn owner() -> ThreadId {
+    OWNER
+        .with(|owner| owner.get())
+        .unwrap_or_else(|| std::thread::current().id())
 }
 
 /// How many segments the backward passes run on this thread have recomputed so far (for logs
@@ -53,10 +64,14 @@ pub(crate) fn spawn(work: impl FnOnce() + Send + 'static) -> std::io::Result<()>
         let stream = cubecl::stream_id::StreamId::current();
         move || stream.executes(work)
     };
+    let owner = owner();
     let handle = std::thread::Builder::new()
         .name("memsave-recompute".into())
-        .spawn(work)?;
-    lock().push(handle);
+        .spawn(move || {
+            OWNER.with(|cell| cell.set(Some(owner)));
+            work()
+        })?;
+    lock().push((owner, handle));
     Ok(())
 }
 
@@ -67,6 +82,11 @@ pub(crate) fn run_on_helper<R: Send>(work: impl FnOnce() -> R + Send) -> R {
     let work = {
         let stream = cubecl::stream_id::StreamId::current();
         move || stream.executes(work)
+    };
+    let owner = owner();
+    let work = move || {
+        OWNER.with(|cell| cell.set(Some(owner)));
+        work()
     };
     std::thread::scope(|scope| match scope.spawn(work).join() {
         Ok(result) => result,
@@ -89,7 +109,14 @@ pub(crate) fn release_scratch() {
 /// Waits for every helper thread to end. Call it after `backward()` returned (the training
 /// hooks do); never from inside a backward pass, whose lock the helpers wait for.
 pub fn join_helpers() {
-    let handles = std::mem::take(&mut *lock());
+    let owner = owner();
+    let handles: Vec<JoinHandle<()>> = {
+        let mut helpers = lock();
+        let (mine, others): (Vec<_>, Vec<_>) =
+            helpers.drain(..).partition(|(who, _)| *who == owner);
+        *helpers = others;
+        mine.into_iter().map(|(_, handle)| handle).collect()
+    };
     let count = handles.len();
     super::profile::joined(count, || {
         for handle in handles {
@@ -102,11 +129,12 @@ pub fn join_helpers() {
 /// Joins the helpers that have ended, without waiting for the others.
 pub(crate) fn reap_finished() {
     let mut helpers = lock();
-    let (done, running): (Vec<_>, Vec<_>) =
-        helpers.drain(..).partition(|handle| handle.is_finished());
+    let (done, running): (Vec<_>, Vec<_>) = helpers
+        .drain(..)
+        .partition(|(_, handle)| handle.is_finished());
     *helpers = running;
     drop(helpers);
-    for handle in done {
+    for (_, handle) in done {
         let _ = handle.join();
     }
 }
@@ -116,7 +144,7 @@ pub fn live_helpers() -> usize {
     lock().len()
 }
 
-fn lock() -> std::sync::MutexGuard<'static, Vec<JoinHandle<()>>> {
+fn lock() -> std::sync::MutexGuard<'static, Vec<(ThreadId, JoinHandle<()>)>> {
     // A poisoned list of handles is still a list of handles.
     HELPERS
         .lock()

@@ -68,6 +68,10 @@ impl<B: AutodiffBackend, M: TrainModel<B>> Hook<B, M> for LoggerHook {
     }
 
     fn before_run(&mut self, state: &mut TrainState<B, M>) -> Result<()> {
+        if !state.is_main() {
+            // Rank 0 logs a data-parallel run.
+            return Ok(());
+        }
         std::fs::create_dir_all(&state.work_dir).map_err(|source| Error::Io {
             path: state.work_dir.clone(),
             source,
@@ -98,6 +102,10 @@ impl<B: AutodiffBackend, M: TrainModel<B>> Hook<B, M> for LoggerHook {
     }
 
     fn after_iter(&mut self, state: &mut TrainState<B, M>) -> Result<()> {
+        if !state.is_main() {
+            // Rank 0 logs a data-parallel run.
+            return Ok(());
+        }
         if let Some(loss) = state.log.loss {
             self.losses.push(loss);
         }
@@ -156,6 +164,10 @@ impl<B: AutodiffBackend, M: TrainModel<B>> Hook<B, M> for LoggerHook {
     }
 
     fn after_run(&mut self, state: &mut TrainState<B, M>) -> Result<()> {
+        if !state.is_main() {
+            // Rank 0 logs a data-parallel run.
+            return Ok(());
+        }
         if let Some(bar) = self.bar.take() {
             bar.finish_and_clear();
         }

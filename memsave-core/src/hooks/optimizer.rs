@@ -186,7 +186,14 @@ impl OptimizerHook {
         &mut self,
         state: &mut TrainState<B, M>,
         mut grads: GradientsParams,
-    ) {
+    ) -> Result<()> {
+        if let Some(collective) = state.collective.clone() {
+            // Data parallel: the mean over the peers, once per group, before anything reads
+            // the gradients (the norm, the overflow check, clipping); every peer gets the same
+            // bits.
+            let device = inner_device::<B>(&state.device);
+            crate::dist::all_reduce_grads::<B, M>(&*collective, &state.model, &mut grads, &device)?;
+        }
         if self.detect_anomalous_params {
             let missing = grads::params_without_grad::<B, M>(&state.model, &grads);
             if !missing.is_empty() {
@@ -202,7 +209,7 @@ impl OptimizerHook {
             state.log.grad_norm =
                 grads::norm_and_clip::<B, M>(&state.model, &mut grads, self.grad_clip.as_ref());
             state.step(grads);
-            return;
+            return Ok(());
         };
         // The gradients are still half (one micro-batch) or fp32 sums (accumulation), and
         // scaled. Their norm is taken as they are and unscaled after (the same value, for a
@@ -211,7 +218,13 @@ impl OptimizerHook {
         let scale = mixed.scaler.loss_scale();
         let norm_type = self.grad_clip.as_ref().map_or(2.0, |clip| clip.norm_type);
         let norm = grads::global_norm::<B, M>(&state.model, &grads, norm_type).map(|n| n / scale);
-        if norm.is_some_and(|norm| !norm.is_finite()) {
+        let mut overflow = norm.is_some_and(|norm| !norm.is_finite());
+        if let Some(collective) = &state.collective {
+            // One non-finite gradient on any peer skips the step on every peer.
+            let device = inner_device::<B>(&state.device);
+            overflow = crate::dist::agree_any(&**collective, overflow, &device)?;
+        }
+        if overflow {
             mixed.scaler.update_scale(true);
             state.warn(format!(
                 "iteration {}: gradient overflow (inf or NaN) at loss scale {scale}; the step is \
@@ -241,6 +254,7 @@ impl OptimizerHook {
             mixed.scaler.update_scale(false);
         }
         state.log.loss_scale = Some(mixed.scaler.loss_scale());
+        Ok(())
     }
 }
 
@@ -269,6 +283,18 @@ impl<B: AutodiffBackend, M: TrainModel<B>> Hook<B, M> for OptimizerHook {
             return Ok(());
         };
         state.log.loss = Some(grads::scalar(&loss));
+        if let Some(collective) = &state.collective {
+            // The log shows the mean over the peers (MMDetection's `_parse_losses`).
+            let mut values: Vec<f64> = std::iter::once(state.log.loss.unwrap_or(0.0))
+                .chain(state.log.parts.iter().map(|(_, value)| *value))
+                .collect();
+            let device = inner_device::<B>(&state.device);
+            crate::dist::mean_for_log(&**collective, &mut values, &device)?;
+            state.log.loss = values.first().copied();
+            for ((_, part), value) in state.log.parts.iter_mut().zip(&values[1..]) {
+                *part = *value;
+            }
+        }
         let divisor = self.groups.loss_factor(state.iter, state.max_iters) as f64;
         let summed = self.summed.take();
         let grads = memory::scope(memory::phase::BACKWARD, || match &self.mixed {
@@ -294,7 +320,7 @@ impl<B: AutodiffBackend, M: TrainModel<B>> Hook<B, M> for OptimizerHook {
         self.pending += 1;
         if self.groups.boundary(state) {
             self.pending = 0;
-            memory::scope(memory::phase::STEP, || self.step(state, grads));
+            memory::scope(memory::phase::STEP, || self.step(state, grads))?;
         } else {
             let mut grads = grads;
             if self.mixed.is_some() {
@@ -358,6 +384,13 @@ impl<B: AutodiffBackend, M: TrainModel<B>> Hook<B, M> for OptimizerHook {
         })?;
         Ok(())
     }
+}
+
+/// The inner backend's device of an autodiff device (the same device).
+fn inner_device<B: AutodiffBackend>(device: &B::Device) -> burn::tensor::Device<B::InnerBackend> {
+    burn::tensor::Tensor::<B, 1>::empty([0], device)
+        .inner()
+        .device()
 }
 
 /// MMCV's `Fp16OptimizerHook`: mixed precision with fp32 master weights and loss scaling, a

@@ -185,6 +185,14 @@ where
         })
     }
 
+    /// Makes this runner one peer of a data-parallel run (see [`crate::dist`]): it starts from
+    /// rank 0's weights, the optimizer hook averages the gradients over the peers, and only rank
+    /// 0 writes checkpoints. The data source must read this peer's shard
+    /// ([`crate::dist::Collective::shard`]).
+    pub fn set_collective(&mut self, collective: crate::dist::SharedCollective<B::InnerBackend>) {
+        self.state.collective = Some(collective);
+    }
+
     /// Adds a hook; hooks run in the order they were added, after the optimizer hook.
     pub fn register_hook(&mut self, hook: Box<dyn Hook<B, M>>) {
         self.hooks.push(hook);
@@ -210,6 +218,11 @@ where
     pub fn run(&mut self) -> Result<()> {
         self.preflight()?;
         self.position();
+        if let Some(collective) = self.state.collective.clone() {
+            // Every peer starts from rank 0's weights (after a resume too).
+            self.state.model =
+                crate::dist::broadcast_module::<B, M>(&*collective, self.state.model.clone())?;
+        }
         self.call(|hook, state| hook.before_run(state))?;
         while self.state.iter < self.state.max_iters {
             let (epoch, index) = (self.state.epoch, self.state.inner_iter);
@@ -333,6 +346,10 @@ where
 
     fn save_if_requested(&mut self) -> Result<()> {
         if let Some(path) = self.state.save_request.take() {
+            if !self.state.is_main() {
+                // Rank 0 writes the checkpoints of a data-parallel run.
+                return Ok(());
+            }
             self.save_snapshot(&path)?;
             self.call(|hook, state| hook.after_save(state, &path))?;
         }

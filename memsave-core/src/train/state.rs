@@ -116,6 +116,8 @@ pub struct TrainState<B: AutodiffBackend, M: TrainModel<B>> {
     /// Bytes of gradients per group of parameters the optimizer steps at once (see
     /// [`TrainState::step`]); [`STEP_GROUP_BYTES`] unless changed.
     pub step_group_bytes: usize,
+    /// This peer of a data-parallel run (see [`crate::dist`]); `None` when training alone.
+    pub collective: Option<crate::dist::SharedCollective<B::InnerBackend>>,
     warnings: Vec<String>,
 }
 
@@ -144,6 +146,7 @@ impl<B: AutodiffBackend, M: TrainModel<B>> TrainState<B, M> {
             work_dir,
             optimizer_state_copies: 0,
             step_group_bytes: STEP_GROUP_BYTES,
+            collective: None,
             warnings: Vec::new(),
         }
     }
@@ -153,10 +156,28 @@ impl<B: AutodiffBackend, M: TrainModel<B>> TrainState<B, M> {
         self.forward_model.as_ref().unwrap_or(&self.model)
     }
 
-    /// Reports a warning (stderr) and keeps it for [`TrainState::warnings`].
+    /// This peer's rank in a data-parallel run (0 when training alone).
+    pub fn rank(&self) -> usize {
+        self.collective.as_ref().map_or(0, |c| c.rank())
+    }
+
+    /// Whether this peer logs and writes checkpoints (rank 0, or training alone).
+    pub fn is_main(&self) -> bool {
+        self.rank() == 0
+    }
+
+    /// The number of peers (1 when training alone).
+    pub fn world_size(&self) -> usize {
+        self.collective.as_ref().map_or(1, |c| c.world_size())
+    }
+
+    /// Reports a warning (stderr, on the main peer only) and keeps it for
+    /// [`TrainState::warnings`].
     pub fn warn(&mut self, message: impl Into<String>) {
         let message = message.into();
-        eprintln!("memsave: warning: {message}");
+        if self.is_main() {
+            eprintln!("memsave: warning: {message}");
+        }
         self.warnings.push(message);
     }
 

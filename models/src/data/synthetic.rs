@@ -4,6 +4,7 @@ use rand::{Rng, SeedableRng};
 use serde::Deserialize;
 
 use crate::classifier::ClassificationBatch;
+use crate::memsave::dist::Shard;
 use crate::memsave::train::{BatchFootprint, DataSource};
 use crate::memsave::{Error, Result};
 
@@ -72,6 +73,7 @@ pub struct SyntheticClassification<B: Backend> {
     config: SyntheticClassificationConfig,
     num_classes: usize,
     device: B::Device,
+    shard: Shard,
 }
 
 impl<B: Backend> SyntheticClassification<B> {
@@ -113,7 +115,15 @@ impl<B: Backend> SyntheticClassification<B> {
             config,
             num_classes,
             device,
+            shard: Shard::whole(),
         })
+    }
+
+    /// The same data set, reading only `shard` of each epoch (PyTorch's `DistributedSampler`:
+    /// the same shuffled order on every peer, each taking its share).
+    pub fn with_shard(mut self, shard: Shard) -> Self {
+        self.shard = shard;
+        self
     }
 
     /// The order of the samples in `epoch`.
@@ -155,8 +165,8 @@ impl<B: Backend> SyntheticClassification<B> {
 
 impl<B: Backend> DataSource<ClassificationBatch<B>> for SyntheticClassification<B> {
     fn batches_per_epoch(&self) -> usize {
-        self.config
-            .num_samples
+        self.shard
+            .len(self.config.num_samples)
             .div_ceil(self.config.samples_per_gpu)
     }
 
@@ -180,7 +190,7 @@ impl<B: Backend> DataSource<ClassificationBatch<B>> for SyntheticClassification<
     }
 
     fn batch(&self, epoch: usize, index: usize) -> Result<ClassificationBatch<B>> {
-        let order = self.order(epoch);
+        let order = self.shard.select(&self.order(epoch));
         let start = index * self.config.samples_per_gpu;
         let ids = order
             .get(start..(start + self.config.samples_per_gpu).min(order.len()))

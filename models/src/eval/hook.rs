@@ -117,6 +117,10 @@ where
     }
 
     fn after_iter(&mut self, state: &mut TrainState<B, RetinaNet<B>>) -> Result<()> {
+        if !state.is_main() {
+            // Rank 0 evaluates a data-parallel run.
+            return Ok(());
+        }
         if !self.by_epoch && (state.iter + 1) % self.interval == 0 {
             self.run(state, state.iter + 1)?;
         }
@@ -124,6 +128,10 @@ where
     }
 
     fn after_epoch(&mut self, state: &mut TrainState<B, RetinaNet<B>>) -> Result<()> {
+        if !state.is_main() {
+            // Rank 0 evaluates a data-parallel run.
+            return Ok(());
+        }
         if self.by_epoch && (state.epoch + 1) % self.interval == 0 {
             self.run(state, state.epoch + 1)?;
         }

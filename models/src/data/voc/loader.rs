@@ -19,6 +19,7 @@ use super::pipeline::{Pipeline, Step};
 use super::{read_splits, OneOrMany, VocImage};
 use crate::detection::boxes::BBox;
 use crate::detection::{DetectionBatch, ImageMeta};
+use crate::memsave::dist::Shard;
 use crate::memsave::train::{BatchFootprint, DataSource};
 use crate::memsave::{Error, Result};
 
@@ -142,11 +143,13 @@ struct Plan {
     batch_size: usize,
     shuffle: bool,
     seed: u64,
+    /// This peer's part of the images (all of them unless data parallel).
+    shard: Shard,
 }
 
 impl Plan {
     fn batches_per_epoch(&self) -> usize {
-        self.images.len().div_ceil(self.batch_size)
+        self.shard.len(self.images.len()).div_ceil(self.batch_size)
     }
 
     fn make(&self, epoch: usize, index: usize) -> Result<HostBatch> {
@@ -157,6 +160,7 @@ impl Plan {
                 order.swap(i, rng.random_range(0..=i));
             }
         }
+        let order = self.shard.select(&order);
         let start = index * self.batch_size;
         let ids = order
             .get(start..(start + self.batch_size).min(order.len()))
@@ -211,6 +215,31 @@ impl<B: Backend> VocDetection<B> {
         seed: u64,
         device: B::Device,
     ) -> Result<Self> {
+        Self::new_shard(
+            config,
+            field,
+            training,
+            batch_size,
+            workers,
+            seed,
+            Shard::whole(),
+            device,
+        )
+    }
+
+    /// [`VocDetection::new`] reading only `shard` of the split (PyTorch's
+    /// `DistributedSampler`: the same shuffled order on every peer, each taking its share).
+    #[allow(clippy::too_many_arguments)]
+    pub fn new_shard(
+        config: &VocDatasetConfig,
+        field: &str,
+        training: bool,
+        batch_size: usize,
+        workers: usize,
+        seed: u64,
+        shard: Shard,
+        device: B::Device,
+    ) -> Result<Self> {
         if batch_size == 0 {
             return Err(Error::invalid("data.samples_per_gpu", "must be at least 1"));
         }
@@ -222,6 +251,7 @@ impl<B: Backend> VocDetection<B> {
             batch_size,
             shuffle: training,
             seed,
+            shard,
         });
         let shared = Arc::new(Shared {
             queue: Mutex::new(Queue::default()),

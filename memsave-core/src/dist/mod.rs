@@ -1,0 +1,258 @@
+//! Data parallelism (MMCV's `MMDistributedDataParallel`, PyTorch's DDP) on Burn's collective
+//! (burn-collective: all-reduce between peers that are threads of one process, one per device,
+//! and processes on other machines through its global orchestrator). memsave writes no
+//! all-reduce, transport or orchestrator of its own: it decides *what* is reduced and *when*.
+//!
+//! - Every peer starts from peer 0's weights ([`broadcast_module`], before the first iteration
+//!   and after a resume) and the same seed.
+//! - Each peer reads its own shard of the data ([`Shard`], PyTorch's `DistributedSampler`).
+//! - The optimizer hook averages the gradients across peers at the end of each group of
+//!   micro-batches, before unscaling, the overflow check and clipping ([`all_reduce_grads`]):
+//!   once per group under accumulation (DDP's `no_sync` on the other micro-steps). Every peer
+//!   gets the same averaged bits, so the norm, the clipping and the step are the same
+//!   everywhere; the overflow decision is agreed explicitly too ([`agree_any`]), so loss
+//!   scalers stay equal.
+//! - BatchNorm statistics stay per peer (MMDetection's default; no SyncBN).
+//! - Peer 0 logs and writes checkpoints; the logged loss is the mean over peers (MMDetection's
+//!   `_parse_losses`).
+//! - A peer that fails ends the run on every peer with an [`Error::Peer`] naming it
+//!   ([`peer::run_local`]); a remote node that stops answering ends it after the peer timeout.
+
+pub mod peer;
+mod sampler;
+
+use std::sync::Arc;
+
+use burn::module::{AutodiffModule, ModuleMapper, ModuleVisitor, Param};
+use burn::optim::GradientsParams;
+use burn::prelude::Backend;
+use burn::tensor::backend::AutodiffBackend;
+use burn::tensor::ops::FloatTensor;
+use burn::tensor::{DType, Tensor, TensorData, TensorPrimitive};
+
+pub use peer::{run_local, serve_orchestrator, BurnPeer, Topology, DEFAULT_TIMEOUT};
+pub use sampler::Shard;
+
+use crate::Result;
+
+/// How an all-reduce combines the peers' tensors.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Reduce {
+    /// The sum.
+    Sum,
+    /// The mean.
+    Mean,
+}
+
+/// One peer of a data-parallel run: its rank, the number of peers, and an all-reduce with the
+/// others. Every peer must make the same calls in the same order with tensors of the same shapes.
+pub trait Collective<B: Backend>: Send + Sync {
+    /// This peer's rank, from 0 (rank 0 logs and saves).
+    fn rank(&self) -> usize;
+
+    /// The number of peers.
+    fn world_size(&self) -> usize;
+
+    /// The reduction of `tensor` over every peer; every peer gets the same values.
+    fn all_reduce(&self, tensor: FloatTensor<B>, op: Reduce) -> Result<FloatTensor<B>>;
+
+    /// The shard of the data this peer reads.
+    fn shard(&self) -> Shard {
+        Shard {
+            rank: self.rank(),
+            world: self.world_size(),
+        }
+    }
+}
+
+/// A shared handle on a peer, as the runner's state holds it.
+pub type SharedCollective<B> = Arc<dyn Collective<B>>;
+
+/// [`Collective::all_reduce`] on a tensor of any rank.
+pub fn all_reduce_tensor<B: Backend, const D: usize>(
+    collective: &dyn Collective<B>,
+    tensor: Tensor<B, D>,
+    op: Reduce,
+) -> Result<Tensor<B, D>> {
+    let reduced = collective.all_reduce(tensor.into_primitive().tensor(), op)?;
+    Ok(Tensor::from_primitive(TensorPrimitive::Float(reduced)))
+}
+
+/// The values of `values` reduced over the peers, in f64 (summed or averaged in f32).
+pub fn all_reduce_values<B: Backend>(
+    collective: &dyn Collective<B>,
+    values: &[f64],
+    op: Reduce,
+    device: &B::Device,
+) -> Result<Vec<f64>> {
+    if values.is_empty() {
+        return Ok(Vec::new());
+    }
+    let data: Vec<f32> = values.iter().map(|&v| v as f32).collect();
+    let tensor = Tensor::<B, 1>::from_data(TensorData::new(data, [values.len()]), device);
+    let reduced = all_reduce_tensor(collective, tensor, op)?;
+    let data = reduced.into_data().convert::<f32>();
+    Ok(data
+        .as_slice::<f32>()
+        .map(|values| values.iter().map(|&v| v as f64).collect())
+        .unwrap_or_default())
+}
+
+/// Whether `flag` holds on any peer (every peer gets the same answer).
+pub fn agree_any<B: Backend>(
+    collective: &dyn Collective<B>,
+    flag: bool,
+    device: &B::Device,
+) -> Result<bool> {
+    let votes = all_reduce_values(collective, &[flag as u8 as f64], Reduce::Sum, device)?;
+    Ok(votes.first().is_some_and(|&v| v > 0.0))
+}
+
+/// Every float parameter of `module` replaced by peer 0's (a sum where the other peers add
+/// zeros: exact). Every peer must call it.
+pub fn broadcast_module<B: AutodiffBackend, M: AutodiffModule<B>>(
+    collective: &dyn Collective<B::InnerBackend>,
+    module: M,
+) -> Result<M> {
+    struct FromRankZero<'a, B: AutodiffBackend> {
+        collective: &'a dyn Collective<B::InnerBackend>,
+        error: Option<crate::Error>,
+    }
+    impl<B: AutodiffBackend> ModuleMapper<B> for FromRankZero<'_, B> {
+        fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
+            if self.error.is_some() {
+                return param;
+            }
+            let collective = self.collective;
+            let mut error = None;
+            let param = param.map(|tensor| {
+                let require_grad = tensor.is_require_grad();
+                let inner = tensor.inner();
+                let mine = if collective.rank() == 0 {
+                    inner.clone()
+                } else {
+                    inner.zeros_like()
+                };
+                let dtype = inner.dtype();
+                // Sums are taken in fp32 so that half parameters are copied exactly too.
+                let sent = if dtype == DType::F32 {
+                    mine
+                } else {
+                    mine.cast(DType::F32)
+                };
+                let value = match all_reduce_tensor(collective, sent, Reduce::Sum) {
+                    Ok(sum) => sum.cast(dtype),
+                    Err(e) => {
+                        error = Some(e);
+                        inner
+                    }
+                };
+                let tensor = Tensor::<B, D>::from_inner(value);
+                if require_grad {
+                    tensor.require_grad()
+                } else {
+                    tensor
+                }
+            });
+            self.error = error;
+            param
+        }
+    }
+    let mut mapper = FromRankZero::<B> {
+        collective,
+        error: None,
+    };
+    let module = module.map(&mut mapper);
+    match mapper.error {
+        Some(error) => Err(error),
+        None => Ok(module),
+    }
+}
+
+/// Averages the gradients of `model`'s parameters over the peers, in the model's order (the
+/// same on every peer, unlike parameter ids). A parameter with a gradient on some peers only (a
+/// branch one peer's data did not use) is averaged with zeros from the others, in fp32; one
+/// without a gradient anywhere stays without.
+pub fn all_reduce_grads<B: AutodiffBackend, M: AutodiffModule<B>>(
+    collective: &dyn Collective<B::InnerBackend>,
+    model: &M,
+    grads: &mut GradientsParams,
+    device: &burn::tensor::Device<B::InnerBackend>,
+) -> Result<()> {
+    // Which parameters have a gradient here, in the model's order.
+    struct Present<'a> {
+        grads: &'a GradientsParams,
+        present: Vec<f64>,
+    }
+    impl<B: AutodiffBackend> ModuleVisitor<B> for Present<'_> {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+            let here = self.grads.get::<B::InnerBackend, D>(param.id).is_some();
+            self.present.push(here as u8 as f64);
+        }
+    }
+    let mut present = Present {
+        grads,
+        present: Vec::new(),
+    };
+    model.visit(&mut present);
+    let here = present.present;
+    let everywhere = all_reduce_values(collective, &here, Reduce::Sum, device)?;
+    let world = collective.world_size() as f64;
+
+    struct Average<'a, B: AutodiffBackend> {
+        collective: &'a dyn Collective<B::InnerBackend>,
+        grads: &'a mut GradientsParams,
+        everywhere: &'a [f64],
+        world: f64,
+        index: usize,
+        error: Option<crate::Error>,
+    }
+    impl<B: AutodiffBackend> ModuleVisitor<B> for Average<'_, B> {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+            let index = self.index;
+            self.index += 1;
+            let count = self.everywhere.get(index).copied().unwrap_or(0.0);
+            if self.error.is_some() || count == 0.0 {
+                return;
+            }
+            let full = count >= self.world;
+            let grad = match self.grads.remove::<B::InnerBackend, D>(param.id) {
+                Some(grad) if full => grad,
+                Some(grad) => grad.cast(DType::F32),
+                None => {
+                    let shape = param.val().shape();
+                    let device = param.val().inner().device();
+                    Tensor::<B::InnerBackend, D>::zeros(shape, &device)
+                }
+            };
+            match all_reduce_tensor(self.collective, grad, Reduce::Mean) {
+                Ok(mean) => self.grads.register::<B::InnerBackend, D>(param.id, mean),
+                Err(error) => self.error = Some(error),
+            }
+        }
+    }
+    let mut average = Average::<B> {
+        collective,
+        grads,
+        everywhere: &everywhere,
+        world,
+        index: 0,
+        error: None,
+    };
+    model.visit(&mut average);
+    match average.error {
+        Some(error) => Err(error),
+        None => Ok(()),
+    }
+}
+
+/// The loss and its parts averaged over the peers, for the log.
+pub fn mean_for_log<B: Backend>(
+    collective: &dyn Collective<B>,
+    values: &mut [f64],
+    device: &B::Device,
+) -> Result<()> {
+    let mean = all_reduce_values(collective, values, Reduce::Mean, device)?;
+    values.copy_from_slice(&mean);
+    Ok(())
+}

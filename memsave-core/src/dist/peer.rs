@@ -1,0 +1,504 @@
+//! Peers on burn-collective, and running a group of them with failures contained.
+//!
+//! burn-collective's calls block until every peer has made the same call, without a time limit.
+//! Each [`BurnPeer`] makes them on a thread of its own and waits for the answer in short steps,
+//! so that it stops waiting as soon as another peer of the group has failed (the group's
+//! failure is recorded first, then burn-collective's local server is reset, which ends the calls
+//! pending there with an error) or when no answer came within the peer timeout (a node on
+//! another machine that died or cannot be reached).
+
+use std::any::Any;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use burn::prelude::Backend;
+use burn::tensor::ops::FloatTensor;
+use burn_collective::{
+    AllReduceStrategy, CollectiveConfig, CollectiveError, PeerId, ReduceOperation,
+};
+
+use super::{Collective, Reduce};
+use crate::{Error, Result};
+
+/// Where the peers of a run are: `devices` peers in this process (one per device), on each of
+/// `nodes` machines, this one being `node_rank`. Ranks are `node_rank * devices + local index`.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Topology {
+    /// Peers in this process.
+    pub devices: usize,
+    /// Processes (machines) in the run.
+    pub nodes: usize,
+    /// This process's place among them, from 0.
+    pub node_rank: usize,
+    /// The global orchestrator's address (`ws://HOST:PORT`), with several nodes.
+    pub orchestrator: Option<String>,
+    /// The address the other nodes reach this one's data service at (`ws://HOST:PORT`).
+    pub node_address: Option<String>,
+    /// The port this node's data service listens on.
+    pub data_port: u16,
+    /// How long a peer waits for the others in one collective call before it gives up.
+    pub timeout: Duration,
+}
+
+/// The peer timeout unless one is given (NCCL's default in PyTorch).
+pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(30 * 60);
+
+impl Topology {
+    /// `devices` peers in this process, and no other node.
+    pub fn local(devices: usize) -> Self {
+        Topology {
+            devices,
+            nodes: 1,
+            node_rank: 0,
+            orchestrator: None,
+            node_address: None,
+            data_port: 0,
+            timeout: DEFAULT_TIMEOUT,
+        }
+    }
+
+    /// Peers in the whole run.
+    pub fn world(&self) -> usize {
+        self.devices * self.nodes
+    }
+
+    /// The rank of this process's peer `local`.
+    pub fn rank_of(&self, local: usize) -> usize {
+        self.node_rank * self.devices + local
+    }
+
+    /// Whether the run spans several processes.
+    pub fn is_multi_node(&self) -> bool {
+        self.nodes > 1
+    }
+
+    /// A peer in words: `rank 1`, or `rank 3 (node 1)` across nodes.
+    pub fn name(&self, rank: usize) -> String {
+        if self.is_multi_node() {
+            format!("rank {rank} (node {})", rank / self.devices.max(1))
+        } else {
+            format!("rank {rank}")
+        }
+    }
+
+    /// Checks the values, naming the flag at fault.
+    pub fn check(&self) -> Result<()> {
+        if self.devices == 0 {
+            return Err(Error::invalid("--devices", "must be at least 1, got 0"));
+        }
+        if self.nodes == 0 {
+            return Err(Error::invalid("--nodes", "must be at least 1, got 0"));
+        }
+        if self.node_rank >= self.nodes {
+            return Err(Error::invalid(
+                "--node-rank",
+                format!(
+                    "must be below --nodes ({}), got {}",
+                    self.nodes, self.node_rank
+                ),
+            ));
+        }
+        if self.is_multi_node() {
+            let Some(orchestrator) = &self.orchestrator else {
+                return Err(Error::invalid(
+                    "--orchestrator",
+                    "several nodes need the address of `memsave orchestrator` (ws://HOST:PORT)",
+                ));
+            };
+            check_address("--orchestrator", orchestrator)?;
+            if let Some(address) = &self.node_address {
+                check_address("--node-address", address)?;
+            }
+            if self.data_port == 0 {
+                return Err(Error::invalid(
+                    "--data-port",
+                    "must be a port number, got 0",
+                ));
+            }
+        }
+        if self.timeout.is_zero() {
+            return Err(Error::invalid("--peer-timeout", "must be positive, got 0"));
+        }
+        Ok(())
+    }
+
+    /// burn-collective's configuration for this topology.
+    fn config(&self) -> Result<CollectiveConfig> {
+        // A tree within the process, and between nodes (a ring cannot reduce tensors with
+        // fewer elements than there are nodes, such as the overflow flag).
+        let mut config = CollectiveConfig::default()
+            .with_num_devices(self.devices)
+            .with_local_all_reduce_strategy(AllReduceStrategy::Tree(2));
+        if self.is_multi_node() {
+            let orchestrator = self.orchestrator.clone().unwrap_or_default();
+            let node_address = self
+                .node_address
+                .clone()
+                .unwrap_or_else(|| format!("ws://127.0.0.1:{}", self.data_port));
+            config = config
+                .with_num_nodes(self.nodes as u32)
+                .with_global_address(parse_address("--orchestrator", &orchestrator)?)
+                .with_node_address(parse_address("--node-address", &node_address)?)
+                .with_data_service_port(self.data_port)
+                .with_global_all_reduce_strategy(AllReduceStrategy::Tree(2));
+        }
+        Ok(config)
+    }
+}
+
+fn check_address(flag: &str, address: &str) -> Result<()> {
+    let rest = address.strip_prefix("ws://").ok_or_else(|| {
+        Error::invalid(
+            flag,
+            format!("must be ws://HOST:PORT, got `{address}` (no ws:// prefix)"),
+        )
+    })?;
+    let port = rest.rsplit_once(':').map(|(_, port)| port);
+    match port.map(|port| port.trim_end_matches('/').parse::<u16>()) {
+        Some(Ok(port)) if port > 0 => Ok(()),
+        _ => Err(Error::invalid(
+            flag,
+            format!("must be ws://HOST:PORT, got `{address}` (no valid port)"),
+        )),
+    }
+}
+
+fn parse_address(flag: &str, address: &str) -> Result<burn_communication::Address> {
+    check_address(flag, address)?;
+    address
+        .parse()
+        .map_err(|error: String| Error::invalid(flag, error))
+}
+
+/// What the peers of one process share: the first failure among them.
+#[derive(Default)]
+struct Group {
+    failure: Mutex<Option<(String, String)>>,
+}
+
+impl Group {
+    /// Records the failure of peer `name` with `error` (the first failure only: the others
+    /// follow from it) and wakes the peers blocked in burn-collective's local server. Whether it
+    /// was the first.
+    fn fail<B: Backend>(&self, error: &Error, name: &str) -> bool {
+        let (peer, message) = match error {
+            Error::Peer { peer, message } => (peer.clone(), message.clone()),
+            other => (name.to_string(), other.to_string()),
+        };
+        let first = {
+            let mut failure = self.failure.lock().unwrap_or_else(|e| e.into_inner());
+            if failure.is_some() {
+                false
+            } else {
+                *failure = Some((peer, message));
+                true
+            }
+        };
+        if first {
+            burn_collective::reset_collective::<B>();
+        }
+        first
+    }
+
+    fn failure(&self) -> Option<(String, String)> {
+        self.failure
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+}
+
+type Job = Box<dyn FnOnce() + Send>;
+
+/// One peer on burn-collective (see the [module docs](self)).
+pub struct BurnPeer<B: Backend> {
+    rank: usize,
+    topology: Topology,
+    id: PeerId,
+    device: B::Device,
+    group: Arc<Group>,
+    jobs: Mutex<Sender<Job>>,
+}
+
+impl<B: Backend> BurnPeer<B> {
+    fn start(topology: &Topology, local: usize, device: B::Device, group: Arc<Group>) -> Self {
+        let rank = topology.rank_of(local);
+        let (jobs, queue) = mpsc::channel::<Job>();
+        // The thread that makes the blocking calls; it ends when the peer is dropped (or stays
+        // blocked in a call that will never be answered, until the process ends).
+        let _ = std::thread::Builder::new()
+            .name(format!("memsave-collective-{rank}"))
+            .spawn(move || {
+                while let Ok(job) = queue.recv() {
+                    job();
+                }
+            });
+        BurnPeer {
+            rank,
+            topology: topology.clone(),
+            id: PeerId::from(rank),
+            device,
+            group,
+            jobs: Mutex::new(jobs),
+        }
+    }
+
+    /// The device this peer trains on.
+    pub fn device(&self) -> &B::Device {
+        &self.device
+    }
+
+    /// This peer in words (`rank 1`).
+    pub fn name(&self) -> String {
+        self.topology.name(self.rank)
+    }
+
+    /// Runs `call` on the peer's thread and waits for its answer (see the module docs).
+    fn call<T: Send + 'static>(
+        &self,
+        what: &str,
+        call: impl FnOnce() -> std::result::Result<T, CollectiveError> + Send + 'static,
+    ) -> Result<T> {
+        if let Some(failure) = self.stopped() {
+            return Err(failure);
+        }
+        let (reply, answer): (Sender<_>, Receiver<_>) = mpsc::channel();
+        let job: Job = Box::new(move || {
+            let _ = reply.send(call());
+        });
+        if self
+            .jobs
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .send(job)
+            .is_err()
+        {
+            return Err(self.error(what, "its collective thread has ended".to_string()));
+        }
+        let start = Instant::now();
+        loop {
+            match answer.recv_timeout(Duration::from_millis(20)) {
+                Ok(Ok(value)) => return Ok(value),
+                Ok(Err(error)) => {
+                    if let Some(failure) = self.stopped() {
+                        return Err(failure);
+                    }
+                    let error = self.error(what, describe(&error));
+                    self.group.fail::<B>(&error, &self.name());
+                    return Err(error);
+                }
+                Err(RecvTimeoutError::Timeout) => {
+                    if let Some(failure) = self.stopped() {
+                        return Err(failure);
+                    }
+                    if start.elapsed() >= self.topology.timeout {
+                        let error = Error::Peer {
+                            peer: if self.topology.is_multi_node() {
+                                "on another node".to_string()
+                            } else {
+                                "another".to_string()
+                            },
+                            message: format!(
+                                "{} waited {:.0?} for the others in {what} and got no answer: a \
+                                 peer stopped, hangs, or cannot be reached ({} peers on {} \
+                                 node(s); --peer-timeout sets the wait)",
+                                self.name(),
+                                self.topology.timeout,
+                                self.topology.world(),
+                                self.topology.nodes
+                            ),
+                        };
+                        self.group.fail::<B>(&error, &self.name());
+                        return Err(error);
+                    }
+                }
+                Err(RecvTimeoutError::Disconnected) => {
+                    if let Some(failure) = self.stopped() {
+                        return Err(failure);
+                    }
+                    return Err(self.error(what, "its collective thread has ended".to_string()));
+                }
+            }
+        }
+    }
+
+    /// The error that stops this peer because another one failed, if one did.
+    fn stopped(&self) -> Option<Error> {
+        self.group.failure().map(|(peer, message)| {
+            let message = if peer == self.name() {
+                message
+            } else {
+                format!("{message} (so {} stopped too)", self.name())
+            };
+            Error::Peer { peer, message }
+        })
+    }
+
+    fn error(&self, what: &str, message: String) -> Error {
+        Error::Peer {
+            peer: self.name(),
+            message: format!("{what}: {message}"),
+        }
+    }
+
+    fn register(&self) -> Result<()> {
+        let config = self.topology.config()?;
+        let (id, device) = (self.id, self.device.clone());
+        let what = if self.topology.is_multi_node() {
+            format!(
+                "registering with the orchestrator at {}",
+                self.topology.orchestrator.clone().unwrap_or_default()
+            )
+        } else {
+            "registering with the other peers".to_string()
+        };
+        self.call(&what, move || {
+            burn_collective::register::<B>(id, device, config)
+        })
+    }
+
+    fn finish(&self) -> Result<()> {
+        let id = self.id;
+        self.call("finishing", move || {
+            burn_collective::finish_collective::<B>(id)
+        })
+    }
+}
+
+impl<B: Backend> Collective<B> for BurnPeer<B> {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn world_size(&self) -> usize {
+        self.topology.world()
+    }
+
+    fn all_reduce(&self, tensor: FloatTensor<B>, op: Reduce) -> Result<FloatTensor<B>> {
+        let id = self.id;
+        let op = match op {
+            Reduce::Sum => ReduceOperation::Sum,
+            Reduce::Mean => ReduceOperation::Mean,
+        };
+        self.call("an all-reduce", move || {
+            burn_collective::all_reduce::<B>(id, tensor, op)
+        })
+    }
+}
+
+/// burn-collective's error in words.
+fn describe(error: &CollectiveError) -> String {
+    match error {
+        CollectiveError::LocalServerMissing => {
+            "the collective was reset (another peer stopped)".to_string()
+        }
+        CollectiveError::Global(global) => format!("between nodes: {global:?}"),
+        other => format!("{other:?}"),
+    }
+}
+
+/// Runs `body` on `devices.len()` peers of `topology` in this process, one thread each, and
+/// returns their results in rank order. When a peer fails (an error, or a panic), every other
+/// peer stops at its next collective call, and the result is an [`Error::Peer`] naming the
+/// first one that failed, with its error; nothing waits forever.
+pub fn run_local<B, T, F>(topology: &Topology, devices: Vec<B::Device>, body: F) -> Result<Vec<T>>
+where
+    B: Backend,
+    T: Send,
+    F: Fn(Arc<BurnPeer<B>>) -> Result<T> + Sync,
+{
+    topology.check()?;
+    if devices.len() != topology.devices {
+        return Err(Error::invalid(
+            "--devices",
+            format!(
+                "{} devices were given for {} peers",
+                devices.len(),
+                topology.devices
+            ),
+        ));
+    }
+    // A run before this one in the same process may have left peers registered.
+    burn_collective::reset_collective::<B>();
+    let group = Arc::new(Group::default());
+    let results: Vec<Result<T>> = std::thread::scope(|scope| {
+        let handles: Vec<_> = devices
+            .into_iter()
+            .enumerate()
+            .map(|(local, device)| {
+                let group = group.clone();
+                let body = &body;
+                std::thread::Builder::new()
+                    .name(format!("memsave-peer-{}", topology.rank_of(local)))
+                    .spawn_scoped(scope, move || {
+                        let peer = Arc::new(BurnPeer::<B>::start(topology, local, device, group));
+                        let name = peer.name();
+                        let outcome = catch_unwind(AssertUnwindSafe(|| {
+                            peer.register()?;
+                            let value = body(peer.clone())?;
+                            peer.finish()?;
+                            Ok(value)
+                        }));
+                        let outcome = match outcome {
+                            Ok(outcome) => outcome,
+                            Err(payload) => Err(Error::Peer {
+                                peer: name.clone(),
+                                message: format!("panicked: {}", panic_text(payload.as_ref())),
+                            }),
+                        };
+                        if let Err(error) = &outcome {
+                            peer.group.fail::<B>(error, &name);
+                        }
+                        outcome
+                    })
+                    .expect("spawning a peer thread")
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|handle| {
+                handle.join().unwrap_or_else(|_| {
+                    Err(Error::Peer {
+                        peer: "unknown".into(),
+                        message: "a peer thread died".into(),
+                    })
+                })
+            })
+            .collect()
+    });
+    burn_collective::reset_collective::<B>();
+    if let Some((peer, message)) = group.failure() {
+        return Err(Error::Peer { peer, message });
+    }
+    results.into_iter().collect()
+}
+
+fn panic_text(payload: &(dyn Any + Send)) -> String {
+    if let Some(text) = payload.downcast_ref::<&str>() {
+        (*text).to_string()
+    } else if let Some(text) = payload.downcast_ref::<String>() {
+        text.clone()
+    } else {
+        "(no message)".to_string()
+    }
+}
+
+/// Runs burn-collective's global orchestrator on `port` (all interfaces) until the process is
+/// interrupted: the nodes of a multi-machine run register with it and learn each other's
+/// addresses. A port that cannot be bound is an error naming it.
+pub fn serve_orchestrator(port: u16) -> Result<()> {
+    // burn-collective only logs a failure to bind: check the port first.
+    std::net::TcpListener::bind(("0.0.0.0", port)).map_err(|error| {
+        Error::invalid("--port", format!("cannot listen on port {port}: {error}"))
+    })?;
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .map_err(|error| {
+            Error::Data(format!("cannot start the orchestrator's runtime: {error}"))
+        })?;
+    runtime.block_on(burn_collective::start_global_orchestrator(port));
+    Ok(())
+}
