@@ -197,7 +197,7 @@ impl Group {
             }
         };
         if first {
-            burn_collective::reset_collective::<B>();
+            reset::<B>();
         }
         first
     }
@@ -208,6 +208,13 @@ impl Group {
             .unwrap_or_else(|e| e.into_inner())
             .clone()
     }
+}
+
+/// Resets burn-collective's local server: the calls pending there end with an error, and the
+/// next run registers afresh. A server that has already stopped (its task panicked when a node
+/// was lost) needs none: the panic of sending to it is caught.
+fn reset<B: Backend>() {
+    let _ = catch_unwind(burn_collective::reset_collective::<B>);
 }
 
 type Job = Box<dyn FnOnce() + Send>;
@@ -285,7 +292,14 @@ impl<B: Backend> BurnPeer<B> {
                     if let Some(failure) = self.stopped() {
                         return Err(failure);
                     }
-                    let error = self.error(what, describe(&error));
+                    let error = match &error {
+                        CollectiveError::Global(_) | CollectiveError::LocalServerMissing
+                            if self.topology.is_multi_node() =>
+                        {
+                            self.lost(what, &error)
+                        }
+                        _ => self.error(what, describe(&error)),
+                    };
                     self.group.fail::<B>(&error, &self.name());
                     return Err(error);
                 }
@@ -318,7 +332,14 @@ impl<B: Backend> BurnPeer<B> {
                     if let Some(failure) = self.stopped() {
                         return Err(failure);
                     }
-                    return Err(self.error(what, "its collective thread has ended".to_string()));
+                    // burn-collective's server panicked under the call (a lost connection).
+                    let error = if self.topology.is_multi_node() {
+                        self.lost(what, &CollectiveError::LocalServerMissing)
+                    } else {
+                        self.error(what, "burn-collective's server stopped".to_string())
+                    };
+                    self.group.fail::<B>(&error, &self.name());
+                    return Err(error);
                 }
             }
         }
@@ -340,6 +361,31 @@ impl<B: Backend> BurnPeer<B> {
         Error::Peer {
             peer: self.name(),
             message: format!("{what}: {message}"),
+        }
+    }
+
+    /// The error for a node lost in the middle of a call: its connection broke or it stopped
+    /// answering. burn-collective numbers nodes in the order they registered, not by
+    /// `--node-rank`, so the node is named by rank when there are two, else left open.
+    fn lost(&self, what: &str, error: &CollectiveError) -> Error {
+        let peer = if self.topology.nodes == 2 {
+            let other = 1 - self.topology.node_rank;
+            let first = other * self.topology.devices;
+            match self.topology.devices {
+                1 => format!("node {other} (rank {first})"),
+                n => format!("node {other} (ranks {first}-{})", first + n - 1),
+            }
+        } else {
+            "on another node".to_string()
+        };
+        Error::Peer {
+            peer,
+            message: format!(
+                "lost during {what}, seen from {}: the node stopped or its connection broke \
+                 ({})",
+                self.name(),
+                describe(error)
+            ),
         }
     }
 
@@ -421,7 +467,7 @@ where
         ));
     }
     // A run before this one in the same process may have left peers registered.
-    burn_collective::reset_collective::<B>();
+    reset::<B>();
     let group = Arc::new(Group::default());
     let results: Vec<Result<T>> = std::thread::scope(|scope| {
         let handles: Vec<_> = devices
@@ -468,7 +514,7 @@ where
             })
             .collect()
     });
-    burn_collective::reset_collective::<B>();
+    reset::<B>();
     if let Some((peer, message)) = group.failure() {
         return Err(Error::Peer { peer, message });
     }
