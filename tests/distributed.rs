@@ -574,3 +574,98 @@ fn bad_topologies_are_errors_naming_the_flag() {
     let error = Topology::local(0).check().unwrap_err().to_string();
     assert!(error.contains("--devices"), "{error}");
 }
+
+/// Every gradient of `model` by parameter, flattened (None: no gradient).
+fn grads_of(model: &Net, grads: &burn::optim::GradientsParams) -> Vec<Option<Vec<f32>>> {
+    struct All<'a>(&'a burn::optim::GradientsParams, Vec<Option<Vec<f32>>>);
+    impl ModuleVisitor<AB> for All<'_> {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<AB, D>>) {
+            let grad = self.0.get::<Flex, D>(param.id);
+            self.1.push(grad.map(common::values));
+        }
+    }
+    let mut all = All(grads, Vec::new());
+    model.visit(&mut all);
+    all.1
+}
+
+#[test]
+fn gradients_are_averaged_in_buckets_and_a_gradient_on_one_peer_only_is_averaged_with_zeros() {
+    let _turn = turn();
+    let results = watchdog(60, || {
+        peers(2, |peer| {
+            // The spare parameter is used by no peer; the classifier's bias only by rank 0.
+            let model =
+                TinyNet::<AB>::new(4, true, &Default::default()).map(&mut common::tiny::Seeded(7));
+            let batch = data(2, 8, peer.shard()).batch(0, 0)?;
+            let loss = memsave::train::TrainModel::loss(&model, batch);
+            let mut grads = burn::optim::GradientsParams::from_grads(loss.backward(), &model);
+            if peer.rank() == 1 {
+                grads.remove::<Flex, 1>(model.fc.bias.as_ref().unwrap().id);
+            }
+            let mine = grads_of(&model, &grads);
+            let mut one_each = clone_grads(&model, &grads);
+            let mut whole = clone_grads(&model, &grads);
+            let device = Default::default();
+            memsave::dist::all_reduce_grads_in_buckets::<AB, Net>(
+                &*peer,
+                &model,
+                &mut one_each,
+                &device,
+                1,
+            )?;
+            memsave::dist::all_reduce_grads::<AB, Net>(&*peer, &model, &mut whole, &device)?;
+            Ok((mine, grads_of(&model, &one_each), grads_of(&model, &whole)))
+        })
+        .unwrap()
+    });
+    let (rank0, rank1) = (&results[0], &results[1]);
+    // One bucket per gradient, or all in one: the same bits, the same on both peers.
+    assert_eq!(rank0.1, rank0.2);
+    assert_eq!(rank0.1, rank1.1);
+    assert_eq!(rank1.1, rank1.2);
+    let spare = rank0.0.len() - 1;
+    for (index, averaged) in rank0.1.iter().enumerate() {
+        match (&rank0.0[index], &rank1.0[index]) {
+            (None, None) => assert!(
+                averaged.is_none(),
+                "parameter {index}: no gradient anywhere"
+            ),
+            (Some(a), Some(b)) => {
+                let expected: Vec<f32> = a.iter().zip(b).map(|(a, b)| (a + b) / 2.0).collect();
+                assert_eq!(averaged.as_ref().unwrap(), &expected, "parameter {index}");
+            }
+            (Some(a), None) => {
+                let expected: Vec<f32> = a.iter().map(|a| a / 2.0).collect();
+                assert_eq!(
+                    averaged.as_ref().unwrap(),
+                    &expected,
+                    "parameter {index}: with zeros"
+                );
+            }
+            (None, Some(_)) => unreachable!(),
+        }
+    }
+    assert!(
+        rank0.0[spare].is_none(),
+        "the spare parameter is used by no peer"
+    );
+}
+
+/// A copy of every gradient of `model` in `grads`.
+fn clone_grads(model: &Net, grads: &burn::optim::GradientsParams) -> burn::optim::GradientsParams {
+    struct Copy<'a>(
+        &'a burn::optim::GradientsParams,
+        burn::optim::GradientsParams,
+    );
+    impl ModuleVisitor<AB> for Copy<'_> {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<AB, D>>) {
+            if let Some(grad) = self.0.get::<Flex, D>(param.id) {
+                self.1.register::<Flex, D>(param.id, grad);
+            }
+        }
+    }
+    let mut copy = Copy(grads, burn::optim::GradientsParams::new());
+    model.visit(&mut copy);
+    copy.1
+}

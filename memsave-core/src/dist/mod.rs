@@ -169,15 +169,31 @@ pub fn broadcast_module<B: AutodiffBackend, M: AutodiffModule<B>>(
     }
 }
 
+/// Gradients are all-reduced in buckets of about this many bytes: consecutive parameters'
+/// gradients of one precision, flattened and joined (PyTorch DDP's `bucket_cap_mb`, 25 MB). One
+/// call per bucket instead of one per parameter; the sums are the same, element by element.
+pub const BUCKET_BYTES: usize = 25 << 20;
+
 /// Averages the gradients of `model`'s parameters over the peers, in the model's order (the
-/// same on every peer, unlike parameter ids). A parameter with a gradient on some peers only (a
-/// branch one peer's data did not use) is averaged with zeros from the others, in fp32; one
-/// without a gradient anywhere stays without.
+/// same on every peer, unlike parameter ids), in buckets of [`BUCKET_BYTES`]. A parameter with a
+/// gradient on some peers only (a branch one peer's data did not use) is averaged with zeros
+/// from the others, in fp32; one without a gradient anywhere stays without.
 pub fn all_reduce_grads<B: AutodiffBackend, M: AutodiffModule<B>>(
     collective: &dyn Collective<B::InnerBackend>,
     model: &M,
     grads: &mut GradientsParams,
     device: &burn::tensor::Device<B::InnerBackend>,
+) -> Result<()> {
+    all_reduce_grads_in_buckets::<B, M>(collective, model, grads, device, BUCKET_BYTES)
+}
+
+/// [`all_reduce_grads`] with buckets of `bucket_bytes` (at least one gradient each).
+pub fn all_reduce_grads_in_buckets<B: AutodiffBackend, M: AutodiffModule<B>>(
+    collective: &dyn Collective<B::InnerBackend>,
+    model: &M,
+    grads: &mut GradientsParams,
+    device: &burn::tensor::Device<B::InnerBackend>,
+    bucket_bytes: usize,
 ) -> Result<()> {
     // Which parameters have a gradient here, in the model's order.
     struct Present<'a> {
@@ -195,55 +211,115 @@ pub fn all_reduce_grads<B: AutodiffBackend, M: AutodiffModule<B>>(
         present: Vec::new(),
     };
     model.visit(&mut present);
-    let here = present.present;
-    let everywhere = all_reduce_values(collective, &here, Reduce::Sum, device)?;
+    let everywhere = all_reduce_values(collective, &present.present, Reduce::Sum, device)?;
     let world = collective.world_size() as f64;
 
-    struct Average<'a, B: AutodiffBackend> {
-        collective: &'a dyn Collective<B::InnerBackend>,
+    // The gradients to average, flattened, in the model's order (moved out, not copied).
+    struct Take<'a, B: AutodiffBackend> {
         grads: &'a mut GradientsParams,
         everywhere: &'a [f64],
         world: f64,
         index: usize,
-        error: Option<crate::Error>,
+        flat: Vec<Tensor<B::InnerBackend, 1>>,
     }
-    impl<B: AutodiffBackend> ModuleVisitor<B> for Average<'_, B> {
+    impl<B: AutodiffBackend> ModuleVisitor<B> for Take<'_, B> {
         fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
-            let index = self.index;
+            let count = self.everywhere.get(self.index).copied().unwrap_or(0.0);
             self.index += 1;
-            let count = self.everywhere.get(index).copied().unwrap_or(0.0);
-            if self.error.is_some() || count == 0.0 {
+            if count == 0.0 {
                 return;
             }
-            let full = count >= self.world;
             let grad = match self.grads.remove::<B::InnerBackend, D>(param.id) {
-                Some(grad) if full => grad,
+                Some(grad) if count >= self.world => grad,
                 Some(grad) => grad.cast(DType::F32),
                 None => {
-                    let shape = param.val().shape();
-                    let device = param.val().inner().device();
-                    Tensor::<B::InnerBackend, D>::zeros(shape, &device)
+                    let value = param.val().inner();
+                    Tensor::<B::InnerBackend, D>::zeros(value.shape(), &value.device())
                 }
             };
-            match all_reduce_tensor(self.collective, grad, Reduce::Mean) {
-                Ok(mean) => self.grads.register::<B::InnerBackend, D>(param.id, mean),
-                Err(error) => self.error = Some(error),
-            }
+            let elements = grad.shape().num_elements();
+            self.flat.push(grad.reshape([elements]));
         }
     }
-    let mut average = Average::<B> {
-        collective,
+    let mut take = Take::<B> {
         grads,
         everywhere: &everywhere,
         world,
         index: 0,
-        error: None,
+        flat: Vec::new(),
     };
-    model.visit(&mut average);
-    match average.error {
-        Some(error) => Err(error),
-        None => Ok(()),
+    model.visit(&mut take);
+    let flat = std::mem::take(&mut take.flat);
+
+    // Averaged a bucket at a time.
+    let mut averaged: Vec<Tensor<B::InnerBackend, 1>> = Vec::with_capacity(flat.len());
+    let mut bucket: Vec<Tensor<B::InnerBackend, 1>> = Vec::new();
+    let mut bytes = 0;
+    let flush = |bucket: &mut Vec<Tensor<B::InnerBackend, 1>>,
+                 averaged: &mut Vec<Tensor<B::InnerBackend, 1>>|
+     -> Result<()> {
+        match bucket.len() {
+            0 => {}
+            1 => averaged.push(all_reduce_tensor(
+                collective,
+                bucket.remove(0),
+                Reduce::Mean,
+            )?),
+            _ => {
+                let lengths: Vec<usize> = bucket.iter().map(|t| t.dims()[0]).collect();
+                let joined = Tensor::cat(std::mem::take(bucket), 0);
+                let mean = all_reduce_tensor(collective, joined, Reduce::Mean)?;
+                let mut start = 0;
+                for length in lengths {
+                    averaged.push(mean.clone().slice([start..start + length]));
+                    start += length;
+                }
+            }
+        }
+        Ok(())
+    };
+    for grad in flat {
+        let size = grad.dims()[0] * grad.dtype().size();
+        let same_dtype = bucket
+            .first()
+            .is_none_or(|first| first.dtype() == grad.dtype());
+        if !bucket.is_empty() && (!same_dtype || bytes + size > bucket_bytes) {
+            flush(&mut bucket, &mut averaged)?;
+            bytes = 0;
+        }
+        bytes += size;
+        bucket.push(grad);
     }
+    flush(&mut bucket, &mut averaged)?;
+
+    // Back in place, in the model's order.
+    struct Put<'a, B: AutodiffBackend> {
+        grads: &'a mut GradientsParams,
+        everywhere: &'a [f64],
+        index: usize,
+        averaged: std::vec::IntoIter<Tensor<B::InnerBackend, 1>>,
+    }
+    impl<B: AutodiffBackend> ModuleVisitor<B> for Put<'_, B> {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+            let count = self.everywhere.get(self.index).copied().unwrap_or(0.0);
+            self.index += 1;
+            if count == 0.0 {
+                return;
+            }
+            if let Some(mean) = self.averaged.next() {
+                let shape = param.lazy_shape();
+                self.grads
+                    .register::<B::InnerBackend, D>(param.id, mean.reshape(shape));
+            }
+        }
+    }
+    model.visit(&mut Put::<B> {
+        grads,
+        everywhere: &everywhere,
+        index: 0,
+        averaged: averaged.into_iter(),
+    });
+    Ok(())
 }
 
 /// The loss and its parts averaged over the peers, for the log.
