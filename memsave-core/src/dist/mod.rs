@@ -170,9 +170,12 @@ pub fn broadcast_module<B: AutodiffBackend, M: AutodiffModule<B>>(
 }
 
 /// Gradients are all-reduced in buckets of about this many bytes: consecutive parameters'
-/// gradients of one precision, flattened and joined (PyTorch DDP's `bucket_cap_mb`, 25 MB). One
-/// call per bucket instead of one per parameter; the sums are the same, element by element.
-pub const BUCKET_BYTES: usize = 25 << 20;
+/// gradients of one precision, flattened and joined, one call per bucket; the sums are the same,
+/// element by element. PyTorch DDP's buckets hold 25 MB; here joining costs a copy of the bucket
+/// and its reduced value beside the gradients, and on the CPU 25 MB buckets raised the peak of
+/// two ResNet-18 peers from 276.8 to 343.9 MiB without a shorter step. 1 MiB joins the many small
+/// tensors (norms, biases) into few calls and leaves the large ones alone.
+pub const BUCKET_BYTES: usize = 1 << 20;
 
 /// Averages the gradients of `model`'s parameters over the peers, in the model's order (the
 /// same on every peer, unlike parameter ids), in buckets of [`BUCKET_BYTES`]. A parameter with a
