@@ -180,6 +180,8 @@ pub fn run_job(args: &TrainArgs, job: &Job) -> memsave::Result<()> {
             ));
         }
         let topology = args.dist.topology()?;
+        // A config error is the config's, said once, before any peer starts.
+        model_type(&args.config, &args.set)?;
         return match args.device {
             // N peers sharing the CPU.
             Device::Cpu => train_parallel::<Autodiff<Flex>>(

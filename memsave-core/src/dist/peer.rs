@@ -310,7 +310,7 @@ impl<B: Backend> BurnPeer<B> {
                     if start.elapsed() >= self.topology.timeout {
                         let error = Error::Peer {
                             peer: if self.topology.is_multi_node() {
-                                "on another node".to_string()
+                                self.other_node()
                             } else {
                                 "another".to_string()
                             },
@@ -368,7 +368,20 @@ impl<B: Backend> BurnPeer<B> {
     /// answering. burn-collective numbers nodes in the order they registered, not by
     /// `--node-rank`, so the node is named by rank when there are two, else left open.
     fn lost(&self, what: &str, error: &CollectiveError) -> Error {
-        let peer = if self.topology.nodes == 2 {
+        Error::Peer {
+            peer: self.other_node(),
+            message: format!(
+                "lost during {what}, seen from {}: the node stopped or its connection broke \
+                 ({})",
+                self.name(),
+                describe(error)
+            ),
+        }
+    }
+
+    /// The node a failure between nodes is blamed on: the other one, when there are two.
+    fn other_node(&self) -> String {
+        if self.topology.nodes == 2 {
             let other = 1 - self.topology.node_rank;
             let first = other * self.topology.devices;
             match self.topology.devices {
@@ -377,15 +390,6 @@ impl<B: Backend> BurnPeer<B> {
             }
         } else {
             "on another node".to_string()
-        };
-        Error::Peer {
-            peer,
-            message: format!(
-                "lost during {what}, seen from {}: the node stopped or its connection broke \
-                 ({})",
-                self.name(),
-                describe(error)
-            ),
         }
     }
 
