@@ -55,7 +55,7 @@ pub struct TrainArgs {
 /// device), on each of `--nodes M` machines.
 #[derive(clap::Args, Clone, Debug)]
 pub struct DistArgs {
-    /// Peers in this process, one per device: CUDA devices 0..N, or N peers sharing the CPU.
+    /// Peers in this process, one per device: CUDA devices 0..N-1, or N peers sharing the CPU.
     /// `data.samples_per_gpu` is per peer.
     #[arg(long, default_value_t = 1)]
     pub devices: usize,
