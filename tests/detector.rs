@@ -307,3 +307,39 @@ fn bad_detector_settings_are_errors_naming_the_field() {
         assert!(!log.contains("panicked"), "{set}: {log}");
     }
 }
+
+#[test]
+fn trains_on_two_peers_with_every_strategy_at_once_and_rank_0_alone_logs_and_evaluates() {
+    let dir = dir("two-peers");
+    let config = tiny(&dir, 12);
+    let work = dir.join("all");
+    let mut args = vec![
+        "train",
+        config.to_str().unwrap(),
+        "--work-dir",
+        work.to_str().unwrap(),
+        "--devices",
+        "2",
+    ];
+    // Mixed precision, accumulation and checkpointing together, on each peer.
+    let all: Vec<String> = common::strategy_overrides("\"dynamic\"")
+        .into_iter()
+        .flat_map(|(_, set)| set)
+        .collect();
+    args.extend(all.iter().map(String::as_str));
+    let out = memsave(&args);
+    let log = text(&out);
+    assert!(out.status.success(), "{log}");
+    assert!(log.contains("data parallel: 2 peers"), "{log}");
+    assert_eq!(
+        log.matches("evaluation at epoch 2 (3 images)").count(),
+        1,
+        "rank 0 alone evaluates: {log}"
+    );
+    let written = std::fs::read_to_string(work.join("train.log")).unwrap();
+    let lines: Vec<&str> = written.lines().filter(|l| l.starts_with("Epoch")).collect();
+    // 9 training images: 5 per peer (one repeated), 3 batches of 2 an epoch, logged once each.
+    assert_eq!(lines.len(), 6, "{written}");
+    assert!(lines.iter().all(|l| l.contains("loss_scale")), "{written}");
+    assert!(work.join("latest.ckpt").exists());
+}
