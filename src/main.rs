@@ -69,6 +69,7 @@ fn main() -> ExitCode {
         });
         if in_collective || std::thread::current().name() == Some("tokio-rt-worker") {
             eprintln!("memsave: burn-collective: {message}");
+            memsave::dist::report_network_failure(message);
             return;
         }
         report(info);

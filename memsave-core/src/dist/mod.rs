@@ -30,7 +30,9 @@ use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::ops::FloatTensor;
 use burn::tensor::{DType, Tensor, TensorData, TensorPrimitive};
 
-pub use peer::{run_local, serve_orchestrator, BurnPeer, Topology, DEFAULT_TIMEOUT};
+pub use peer::{
+    report_network_failure, run_local, serve_orchestrator, BurnPeer, Topology, DEFAULT_TIMEOUT,
+};
 pub use sampler::Shard;
 
 use crate::Result;

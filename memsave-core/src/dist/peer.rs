@@ -172,6 +172,34 @@ fn parse_address(flag: &str, address: &str) -> Result<burn_communication::Addres
         .map_err(|error: String| Error::invalid(flag, error))
 }
 
+/// The call that ends a peer's registration (a node may close its connections meanwhile).
+const FINISHING: &str = "finishing";
+
+/// How long a call may still be answered after a transfer between nodes broke (the other node
+/// may have ended normally, closing its connections, just before the answer came).
+const NETWORK_GRACE: Duration = Duration::from_secs(2);
+
+/// When and how one of burn-collective's network tasks failed in this process.
+static NETWORK_FAILURE: Mutex<Option<(Instant, String)>> = Mutex::new(None);
+
+/// Reports that one of burn-collective's network tasks failed (a panic on its runtime when a
+/// connection to another node broke; `memsave`'s panic hook calls this). The peers of a
+/// multi-node run waiting in a collective call then stop within [`NETWORK_GRACE`], naming the
+/// lost node, instead of waiting out the peer timeout. The first report counts.
+pub fn report_network_failure(detail: &str) {
+    let mut failure = NETWORK_FAILURE.lock().unwrap_or_else(|e| e.into_inner());
+    if failure.is_none() {
+        *failure = Some((Instant::now(), detail.to_string()));
+    }
+}
+
+fn network_failure() -> Option<(Instant, String)> {
+    NETWORK_FAILURE
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .clone()
+}
+
 /// What the peers of one process share: the first failure among them.
 #[derive(Default)]
 struct Group {
@@ -285,6 +313,7 @@ impl<B: Backend> BurnPeer<B> {
             return Err(self.error(what, "its collective thread has ended".to_string()));
         }
         let start = Instant::now();
+        let finishing = what == FINISHING;
         loop {
             match answer.recv_timeout(Duration::from_millis(20)) {
                 Ok(Ok(value)) => return Ok(value),
@@ -306,6 +335,17 @@ impl<B: Backend> BurnPeer<B> {
                 Err(RecvTimeoutError::Timeout) => {
                     if let Some(failure) = self.stopped() {
                         return Err(failure);
+                    }
+                    // A transfer between nodes broke: burn-collective's call may wait for the
+                    // lost node until the peer timeout; stop once the answer is overdue.
+                    if self.topology.is_multi_node() && !finishing {
+                        if let Some((at, detail)) = network_failure() {
+                            if at.elapsed() >= NETWORK_GRACE && start.elapsed() >= NETWORK_GRACE {
+                                let error = self.lost_because(what, &detail);
+                                self.group.fail::<B>(&error, &self.name());
+                                return Err(error);
+                            }
+                        }
                     }
                     if start.elapsed() >= self.topology.timeout {
                         let error = Error::Peer {
@@ -368,13 +408,16 @@ impl<B: Backend> BurnPeer<B> {
     /// answering. burn-collective numbers nodes in the order they registered, not by
     /// `--node-rank`, so the node is named by rank when there are two, else left open.
     fn lost(&self, what: &str, error: &CollectiveError) -> Error {
+        self.lost_because(what, &describe(error))
+    }
+
+    fn lost_because(&self, what: &str, detail: &str) -> Error {
         Error::Peer {
             peer: self.other_node(),
             message: format!(
                 "lost during {what}, seen from {}: the node stopped or its connection broke \
-                 ({})",
+                 ({detail})",
                 self.name(),
-                describe(error)
             ),
         }
     }
@@ -411,7 +454,7 @@ impl<B: Backend> BurnPeer<B> {
 
     fn finish(&self) -> Result<()> {
         let id = self.id;
-        self.call("finishing", move || {
+        self.call(FINISHING, move || {
             burn_collective::finish_collective::<B>(id)
         })
     }
@@ -470,8 +513,10 @@ where
             ),
         ));
     }
-    // A run before this one in the same process may have left peers registered.
+    // A run before this one in the same process may have left peers registered, or a broken
+    // connection behind.
     reset::<B>();
+    *NETWORK_FAILURE.lock().unwrap_or_else(|e| e.into_inner()) = None;
     let group = Arc::new(Group::default());
     let results: Vec<Result<T>> = std::thread::scope(|scope| {
         let handles: Vec<_> = devices
