@@ -69,6 +69,42 @@ fn lean_layers_keep_two_activations_per_conv_bn_relu_and_accumulation_keeps_one_
     assert!(ours <= 2.25, "{ours}");
     assert!(burns >= ours + 1.5, "Burn's: {burns}, memsave's: {ours}");
 
+    // A ResNet's downsample (conv, then BN) keeps only its input, which the block's first
+    // conv keeps anyway; the two steps keep the conv's output too. A stem's BN-ReLU-max-pool
+    // keeps only the BN's input; the steps keep the pooling's indices too (8 bytes each).
+    let pool = burn::nn::pool::MaxPool2dConfig::new([3, 3])
+        .with_strides([2, 2])
+        .with_padding(PaddingConfig2d::Explicit(1, 1, 1, 1))
+        .init();
+    let kept_by = |fused: bool, downsample: bool| {
+        let before = memory::current_bytes();
+        let y = match (downsample, fused) {
+            (true, true) => bn.forward_after_conv(&conv1, x.clone()),
+            (true, false) => bn.forward(conv2d(&conv1, x.clone())),
+            (false, true) => bn.forward_relu_max_pool(x.clone(), &pool),
+            (false, false) => memsave::nn::max_pool2d(&pool, bn.forward_relu(x.clone())),
+        };
+        let output = y.shape().num_elements() as f64 * 4.0 / activation;
+        let kept = (memory::current_bytes() - before) as f64 / activation - output;
+        let _ = y.sum().backward();
+        kept
+    };
+    // Lazy weights and one-time caches first.
+    let _ = kept_by(true, true) + kept_by(false, true) + kept_by(true, false);
+    let (down_fused, down_steps) = (kept_by(true, true), kept_by(false, true));
+    let (stem_fused, stem_steps) = (kept_by(true, false), kept_by(false, false));
+    eprintln!(
+        "conv-BN keeps {down_fused:.2} activations fused, {down_steps:.2} as two steps; \
+         BN-ReLU-max-pool {stem_fused:.2} fused, {stem_steps:.2} as two steps"
+    );
+    assert!(down_fused <= 0.1, "{down_fused}");
+    assert!(down_steps >= 0.9, "{down_steps}");
+    assert!(stem_fused <= 0.1, "{stem_fused}");
+    assert!(
+        stem_steps >= stem_fused + 0.4,
+        "{stem_steps} vs {stem_fused}"
+    );
+
     // Accumulation: the sums of earlier micro-batches seed the backward pass, so the step's peak
     // above its start is that of a backward without sums (no second set of gradients).
     let model: Linear<AB> = LinearConfig::new(512, 512).init(&device);

@@ -502,6 +502,10 @@ fn conv2d_gradients_match_burns() {
         (2, 16, 8, 1, 10, 2, 0, 1, false),
         (1, 3, 8, 7, 20, 2, 3, 1, false),
         (2, 4, 4, 3, 11, 1, 2, 2, true),
+        // Large enough for the input gradient's per-sample split into blocks of rows (the
+        // cases above take its small path): 2 x 144 x 1720 im2col elements, 144 > 128 rows.
+        (2, 16, 8, 3, 40, 1, 1, 1, false),
+        (2, 160, 8, 1, 40, 1, 0, 1, true),
     ];
     let mut worst = 0.0f32;
     for (i, &(n, cin, cout, k, hw, stride, pad, dilation, bias)) in cases.iter().enumerate() {
@@ -511,10 +515,11 @@ fn conv2d_gradients_match_burns() {
             .with_padding(PaddingConfig2d::Explicit(pad, pad, pad, pad))
             .with_bias(bias)
             .init::<AB>(&device);
-        let numel = n * cin * hw * hw;
+        // Wider than high: rows and columns are not interchangeable.
+        let numel = n * cin * hw * (hw + 3);
         let x0 = draws(numel, 60 + i as u64, 1.0, 0.0);
         let run = |ours: bool| {
-            let x = tensor(x0.clone(), [n, cin, hw, hw]).require_grad();
+            let x = tensor(x0.clone(), [n, cin, hw, hw + 3]).require_grad();
             let y = if ours {
                 memsave::nn::conv2d(&conv, x.clone())
             } else {
@@ -626,4 +631,178 @@ fn fused_bn_relu_conv_matches_the_separate_steps() {
         }
     }
     eprintln!("fused BN-ReLU-conv vs separate: max relative difference {worst:e}");
+}
+
+/// The values and gradients of a conv-BN chain, for comparing two ways of running it.
+fn conv_bn_outputs(
+    y: &Tensor<AB, 4>,
+    x: &Tensor<AB, 4>,
+    bn: &memsave::nn::BatchNorm<AB>,
+    conv: Option<&burn::nn::conv::Conv2d<AB>>,
+) -> Vec<Vec<f32>> {
+    let w = y.clone().detach().cos();
+    let grads = (y.clone() * w).sum().backward();
+    let mut out = vec![
+        values(y.clone().inner()),
+        values(x.grad(&grads).unwrap()),
+        values(bn.gamma.val().grad(&grads).unwrap()),
+        values(bn.beta.val().grad(&grads).unwrap()),
+        values(bn.running_mean.value_sync().inner()),
+        values(bn.running_var.value_sync().inner()),
+    ];
+    if let Some(conv) = conv {
+        out.push(values(conv.weight.grad(&grads).unwrap()));
+        if let Some(b) = &conv.bias {
+            out.push(values(b.grad(&grads).unwrap()));
+        }
+    }
+    out
+}
+
+fn bn_with_params(channels: usize, eval: bool) -> memsave::nn::BatchNorm<AB> {
+    let device = Default::default();
+    let mut bn = memsave::nn::BatchNormConfig::new(channels).init::<AB>(&device);
+    bn.gamma = Param::from_tensor(tensor(draws(channels, 91, 0.5, 1.0), [channels]).require_grad());
+    bn.beta = Param::from_tensor(tensor(draws(channels, 92, 0.5, 0.1), [channels]).require_grad());
+    if eval {
+        bn.running_mean =
+            burn::module::RunningState::new(tensor(draws(channels, 93, 0.3, 0.0), [channels]));
+        bn.running_var =
+            burn::module::RunningState::new(tensor(draws(channels, 94, 0.2, 1.0), [channels]));
+    }
+    bn.with_eval(eval)
+}
+
+/// A convolution and the BN after it as one op that keeps only the convolution's input (the
+/// convolution recomputed in backward): the same bits as the two steps, for the output, every
+/// gradient and the running statistics, in training and eval mode, with and without bias, at
+/// strides 1 and 2.
+#[test]
+fn conv_then_bn_keeping_the_input_equals_the_two_steps() {
+    use burn::nn::conv::Conv2dConfig;
+    use burn::nn::PaddingConfig2d;
+    let device = Default::default();
+    for (k, stride, bias, eval) in [
+        (1, 2, false, false),
+        (1, 1, true, false),
+        (3, 2, true, true),
+        (3, 1, false, true),
+    ] {
+        let conv = Conv2dConfig::new([5, 6], [k, k])
+            .with_stride([stride, stride])
+            .with_padding(PaddingConfig2d::Explicit(k / 2, k / 2, k / 2, k / 2))
+            .with_bias(bias)
+            .init::<AB>(&device);
+        let x0 = draws(2 * 5 * 9 * 8, 95 + k as u64, 1.5, 0.2);
+        let run = |fused: bool| {
+            let bn = bn_with_params(6, eval);
+            let x = tensor(x0.clone(), [2, 5, 9, 8]).require_grad();
+            let y = if fused {
+                bn.forward_after_conv(&conv, x.clone())
+            } else {
+                bn.forward(memsave::nn::conv2d(&conv, x.clone()))
+            };
+            conv_bn_outputs(&y, &x, &bn, Some(&conv))
+        };
+        assert_eq!(
+            run(true),
+            run(false),
+            "k{k} s{stride} bias {bias} eval {eval}"
+        );
+    }
+}
+
+/// BN-ReLU and the max pooling after it as one op that keeps only the BN's input (the ReLU's
+/// output and the maxima recomputed in backward): the same bits as the two steps.
+#[test]
+fn bn_relu_max_pool_keeping_the_input_equals_the_two_steps() {
+    use burn::nn::pool::MaxPool2dConfig;
+    use burn::nn::PaddingConfig2d;
+    let pool = MaxPool2dConfig::new([3, 3])
+        .with_strides([2, 2])
+        .with_padding(PaddingConfig2d::Explicit(1, 1, 1, 1))
+        .init();
+    for eval in [false, true] {
+        let x0 = draws(2 * 6 * 11 * 10, 97, 1.5, 0.2);
+        let run = |fused: bool| {
+            let bn = bn_with_params(6, eval);
+            let x = tensor(x0.clone(), [2, 6, 11, 10]).require_grad();
+            let y = if fused {
+                bn.forward_relu_max_pool(x.clone(), &pool)
+            } else {
+                memsave::nn::max_pool2d(&pool, bn.forward_relu(x.clone()))
+            };
+            conv_bn_outputs(&y, &x, &bn, None)
+        };
+        assert_eq!(run(true), run(false), "eval {eval}");
+    }
+}
+
+/// memsave's linear op against Burn's `Linear::forward`, and the in-place accumulation of the
+/// conv and linear weight gradients: a backward seeded with the sums of an earlier one gives
+/// the sums of the two.
+#[test]
+fn linear_matches_burns_and_seeded_gradients_add_in_place() {
+    use burn::nn::conv::Conv2dConfig;
+    use burn::nn::{Linear, LinearConfig};
+    use memsave::train::grads;
+    let device = Default::default();
+    let fc: Linear<AB> = LinearConfig::new(12, 7).init(&device);
+    let x = tensor(draws(5 * 12, 101, 1.0, 0.0), [5, 12]).require_grad();
+    let run = |ours: bool| {
+        let y = if ours {
+            memsave::nn::linear(&fc, x.clone())
+        } else {
+            fc.forward(x.clone())
+        };
+        let grads = (y.clone() * y.clone().detach().sin()).sum().backward();
+        vec![
+            values(y.inner()),
+            values(x.grad(&grads).unwrap()),
+            values(fc.weight.grad(&grads).unwrap()),
+            values(fc.bias.as_ref().unwrap().grad(&grads).unwrap()),
+        ]
+    };
+    let (ours, burns) = (run(true), run(false));
+    for (what, (a, b)) in ["y", "dx", "dw", "db"].iter().zip(ours.iter().zip(&burns)) {
+        let d = max_relative_difference(a, b);
+        assert!(d <= 1e-6, "linear {what}: {d}");
+    }
+
+    #[derive(burn::module::Module, Debug)]
+    struct Net<B: Backend> {
+        conv: burn::nn::conv::Conv2d<B>,
+        fc: Linear<B>,
+    }
+    let net = Net::<AB> {
+        conv: Conv2dConfig::new([3, 4], [3, 3]).init(&device),
+        fc: LinearConfig::new(4 * 4 * 4, 5).init(&device),
+    };
+    let loss = |seed: u64| {
+        let images = tensor(draws(2 * 3 * 6 * 6, seed, 1.0, 0.0), [2, 3, 6, 6]);
+        let features = memsave::nn::conv2d(&net.conv, images).flatten::<2>(1, 3);
+        memsave::nn::linear(&net.fc, features)
+            .powf_scalar(2.0)
+            .sum()
+    };
+    let first = grads::backward(loss(102), &net, None);
+    let second = grads::backward(loss(103), &net, None);
+    let seeded = grads::backward(
+        loss(103),
+        &net,
+        Some(grads::backward(loss(102), &net, None)),
+    );
+    let pick = |g: &burn::optim::GradientsParams| {
+        vec![
+            values(g.get::<Flex, 4>(net.conv.weight.id).unwrap()),
+            values(g.get::<Flex, 2>(net.fc.weight.id).unwrap()),
+            values(g.get::<Flex, 1>(net.fc.bias.as_ref().unwrap().id).unwrap()),
+        ]
+    };
+    let (a, b, s) = (pick(&first), pick(&second), pick(&seeded));
+    for (i, name) in ["conv weight", "fc weight", "fc bias"].iter().enumerate() {
+        let sum: Vec<f32> = a[i].iter().zip(&b[i]).map(|(p, q)| p + q).collect();
+        let d = max_relative_difference(&s[i], &sum);
+        assert!(d <= 1e-6, "{name}: seeded {d}");
+    }
 }

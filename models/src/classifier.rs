@@ -32,7 +32,7 @@ pub struct ClsHead<B: Backend> {
 impl<B: Backend> ClsHead<B> {
     /// Pooled features `[N, C]` -> logits `[N, classes]`.
     pub fn forward(&self, features: Tensor<B, 2>) -> Tensor<B, 2> {
-        self.fc.forward(features)
+        crate::memsave::nn::linear(&self.fc, features)
     }
 
     /// Mean cross-entropy of `logits` `[N, classes]` against `labels` `[N]`, in fp32.

@@ -19,7 +19,7 @@ use burn::prelude::{Backend, Tensor};
 use memsave::checkpoint::HasWithCp;
 use memsave::fp16::Fp16;
 use memsave::memory;
-use memsave::nn::{conv2d, max_pool2d, BatchNorm, BatchNormConfig, Relu};
+use memsave::nn::{conv2d, BatchNorm, BatchNormConfig, Relu};
 use memsave::planner::WithCp;
 use memsave::{auto_fp16, with_cp};
 use serde::{Deserialize, Serialize};
@@ -328,7 +328,8 @@ pub struct Stem<B: Backend> {
 impl<B: Backend> Stem<B> {
     /// `[N, C, H, W]` -> `[N, base_channels, H/4, W/4]`.
     pub fn forward(&self, x: Tensor<B, 4>) -> Tensor<B, 4> {
-        max_pool2d(&self.pool, self.bn.forward_relu(conv2d(&self.conv, x)))
+        self.bn
+            .forward_relu_max_pool(conv2d(&self.conv, x), &self.pool)
     }
 
     fn norm_eval(self) -> Self {
@@ -356,8 +357,11 @@ impl<B: Backend> Downsample<B> {
     }
 
     /// `[N, C_in, H, W]` -> `[N, C_out, H/s, W/s]`.
+    ///
+    /// Keeps only `x` (the block's input, which the block's first convolution keeps anyway):
+    /// the convolution's output is recomputed in backward.
     pub fn forward(&self, x: Tensor<B, 4>) -> Tensor<B, 4> {
-        self.bn.forward(conv2d(&self.conv, x))
+        self.bn.forward_after_conv(&self.conv, x)
     }
 
     fn norm_eval(self) -> Self {

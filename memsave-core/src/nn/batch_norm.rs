@@ -3,10 +3,12 @@ use burn::prelude::{Backend, Config};
 use burn::tensor::ops::FloatTensor;
 use burn::tensor::{Tensor, TensorPrimitive};
 
-use super::conv::conv_options;
+use super::conv::{conv_options, conv_output_dims};
 use super::kernels::{Act, Grouping, View};
-use super::ops::{self, ConvSpec, NormSpec, Statistics};
+use super::ops::{self, ConvSpec, NormSpec, PoolSpec, Statistics};
+use super::pool::pool_padding;
 use burn::nn::conv::Conv2d;
+use burn::nn::pool::MaxPool2d;
 
 use crate::fp16::{Fp16, Fp16Module, HasFp16Flag, Precision};
 
@@ -116,15 +118,7 @@ impl<B: Backend> BatchNorm<B> {
         let (view, statistics) = self.prepare(&input);
         let out = ops::norm_act_conv::<B>(
             input.into_primitive().tensor(),
-            NormSpec {
-                gamma: self.gamma.val().into_primitive().tensor(),
-                beta: self.beta.val().into_primitive().tensor(),
-                statistics,
-                view,
-                grouping: Grouping::PerChannel,
-                act: Act::Relu,
-                epsilon: self.epsilon,
-            },
+            self.spec(view, statistics, Act::Relu),
             ConvSpec {
                 weight: conv.weight.val().into_primitive().tensor(),
                 bias: conv
@@ -136,6 +130,87 @@ impl<B: Backend> BatchNorm<B> {
         );
         self.after(out.batch_stats, view, &device);
         Tensor::from_primitive(TensorPrimitive::Float(out.output))
+    }
+
+    /// `self.forward(conv.forward(input))` as one operation that keeps only `input` (and two
+    /// numbers per channel): the convolution's output, which the normalisation would keep, is
+    /// recomputed from `input` in backward, at the cost of one more convolution. It saves an
+    /// activation-sized tensor where `input` is kept by another op anyway, as a ResNet's
+    /// downsample, whose input the block's first convolution keeps. A convolution with
+    /// asymmetric `Same` padding, or an input of another float type than the weights, runs
+    /// the two steps as they are; so does the recomputation of a checkpointed segment, whose
+    /// tensors live only until the segment's backward is done (the same gradients, without
+    /// computing the convolution a third time).
+    ///
+    /// - input: `[batch, channels_in, height, width]`
+    /// - output: `[batch, channels_out, height_out, width_out]`
+    pub fn forward_after_conv(&self, conv: &Conv2d<B>, input: Tensor<B, 4>) -> Tensor<B, 4> {
+        let mismatch =
+            input.dtype() != conv.weight.val().dtype() || crate::checkpoint::is_recomputing();
+        let Some(options) = conv_options(conv, input.dims()).filter(|_| !mismatch) else {
+            return self.forward(crate::nn::conv2d(conv, input));
+        };
+        let device = input.device();
+        let dims = conv_output_dims(conv, input.dims(), &options);
+        let (view, statistics) = self.prepare_dims(&dims, &device);
+        let out = ops::conv_norm::<B>(
+            input.into_primitive().tensor(),
+            ConvSpec {
+                weight: conv.weight.val().into_primitive().tensor(),
+                bias: conv
+                    .bias
+                    .as_ref()
+                    .map(|bias| bias.val().into_primitive().tensor()),
+                options,
+            },
+            self.spec(view, statistics, Act::Identity),
+        );
+        self.after(out.batch_stats, view, &device);
+        let output = Tensor::from_primitive(TensorPrimitive::Float(out.output));
+        self.fp16_enabled.to_half(output)
+    }
+
+    /// `max_pool2d(pool, self.forward_relu(input))` as one operation that keeps only `input`
+    /// (and two numbers per channel): the ReLU's output and the maxima's indices are recomputed
+    /// from `input` in backward (elementwise, and one pooling), so the pooling's indices (8
+    /// bytes per output element) are not kept. A ResNet's stem. Asymmetric `Same` padding runs
+    /// the two steps as they are.
+    ///
+    /// - input: `[batch, channels, height, width]`
+    /// - output: `[batch, channels, height_out, width_out]`
+    pub fn forward_relu_max_pool(&self, input: Tensor<B, 4>, pool: &MaxPool2d) -> Tensor<B, 4> {
+        let Some(padding) = pool_padding(pool, input.dims()) else {
+            return crate::nn::max_pool2d(pool, self.forward_relu(input));
+        };
+        let device = input.device();
+        let (view, statistics) = self.prepare(&input);
+        let out = ops::norm_act_pool::<B>(
+            input.into_primitive().tensor(),
+            self.spec(view, statistics, Act::Relu),
+            PoolSpec {
+                kernel: pool.kernel_size,
+                stride: pool.stride,
+                padding,
+                dilation: pool.dilation,
+                ceil_mode: pool.ceil_mode,
+            },
+        );
+        self.after(out.batch_stats, view, &device);
+        let output = Tensor::from_primitive(TensorPrimitive::Float(out.output));
+        self.fp16_enabled.to_half(output)
+    }
+
+    /// This layer's parameters as the ops take them.
+    fn spec(&self, view: View, statistics: Statistics<B>, act: Act) -> NormSpec<B> {
+        NormSpec {
+            gamma: self.gamma.val().into_primitive().tensor(),
+            beta: self.beta.val().into_primitive().tensor(),
+            statistics,
+            view,
+            grouping: Grouping::PerChannel,
+            act,
+            epsilon: self.epsilon,
+        }
     }
 
     fn forward_act<const D: usize>(&self, input: Tensor<B, D>, act: Act) -> Tensor<B, D> {
@@ -163,8 +238,11 @@ impl<B: Backend> BatchNorm<B> {
             D >= 2,
             "BatchNorm takes [batch, channels, ...], got a {D}-d tensor"
         );
-        let device = input.device();
-        let dims = input.dims();
+        self.prepare_dims(&input.dims(), &input.device())
+    }
+
+    /// [`BatchNorm::prepare`] for an input of `dims` on `device`.
+    fn prepare_dims(&self, dims: &[usize], device: &B::Device) -> (View, Statistics<B>) {
         let view = View {
             outer: dims[0],
             channels: dims[1],
@@ -177,8 +255,15 @@ impl<B: Backend> BatchNorm<B> {
             self.gamma.shape().num_elements(),
             view.channels
         );
-        let statistics = if B::ad_enabled(&device) && !self.eval {
-            Statistics::Batch
+        let statistics = if B::ad_enabled(device) && !self.eval {
+            // In a checkpointed segment's recomputation: the statistics of its first forward.
+            match crate::checkpoint::context::replayed::<BatchStats<B>>() {
+                Some(BatchStats(mean, var)) => Statistics::Recorded {
+                    mean: mean.into_primitive().tensor(),
+                    var: var.into_primitive().tensor(),
+                },
+                None => Statistics::Batch,
+            }
         } else {
             Statistics::Running {
                 // Constants: no gradient flows into the statistics, whatever they came from.
@@ -186,14 +271,14 @@ impl<B: Backend> BatchNorm<B> {
                     .running_mean
                     .value()
                     .detach()
-                    .to_device(&device)
+                    .to_device(device)
                     .into_primitive()
                     .tensor(),
                 var: self
                     .running_var
                     .value()
                     .detach()
-                    .to_device(&device)
+                    .to_device(device)
                     .into_primitive()
                     .tensor(),
             }
@@ -210,6 +295,12 @@ impl<B: Backend> BatchNorm<B> {
         device: &B::Device,
     ) {
         if let Some((mean, var)) = batch_stats {
+            let (mean, var) = (
+                Tensor::<B, 1>::from_primitive(TensorPrimitive::Float(mean)),
+                Tensor::<B, 1>::from_primitive(TensorPrimitive::Float(var)),
+            );
+            // For the recomputation of the segments run for the first time (none outside).
+            crate::checkpoint::context::record(&BatchStats(mean.clone(), var.clone()));
             if !crate::checkpoint::is_recomputing() {
                 self.update_running(mean, var, view.outer * view.inner, device);
             }
@@ -220,8 +311,8 @@ impl<B: Backend> BatchNorm<B> {
     /// PyTorch).
     fn update_running(
         &self,
-        mean: FloatTensor<B>,
-        var: FloatTensor<B>,
+        mean: Tensor<B, 1>,
+        var: Tensor<B, 1>,
         count: usize,
         device: &B::Device,
     ) {
@@ -230,8 +321,6 @@ impl<B: Backend> BatchNorm<B> {
         } else {
             1.0
         };
-        let mean = Tensor::<B, 1>::from_primitive(TensorPrimitive::Float(mean));
-        let var = Tensor::<B, 1>::from_primitive(TensorPrimitive::Float(var));
         let running_mean = self.running_mean.value_sync().to_device(device);
         let running_var = self.running_var.value_sync().to_device(device);
         self.running_mean
@@ -241,6 +330,10 @@ impl<B: Backend> BatchNorm<B> {
         );
     }
 }
+
+/// A batch's mean and biased variance, recorded by a checkpointed segment's first forward.
+#[derive(Clone)]
+struct BatchStats<B: Backend>(Tensor<B, 1>, Tensor<B, 1>);
 
 impl<B: Backend> HasFp16Flag for BatchNorm<B> {
     fn fp16_enabled(&self) -> Fp16 {

@@ -1,4 +1,5 @@
 use burn::nn::conv::Conv2d;
+use burn::nn::Linear;
 use burn::nn::PaddingConfig2d;
 use burn::prelude::Backend;
 use burn::tensor::ops::ConvOptions;
@@ -29,6 +30,28 @@ pub fn conv2d<B: Backend>(conv: &Conv2d<B>, x: Tensor<B, 4>) -> Tensor<B, 4> {
     Tensor::from_primitive(TensorPrimitive::Float(output))
 }
 
+/// `linear.forward(x)` for one of Burn's `Linear` layers on `[N, in]` inputs, whose weight
+/// gradient is added into the gradient the weight has so far in place (under gradient
+/// accumulation, the group's sums: Burn's op makes the new gradient, and a transposed copy of
+/// it, beside them). Other ranks run Burn's forward as it is.
+///
+/// - x: `[batch, in]`
+/// - output: `[batch, out]`
+pub fn linear<B: Backend, const D: usize>(linear: &Linear<B>, x: Tensor<B, D>) -> Tensor<B, D> {
+    if D != 2 {
+        return linear.forward(x);
+    }
+    let output = ops::linear::<B>(
+        x.into_primitive().tensor(),
+        linear.weight.val().into_primitive().tensor(),
+        linear
+            .bias
+            .as_ref()
+            .map(|bias| bias.val().into_primitive().tensor()),
+    );
+    Tensor::from_primitive(TensorPrimitive::Float(output))
+}
+
 /// The backend's options for `conv` on an input of `dims`; `None` for asymmetric padding.
 pub(super) fn conv_options<B: Backend>(
     conv: &Conv2d<B>,
@@ -45,6 +68,19 @@ pub(super) fn conv_options<B: Backend>(
     };
     (top == bottom && left == right)
         .then(|| ConvOptions::new(conv.stride, [top, left], conv.dilation, conv.groups))
+}
+
+/// The output dims of `conv` on an input of `dims` with `options`.
+pub(super) fn conv_output_dims<B: Backend>(
+    conv: &Conv2d<B>,
+    dims: [usize; 4],
+    options: &ConvOptions<2>,
+) -> [usize; 4] {
+    let out = |axis: usize| {
+        let span = options.dilation[axis] * (conv.kernel_size[axis] - 1) + 1;
+        (dims[2 + axis] + 2 * options.padding[axis]).saturating_sub(span) / options.stride[axis] + 1
+    };
+    [dims[0], conv.weight.dims()[0], out(0), out(1)]
 }
 
 /// PyTorch's and Burn's `same`: `(start, end)` padding keeping `ceil(size / stride)` outputs.

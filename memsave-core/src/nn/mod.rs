@@ -21,7 +21,7 @@ mod pool;
 mod relu;
 
 pub use batch_norm::{BatchNorm, BatchNormConfig};
-pub use conv::conv2d;
+pub use conv::{conv2d, linear};
 pub use dropout::{Dropout, DropoutConfig};
 pub use group_norm::{GroupNorm, GroupNormConfig};
 pub use layer_norm::{LayerNorm, LayerNormConfig};

@@ -14,7 +14,24 @@ use super::ops;
 /// - x: `[batch, channels, height, width]`
 /// - output: `[batch, channels, height_out, width_out]`
 pub fn max_pool2d<B: Backend>(pool: &MaxPool2d, x: Tensor<B, 4>) -> Tensor<B, 4> {
-    let [_, _, height, width] = x.dims();
+    let Some(padding) = pool_padding(pool, x.dims()) else {
+        return pool.forward(x);
+    };
+    let output = ops::max_pool2d::<B>(
+        x.into_primitive().tensor(),
+        pool.kernel_size,
+        pool.stride,
+        padding,
+        pool.dilation,
+        pool.ceil_mode,
+    );
+    Tensor::from_primitive(TensorPrimitive::Float(output))
+}
+
+/// The backend's `[top, left]` padding for `pool` on an input of `dims`; `None` for asymmetric
+/// padding.
+pub(super) fn pool_padding(pool: &MaxPool2d, dims: [usize; 4]) -> Option<[usize; 2]> {
+    let [_, _, height, width] = dims;
     let ((top, bottom), (left, right)) = match pool.padding {
         PaddingConfig2d::Valid => ((0, 0), (0, 0)),
         PaddingConfig2d::Explicit(top, left, bottom, right) => ((top, bottom), (left, right)),
@@ -23,16 +40,5 @@ pub fn max_pool2d<B: Backend>(pool: &MaxPool2d, x: Tensor<B, 4>) -> Tensor<B, 4>
             same_padding(pool.kernel_size[1], pool.stride[1], width),
         ),
     };
-    if top != bottom || left != right {
-        return pool.forward(x);
-    }
-    let output = ops::max_pool2d::<B>(
-        x.into_primitive().tensor(),
-        pool.kernel_size,
-        pool.stride,
-        [top, left],
-        pool.dilation,
-        pool.ceil_mode,
-    );
-    Tensor::from_primitive(TensorPrimitive::Float(output))
+    (top == bottom && left == right).then_some([top, left])
 }

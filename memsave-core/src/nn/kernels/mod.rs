@@ -22,7 +22,8 @@ mod flex;
 pub mod generic;
 
 use burn::prelude::Backend;
-use burn::tensor::ops::{ConvOptions, FloatTensor, ModuleOps};
+use burn::tensor::ops::{ConvOptions, FloatTensor, FloatTensorOps, ModuleOps};
+use burn::tensor::DType;
 
 /// The activation fused after the affine transform.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -241,6 +242,26 @@ generic_kernels!(burn::backend::Cuda);
 
 /// The convolution kernels memsave replaces where the backend's default is slow.
 pub trait ConvKernels: Backend {
+    /// `conv2d(x, weight) + bias`. Default: the backend's own.
+    fn conv2d_forward(
+        x: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        bias: Option<FloatTensor<Self>>,
+        options: ConvOptions<2>,
+    ) -> FloatTensor<Self> {
+        Self::conv2d(x, weight, bias, options)
+    }
+
+    /// The gradient of `conv2d(x, weight)` with respect to `x`. Default: the backend's own.
+    fn conv2d_input_grad(
+        x: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        dy: FloatTensor<Self>,
+        options: ConvOptions<2>,
+    ) -> FloatTensor<Self> {
+        Self::conv2d_x_backward(x, weight, dy, options)
+    }
+
     /// The gradient of `conv2d(x, weight)` with respect to `weight`, contiguous and of the
     /// weight's shape. Default: the backend's own.
     fn conv2d_weight_grad(
@@ -251,9 +272,63 @@ pub trait ConvKernels: Backend {
     ) -> FloatTensor<Self> {
         Self::conv2d_weight_backward(x, weight, dy, options)
     }
+
+    /// `onto + conv2d_weight_grad(x, weight, dy)`, where `onto` is the gradient the weight has
+    /// so far (as [`burn::backend::autodiff::grads::Gradients::register`] adds). Default:
+    /// exactly that sum; on Flex, added into `onto` in place where it can be.
+    fn conv2d_weight_grad_onto(
+        x: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        dy: FloatTensor<Self>,
+        options: ConvOptions<2>,
+        onto: FloatTensor<Self>,
+    ) -> FloatTensor<Self> {
+        Self::float_add(Self::conv2d_weight_grad(x, weight, dy, options), onto)
+    }
+
+    /// `onto + x^T * dy` (or `x^T * dy` without `onto`): the weight gradient of a linear layer
+    /// `y = x * W`, x `[N, in]`, dy `[N, out]`. Default: tensor ops; on Flex, fp32, added into
+    /// `onto` in place where it can be.
+    fn linear_weight_grad_onto(
+        x: FloatTensor<Self>,
+        dy: FloatTensor<Self>,
+        onto: Option<FloatTensor<Self>>,
+    ) -> FloatTensor<Self> {
+        let dw = Self::float_matmul(Self::float_transpose(x), dy);
+        match onto {
+            Some(onto) => Self::float_add(dw, onto),
+            None => dw,
+        }
+    }
 }
 
+/// On Flex, fp32 convolutions with one group run memsave's kernels ([`conv`]); the others
+/// Flex's own (the weight gradient: memsave's for any float type).
 impl ConvKernels for burn::backend::Flex {
+    fn conv2d_forward(
+        x: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        bias: Option<FloatTensor<Self>>,
+        options: ConvOptions<2>,
+    ) -> FloatTensor<Self> {
+        if !conv::supports_f32(&x, &weight, &options) {
+            return Self::conv2d(x, weight, bias, options);
+        }
+        conv::forward(&x, &weight, bias.as_ref(), &options)
+    }
+
+    fn conv2d_input_grad(
+        x: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        dy: FloatTensor<Self>,
+        options: ConvOptions<2>,
+    ) -> FloatTensor<Self> {
+        if !conv::supports_f32(&x, &weight, &options) || dy.dtype() != DType::F32 {
+            return Self::conv2d_x_backward(x, weight, dy, options);
+        }
+        conv::input_grad(x.layout().shape(), &weight, &dy, &options)
+    }
+
     fn conv2d_weight_grad(
         x: FloatTensor<Self>,
         weight: FloatTensor<Self>,
@@ -271,6 +346,44 @@ impl ConvKernels for burn::backend::Flex {
             weight.dtype(),
             &options,
         )
+    }
+
+    fn conv2d_weight_grad_onto(
+        x: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        dy: FloatTensor<Self>,
+        options: ConvOptions<2>,
+        onto: FloatTensor<Self>,
+    ) -> FloatTensor<Self> {
+        if !conv::supports(&options) {
+            let dw = Self::conv2d_weight_backward(x, weight, dy, options);
+            return Self::float_add(dw, onto);
+        }
+        let shape = weight.layout().shape().to_vec();
+        let shape = [shape[0], shape[1], shape[2], shape[3]];
+        match conv::weight_grad_onto(&x, &dy, shape, weight.dtype(), &options, onto) {
+            Ok(sum) => sum,
+            Err((dw, onto)) => Self::float_add(dw, onto),
+        }
+    }
+
+    fn linear_weight_grad_onto(
+        x: FloatTensor<Self>,
+        dy: FloatTensor<Self>,
+        onto: Option<FloatTensor<Self>>,
+    ) -> FloatTensor<Self> {
+        if x.dtype() != DType::F32 || dy.dtype() != DType::F32 {
+            let dw = Self::float_matmul(Self::float_transpose(x), dy);
+            return match onto {
+                Some(onto) => Self::float_add(dw, onto),
+                None => dw,
+            };
+        }
+        match conv::linear_weight_grad_onto(&x, &dy, onto) {
+            Ok(sum) => sum,
+            Err((dw, Some(onto))) => Self::float_add(dw, onto),
+            Err((dw, None)) => dw,
+        }
     }
 }
 

@@ -22,7 +22,7 @@ pub(super) fn tracked_conv2d<K: ConvKernels>(
 ) -> FloatTensor<Autodiff<K>> {
     let inner = |t: FloatTensor<Autodiff<K>>| Autodiff::<K>::inner(t);
     let (xi, wi) = (inner(x.clone()), inner(weight.clone()));
-    let output = K::conv2d(
+    let output = K::conv2d_forward(
         xi.clone(),
         wi.clone(),
         bias.clone().map(inner),
@@ -83,11 +83,39 @@ impl<K: ConvKernels> Backward<K, 3> for Conv2dBackward {
         }
         // The input gradient first: its temporaries are gone before the weight gradient exists.
         if let Some(node) = px {
-            let dx = K::conv2d_x_backward(x.clone(), weight.clone(), dy.clone(), options.clone());
+            let dx = K::conv2d_input_grad(x.clone(), weight.clone(), dy.clone(), options.clone());
             grads.register::<K>(node.id, dx);
         }
         if let Some(node) = pw {
-            grads.register::<K>(node.id, K::conv2d_weight_grad(x, weight, dy, options));
+            let mut key = node_key::<K>(&weight);
+            key.node = node;
+            register_weight_grad::<K>(grads, key, x, weight, dy, options);
         }
     }
+}
+
+/// A tensor to stand for a node of the graph: its `node` field is set to the node, and
+/// `Gradients::remove` reads only that (the node's type is not exported by name).
+pub(super) fn node_key<K: Backend>(like: &FloatTensor<K>) -> FloatTensor<Autodiff<K>> {
+    Autodiff::<K>::from_inner(super::super::kernels::generic::scalar_like::<K>(like))
+}
+
+/// Registers the weight gradient of a convolution for the weight's node (`key`, see
+/// [`node_key`]). When the weight has a gradient already (the sums of earlier micro-batches,
+/// seeded by accumulation; or its use elsewhere), the new one is added into it
+/// ([`ConvKernels::conv2d_weight_grad_onto`]): on Flex in place, so that no second
+/// weight-sized buffer exists beside the sum.
+pub(super) fn register_weight_grad<K: ConvKernels>(
+    grads: &mut Gradients,
+    key: FloatTensor<Autodiff<K>>,
+    x: FloatTensor<K>,
+    weight: FloatTensor<K>,
+    dy: FloatTensor<K>,
+    options: ConvOptions<2>,
+) {
+    let dw = match grads.remove::<K>(&key) {
+        Some(sum) => K::conv2d_weight_grad_onto(x, weight, dy, options, sum),
+        None => K::conv2d_weight_grad(x, weight, dy, options),
+    };
+    grads.register::<K>(key.node.id, dw);
 }

@@ -21,6 +21,7 @@ use burn::tensor::ops::{ConvOptions, FloatTensor};
 use burn::tensor::TensorPrimitive;
 
 use super::super::kernels::{Act, ConvKernels, Grouping, NormKernels, View, Wanted};
+use super::conv::{node_key, register_weight_grad};
 use super::norm::inv_std;
 use super::{Normalised, Statistics};
 
@@ -54,13 +55,7 @@ pub(super) fn tracked_norm_act_conv<K: NormKernels + ConvKernels>(
         inner(norm.beta.clone()),
         inner(conv.weight.clone()),
     );
-    let (mean, var, batch) = match norm.statistics {
-        Statistics::Batch => {
-            let (mean, var) = K::norm_stats(&xi, norm.view, norm.grouping);
-            (mean, var, true)
-        }
-        Statistics::Running { mean, var } => (inner(mean), inner(var), false),
-    };
+    let (mean, var, batch) = norm.statistics.inner().of(&xi, norm.view, norm.grouping);
     let invstd = inv_std::<K>(var.clone(), norm.epsilon);
     let activated = K::norm_apply(
         xi.clone(),
@@ -72,7 +67,7 @@ pub(super) fn tracked_norm_act_conv<K: NormKernels + ConvKernels>(
         &bi,
         norm.act,
     );
-    let output = K::conv2d(
+    let output = K::conv2d_forward(
         activated,
         wi.clone(),
         conv.bias.clone().map(inner),
@@ -171,7 +166,7 @@ impl<K: NormKernels + ConvKernels> Backward<K, 5> for FusedBackward {
         );
         let wants_norm = px.is_some() || pg.is_some() || pb.is_some();
         let dy = wants_norm.then(|| {
-            K::conv2d_x_backward(
+            K::conv2d_input_grad(
                 activated.clone(),
                 s.weight.clone(),
                 dz.clone(),
@@ -179,8 +174,9 @@ impl<K: NormKernels + ConvKernels> Backward<K, 5> for FusedBackward {
             )
         });
         if let Some(node) = pw {
-            let dw = K::conv2d_weight_grad(activated, s.weight, dz, s.options);
-            grads.register::<K>(node.id, dw);
+            let mut key = node_key::<K>(&s.weight);
+            key.node = node;
+            register_weight_grad::<K>(grads, key, activated, s.weight, dz, s.options);
         }
         let Some(dy) = dy else { return };
         let wanted = Wanted {

@@ -21,14 +21,22 @@ use std::any::{Any, TypeId};
 
 use burn::backend::{Autodiff, Flex};
 use burn::prelude::Backend;
+use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::ops::{ConvOptions, FloatTensor};
 
-use super::kernels::{Act, Grouping, View};
+use super::kernels::{Act, Grouping, NormKernels, View};
 
 /// The statistics a normalisation uses.
 pub(crate) enum Statistics<B: Backend> {
     /// Those of this input (training BatchNorm, GroupNorm, LayerNorm).
     Batch,
+    /// Those of this input, as computed by a checkpointed segment's first forward and replayed
+    /// in its recomputation (the same bits): as `Batch`, without a pass over the input. On
+    /// backends whose statistics are tensor ops (differentiated by Burn), computed again.
+    Recorded {
+        mean: FloatTensor<B>,
+        var: FloatTensor<B>,
+    },
     /// Given ones, constants (BatchNorm in eval mode): mean and biased variance, `[groups]`.
     Running {
         mean: FloatTensor<B>,
@@ -59,27 +67,17 @@ pub(crate) fn normalise<B: Backend>(
     macro_rules! on {
         ($backend:ty, $run:ident, $kernels:ty) => {
             if same::<B, $backend>() {
-                let statistics = match statistics {
-                    Statistics::Batch => Statistics::Batch,
-                    Statistics::Running { mean, var } => Statistics::Running {
-                        mean: retype(mean),
-                        var: retype(var),
-                    },
-                };
                 let out = $run::<$kernels>(
                     retype(x),
                     retype(gamma),
                     retype(beta),
-                    statistics,
+                    statistics.retype(),
                     view,
                     grouping,
                     act,
                     epsilon,
                 );
-                return Normalised {
-                    output: retype(out.output),
-                    batch_stats: out.batch_stats.map(|(m, v)| (retype(m), retype(v))),
-                };
+                return out.retype();
             }
         };
     }
@@ -136,6 +134,31 @@ pub(crate) fn conv2d<B: Backend>(
     B::conv2d(x, weight, bias, options)
 }
 
+/// `x * weight + bias` for `x` `[N, in]`, whose weight gradient is added into the gradient the
+/// weight has so far in place (the sums of earlier micro-batches under accumulation: no second
+/// weight-sized buffer beside them).
+pub(crate) fn linear<B: Backend>(
+    x: FloatTensor<B>,
+    weight: FloatTensor<B>,
+    bias: Option<FloatTensor<B>>,
+) -> FloatTensor<B> {
+    macro_rules! on {
+        ($inner:ty) => {
+            if same::<B, Autodiff<$inner>>() {
+                return retype(tracked_linear::<$inner>(
+                    retype(x),
+                    retype(weight),
+                    bias.map(retype),
+                ));
+            }
+        };
+    }
+    on!(Flex);
+    #[cfg(feature = "cuda")]
+    on!(burn::backend::Cuda);
+    B::linear(x, weight, bias)
+}
+
 /// `max_pool2d(x)` that keeps only the maxima's indices and the input's shape for backward (on
 /// `Autodiff<Flex>`, whose backward reads nothing else of the input).
 pub(crate) fn max_pool2d<B: Backend>(
@@ -161,17 +184,22 @@ pub(crate) fn max_pool2d<B: Backend>(
 
 mod conv;
 mod fused;
+mod linear;
 mod norm;
 mod pool;
 mod relu;
+mod shared;
 
 pub(crate) use fused::{ConvSpec, NormSpec};
+pub(crate) use shared::PoolSpec;
 
 use conv::tracked_conv2d;
 use fused::tracked_norm_act_conv;
+use linear::tracked_linear;
 use norm::{composed, tracked, untracked};
 use pool::{tracked_max_pool2d, PoolOptions};
 use relu::relu_keeping_output;
+use shared::{tracked_conv_norm, tracked_norm_act_pool};
 
 /// `conv2d(act(normalise(x)))` keeping only `x` (and the statistics) for backward: see
 /// [`fused`]. On a backend without the fused op, the two ops as they are.
@@ -181,31 +209,8 @@ pub(crate) fn norm_act_conv<B: Backend>(
     conv: ConvSpec<B>,
 ) -> Normalised<B> {
     if same::<B, Autodiff<Flex>>() {
-        let norm = NormSpec {
-            gamma: retype(norm.gamma),
-            beta: retype(norm.beta),
-            statistics: match norm.statistics {
-                Statistics::Batch => Statistics::Batch,
-                Statistics::Running { mean, var } => Statistics::Running {
-                    mean: retype(mean),
-                    var: retype(var),
-                },
-            },
-            view: norm.view,
-            grouping: norm.grouping,
-            act: norm.act,
-            epsilon: norm.epsilon,
-        };
-        let conv = ConvSpec {
-            weight: retype(conv.weight),
-            bias: conv.bias.map(retype),
-            options: conv.options,
-        };
-        let out = tracked_norm_act_conv::<Flex>(retype(x), norm, conv);
-        return Normalised {
-            output: retype(out.output),
-            batch_stats: out.batch_stats.map(|(m, v)| (retype(m), retype(v))),
-        };
+        let out = tracked_norm_act_conv::<Flex>(retype(x), norm.retype(), conv.retype());
+        return out.retype();
     }
     let normalised = normalise::<B>(
         x,
@@ -220,6 +225,168 @@ pub(crate) fn norm_act_conv<B: Backend>(
     Normalised {
         output: conv2d::<B>(normalised.output, conv.weight, conv.bias, conv.options),
         batch_stats: normalised.batch_stats,
+    }
+}
+
+/// `act(normalise(conv2d(x)))` keeping only `x` (and the statistics) for backward, the
+/// convolution's output recomputed in backward: see [`shared`]. `norm.view` is that of the
+/// convolution's output. On a backend without the op, the two ops as they are.
+pub(crate) fn conv_norm<B: Backend>(
+    x: FloatTensor<B>,
+    conv: ConvSpec<B>,
+    norm: NormSpec<B>,
+) -> Normalised<B> {
+    macro_rules! on {
+        ($inner:ty) => {
+            if same::<B, Autodiff<$inner>>() {
+                let out = tracked_conv_norm::<$inner>(retype(x), conv.retype(), norm.retype());
+                return out.retype();
+            }
+        };
+    }
+    on!(Flex);
+    #[cfg(feature = "cuda")]
+    on!(burn::backend::Cuda);
+    let y = conv2d::<B>(x, conv.weight, conv.bias, conv.options);
+    normalise::<B>(
+        y,
+        norm.gamma,
+        norm.beta,
+        norm.statistics,
+        norm.view,
+        norm.grouping,
+        norm.act,
+        norm.epsilon,
+    )
+}
+
+/// `max_pool2d(act(normalise(x)))` keeping only `x` (and the statistics) for backward, the
+/// activation's output and the maxima's indices recomputed in backward: see [`shared`]. On a
+/// backend without the op, the two ops as they are.
+pub(crate) fn norm_act_pool<B: Backend>(
+    x: FloatTensor<B>,
+    norm: NormSpec<B>,
+    pool: PoolSpec,
+) -> Normalised<B> {
+    macro_rules! on {
+        ($inner:ty) => {
+            if same::<B, Autodiff<$inner>>() {
+                let out = tracked_norm_act_pool::<$inner>(retype(x), norm.retype(), pool);
+                return out.retype();
+            }
+        };
+    }
+    on!(Flex);
+    #[cfg(feature = "cuda")]
+    on!(burn::backend::Cuda);
+    let normalised = normalise::<B>(
+        x,
+        norm.gamma,
+        norm.beta,
+        norm.statistics,
+        norm.view,
+        norm.grouping,
+        norm.act,
+        norm.epsilon,
+    );
+    Normalised {
+        output: max_pool2d::<B>(
+            normalised.output,
+            pool.kernel,
+            pool.stride,
+            pool.padding,
+            pool.dilation,
+            pool.ceil_mode,
+        ),
+        batch_stats: normalised.batch_stats,
+    }
+}
+
+impl<B: Backend> Statistics<B> {
+    /// The same statistics as tensors of `T` (after [`same`] said the types are one).
+    fn retype<T: Backend>(self) -> Statistics<T> {
+        match self {
+            Statistics::Batch => Statistics::Batch,
+            Statistics::Recorded { mean, var } => Statistics::Recorded {
+                mean: retype(mean),
+                var: retype(var),
+            },
+            Statistics::Running { mean, var } => Statistics::Running {
+                mean: retype(mean),
+                var: retype(var),
+            },
+        }
+    }
+}
+
+impl<K: Backend> Statistics<Autodiff<K>> {
+    /// The same statistics on the inner backend.
+    fn inner(self) -> Statistics<K> {
+        let inner = |t: FloatTensor<Autodiff<K>>| <Autodiff<K> as AutodiffBackend>::inner(t);
+        match self {
+            Statistics::Batch => Statistics::Batch,
+            Statistics::Recorded { mean, var } => Statistics::Recorded {
+                mean: inner(mean),
+                var: inner(var),
+            },
+            Statistics::Running { mean, var } => Statistics::Running {
+                mean: inner(mean),
+                var: inner(var),
+            },
+        }
+    }
+}
+
+impl<K: NormKernels> Statistics<K> {
+    /// Mean and biased variance to normalise `x` with, and whether they are the batch's
+    /// (gradients flow through them).
+    fn of(
+        self,
+        x: &FloatTensor<K>,
+        view: View,
+        grouping: Grouping,
+    ) -> (FloatTensor<K>, FloatTensor<K>, bool) {
+        match self {
+            Statistics::Batch => {
+                let (mean, var) = K::norm_stats(x, view, grouping);
+                (mean, var, true)
+            }
+            Statistics::Recorded { mean, var } => (mean, var, true),
+            Statistics::Running { mean, var } => (mean, var, false),
+        }
+    }
+}
+
+impl<B: Backend> NormSpec<B> {
+    fn retype<T: Backend>(self) -> NormSpec<T> {
+        NormSpec {
+            gamma: retype(self.gamma),
+            beta: retype(self.beta),
+            statistics: self.statistics.retype(),
+            view: self.view,
+            grouping: self.grouping,
+            act: self.act,
+            epsilon: self.epsilon,
+        }
+    }
+}
+
+impl<B: Backend> ConvSpec<B> {
+    fn retype<T: Backend>(self) -> ConvSpec<T> {
+        ConvSpec {
+            weight: retype(self.weight),
+            bias: self.bias.map(retype),
+            options: self.options,
+        }
+    }
+}
+
+impl<B: Backend> Normalised<B> {
+    fn retype<T: Backend>(self) -> Normalised<T> {
+        Normalised {
+            output: retype(self.output),
+            batch_stats: self.batch_stats.map(|(m, v)| (retype(m), retype(v))),
+        }
     }
 }
 

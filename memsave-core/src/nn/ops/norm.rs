@@ -37,13 +37,7 @@ pub(super) fn untracked<K: NormKernels>(
     act: Act,
     epsilon: f64,
 ) -> Normalised<K> {
-    let (mean, var, batch) = match statistics {
-        Statistics::Batch => {
-            let (mean, var) = K::norm_stats(&x, view, grouping);
-            (mean, var, true)
-        }
-        Statistics::Running { mean, var } => (mean, var, false),
-    };
+    let (mean, var, batch) = statistics.of(&x, view, grouping);
     let invstd = inv_std::<K>(var.clone(), epsilon);
     let output = K::norm_apply(x, view, grouping, &mean, &invstd, &gamma, &beta, act);
     Normalised {
@@ -66,13 +60,7 @@ pub(super) fn tracked<K: NormKernels>(
 ) -> Normalised<Autodiff<K>> {
     let inner = |t: FloatTensor<Autodiff<K>>| Autodiff::<K>::inner(t);
     let (xi, gi, bi) = (inner(x.clone()), inner(gamma.clone()), inner(beta.clone()));
-    let (mean, var, batch) = match statistics {
-        Statistics::Batch => {
-            let (mean, var) = K::norm_stats(&xi, view, grouping);
-            (mean, var, true)
-        }
-        Statistics::Running { mean, var } => (inner(mean), inner(var), false),
-    };
+    let (mean, var, batch) = statistics.inner().of(&xi, view, grouping);
     let invstd = inv_std::<K>(var.clone(), epsilon);
     let output = K::norm_apply(xi.clone(), view, grouping, &mean, &invstd, &gi, &bi, act);
     let nodes = [x.node.clone(), gamma.node.clone(), beta.node.clone()];
@@ -117,7 +105,8 @@ pub(super) fn composed<B: Backend>(
     epsilon: f64,
 ) -> Normalised<B> {
     let (mean, var, batch) = match statistics {
-        Statistics::Batch => {
+        // Tensor ops: the statistics must be computed here for Burn to differentiate them.
+        Statistics::Batch | Statistics::Recorded { .. } => {
             let (mean, var) = generic::stats::<B>(&x, view, grouping);
             (mean, var, true)
         }
