@@ -233,12 +233,20 @@ fn run<B: AutodiffBackend + memsave::Backend>(
         meter.before_step(device);
         let start = Instant::now();
         let loss = criterion.forward(model.forward(images.clone()), labels.clone());
+        let _ = B::sync(device);
+        let forward = start.elapsed().as_secs_f64();
         let grads = GradientsParams::from_grads(loss.backward(), &model);
-        slot.1 = slot.2.step(0.01, model, grads);
         let _ = B::sync(device);
         join_helpers();
+        let backward = start.elapsed().as_secs_f64() - forward;
+        slot.1 = slot.2.step(0.01, model, grads);
+        let _ = B::sync(device);
         let seconds = start.elapsed().as_secs_f64();
-        (meter.peak_above_baseline(device), seconds)
+        (
+            meter.peak_above_baseline(device),
+            seconds,
+            [forward, backward],
+        )
     };
 
     eprintln!(
@@ -261,13 +269,15 @@ fn run<B: AutodiffBackend + memsave::Backend>(
             .map(|i| (i + round) % variants.len())
             .collect();
         for index in order {
-            let (peak, seconds) = step(variants[index], meter);
+            let (peak, seconds, [forward, backward]) = step(variants[index], meter);
             eprintln!(
-                "  step {} {:>32}: peak {:8.1} MiB above baseline, {:6.2} s",
+                "  step {} {:>32}: peak {:8.1} MiB above baseline, {:6.2} s (forward {:.2} s, backward {:.2} s)",
                 round + 1,
                 variants[index].name(),
                 memory::mib(peak as usize),
-                seconds
+                seconds,
+                forward,
+                backward
             );
             measured[index].peak.push(peak);
             measured[index].seconds.push(seconds);

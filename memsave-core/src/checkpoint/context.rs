@@ -62,13 +62,55 @@ pub fn random<T: Clone + Send + 'static>(draw: impl FnOnce() -> T) -> T {
             }
             None => draw(),
         };
-        let above = replay.map_or(0, |index| index + 1);
-        for frame in &mut frames[above..] {
-            if let Frame::Record(draws) = frame {
-                draws.push(Box::new(value.clone()));
-            }
-        }
+        record_above(&mut frames, replay, &value);
         value
+    })
+}
+
+/// Pushes `value` onto the record frames above the innermost replay (`replay`): the segments
+/// run for the first time, for their recomputation.
+fn record_above<T: Clone + Send + 'static>(frames: &mut [Frame], replay: Option<usize>, value: &T) {
+    let above = replay.map_or(0, |index| index + 1);
+    for frame in &mut frames[above..] {
+        if let Frame::Record(draws) = frame {
+            draws.push(Box::new(value.clone()));
+        }
+    }
+}
+
+/// A value a layer computed in a segment's first forward, handed back in its recomputation so
+/// that it is not computed again (BatchNorm's batch statistics: the same bits, without a pass
+/// over the input). `None` outside a recomputation: the layer computes the value, then hands
+/// it to [`record`].
+pub(crate) fn replayed<T: Send + 'static>() -> Option<T> {
+    FRAMES.with(|frames| {
+        let mut frames = frames.borrow_mut();
+        let index = frames
+            .iter()
+            .rposition(|frame| matches!(frame, Frame::Replay(..)))?;
+        let Frame::Replay(queue, _) = &mut frames[index] else {
+            unreachable!("rposition found a replay frame")
+        };
+        let recorded = queue.pop_front().expect(
+            "a checkpointed segment ran more layers with recorded values in its recomputation \
+             than in its first forward: its body must be deterministic given its input",
+        );
+        Some(*recorded.downcast::<T>().expect(
+            "a checkpointed segment ran its layers in another order in its recomputation: its \
+             body must be deterministic given its input",
+        ))
+    })
+}
+
+/// Records `value` (computed, or [`replayed`]) for the recomputation of the segments being run
+/// for the first time.
+pub(crate) fn record<T: Clone + Send + 'static>(value: &T) {
+    FRAMES.with(|frames| {
+        let mut frames = frames.borrow_mut();
+        let replay = frames
+            .iter()
+            .rposition(|frame| matches!(frame, Frame::Replay(..)));
+        record_above(&mut frames, replay, value);
     })
 }
 

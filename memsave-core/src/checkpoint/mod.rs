@@ -16,7 +16,7 @@
 //! thread outlives its step.
 
 mod autodiff;
-mod context;
+pub(crate) mod context;
 pub mod profile;
 mod segment;
 mod stream;
