@@ -119,14 +119,7 @@ impl<B: Backend> BatchNorm<B> {
         let out = ops::norm_act_conv::<B>(
             input.into_primitive().tensor(),
             self.spec(view, statistics, Act::Relu),
-            ConvSpec {
-                weight: conv.weight.val().into_primitive().tensor(),
-                bias: conv
-                    .bias
-                    .as_ref()
-                    .map(|bias| bias.val().into_primitive().tensor()),
-                options,
-            },
+            conv_spec(conv, options),
         );
         self.after(out.batch_stats, view, &device);
         Tensor::from_primitive(TensorPrimitive::Float(out.output))
@@ -155,14 +148,7 @@ impl<B: Backend> BatchNorm<B> {
         let (view, statistics) = self.prepare_dims(&dims, &device);
         let out = ops::conv_norm::<B>(
             input.into_primitive().tensor(),
-            ConvSpec {
-                weight: conv.weight.val().into_primitive().tensor(),
-                bias: conv
-                    .bias
-                    .as_ref()
-                    .map(|bias| bias.val().into_primitive().tensor()),
-                options,
-            },
+            conv_spec(conv, options),
             self.spec(view, statistics, Act::Identity),
         );
         self.after(out.batch_stats, view, &device);
@@ -328,6 +314,21 @@ impl<B: Backend> BatchNorm<B> {
         self.running_var.update(
             running_var.mul_scalar(1.0 - self.momentum) + var.mul_scalar(self.momentum * unbiased),
         );
+    }
+}
+
+/// `conv`'s parameters as the ops take them.
+fn conv_spec<B: Backend>(
+    conv: &Conv2d<B>,
+    options: burn::tensor::ops::ConvOptions<2>,
+) -> ConvSpec<B> {
+    ConvSpec {
+        weight: conv.weight.val().into_primitive().tensor(),
+        bias: conv
+            .bias
+            .as_ref()
+            .map(|bias| bias.val().into_primitive().tensor()),
+        options,
     }
 }
 

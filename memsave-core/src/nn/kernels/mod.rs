@@ -294,11 +294,20 @@ pub trait ConvKernels: Backend {
         dy: FloatTensor<Self>,
         onto: Option<FloatTensor<Self>>,
     ) -> FloatTensor<Self> {
-        let dw = Self::float_matmul(Self::float_transpose(x), dy);
-        match onto {
-            Some(onto) => Self::float_add(dw, onto),
-            None => dw,
-        }
+        linear_weight_grad_ops::<Self>(x, dy, onto)
+    }
+}
+
+/// `onto + x^T * dy` as tensor ops (see [`ConvKernels::linear_weight_grad_onto`]).
+fn linear_weight_grad_ops<B: Backend>(
+    x: FloatTensor<B>,
+    dy: FloatTensor<B>,
+    onto: Option<FloatTensor<B>>,
+) -> FloatTensor<B> {
+    let dw = B::float_matmul(B::float_transpose(x), dy);
+    match onto {
+        Some(onto) => B::float_add(dw, onto),
+        None => dw,
     }
 }
 
@@ -373,11 +382,7 @@ impl ConvKernels for burn::backend::Flex {
         onto: Option<FloatTensor<Self>>,
     ) -> FloatTensor<Self> {
         if x.dtype() != DType::F32 || dy.dtype() != DType::F32 {
-            let dw = Self::float_matmul(Self::float_transpose(x), dy);
-            return match onto {
-                Some(onto) => Self::float_add(dw, onto),
-                None => dw,
-            };
+            return linear_weight_grad_ops::<Self>(x, dy, onto);
         }
         match conv::linear_weight_grad_onto(&x, &dy, onto) {
             Ok(sum) => sum,

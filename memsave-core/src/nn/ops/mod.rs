@@ -212,16 +212,7 @@ pub(crate) fn norm_act_conv<B: Backend>(
         let out = tracked_norm_act_conv::<Flex>(retype(x), norm.retype(), conv.retype());
         return out.retype();
     }
-    let normalised = normalise::<B>(
-        x,
-        norm.gamma,
-        norm.beta,
-        norm.statistics,
-        norm.view,
-        norm.grouping,
-        norm.act,
-        norm.epsilon,
-    );
+    let normalised = norm.normalise(x);
     Normalised {
         output: conv2d::<B>(normalised.output, conv.weight, conv.bias, conv.options),
         batch_stats: normalised.batch_stats,
@@ -248,16 +239,7 @@ pub(crate) fn conv_norm<B: Backend>(
     #[cfg(feature = "cuda")]
     on!(burn::backend::Cuda);
     let y = conv2d::<B>(x, conv.weight, conv.bias, conv.options);
-    normalise::<B>(
-        y,
-        norm.gamma,
-        norm.beta,
-        norm.statistics,
-        norm.view,
-        norm.grouping,
-        norm.act,
-        norm.epsilon,
-    )
+    norm.normalise(y)
 }
 
 /// `max_pool2d(act(normalise(x)))` keeping only `x` (and the statistics) for backward, the
@@ -279,16 +261,7 @@ pub(crate) fn norm_act_pool<B: Backend>(
     on!(Flex);
     #[cfg(feature = "cuda")]
     on!(burn::backend::Cuda);
-    let normalised = normalise::<B>(
-        x,
-        norm.gamma,
-        norm.beta,
-        norm.statistics,
-        norm.view,
-        norm.grouping,
-        norm.act,
-        norm.epsilon,
-    );
+    let normalised = norm.normalise(x);
     Normalised {
         output: max_pool2d::<B>(
             normalised.output,
@@ -358,6 +331,20 @@ impl<K: NormKernels> Statistics<K> {
 }
 
 impl<B: Backend> NormSpec<B> {
+    /// [`normalise`] of `x` with these parameters.
+    fn normalise(self, x: FloatTensor<B>) -> Normalised<B> {
+        normalise::<B>(
+            x,
+            self.gamma,
+            self.beta,
+            self.statistics,
+            self.view,
+            self.grouping,
+            self.act,
+            self.epsilon,
+        )
+    }
+
     fn retype<T: Backend>(self) -> NormSpec<T> {
         NormSpec {
             gamma: retype(self.gamma),
