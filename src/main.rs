@@ -53,12 +53,7 @@ fn main() -> ExitCode {
     // its raw report and backtrace would only bury that.
     let report = std::panic::take_hook();
     std::panic::set_hook(Box::new(move |info| {
-        let message = info
-            .payload()
-            .downcast_ref::<String>()
-            .map(String::as_str)
-            .or_else(|| info.payload().downcast_ref::<&str>().copied())
-            .unwrap_or_default();
+        let message = memsave::panic_text(info.payload()).unwrap_or_default();
         if memsave::memory::is_out_of_memory_panic(message) {
             return;
         }
@@ -69,7 +64,7 @@ fn main() -> ExitCode {
         });
         if in_collective || std::thread::current().name() == Some("tokio-rt-worker") {
             eprintln!("memsave: burn-collective: {message}");
-            memsave::dist::report_network_failure(message);
+            memsave::parallel::report_network_failure(message);
             return;
         }
         report(info);

@@ -18,13 +18,15 @@ use burn::tensor::ops::FloatTensor;
 use burn::tensor::TensorMetadata;
 use common::tiny::TinyNet;
 use common::{watchdog, AB};
-use memsave::dist::{run_local, BurnPeer, Collective, Reduce, Shard, Topology};
 use memsave::hooks::{
     CheckpointHook, Fp16OptimizerHook, GradClip, GradientCumulativeOptimizerHook, LrSchedule,
     LrUpdaterHook, OptimizerHook,
 };
 use memsave::models::classifier::ClassificationBatch;
 use memsave::models::data::{SyntheticClassification, SyntheticClassificationConfig};
+use memsave::parallel::{
+    run_local, BurnPeer, Collective, PeerReducer, Reduce, Shard, SharedCollective, Topology,
+};
 use memsave::scaler::{LossScaler, ScaleMode};
 use memsave::train::{DataSource, Hook, IterLog, OptimizerKind, RunLength, Runner, TrainState};
 
@@ -82,6 +84,28 @@ fn runner<D: DataSource<ClassificationBatch<AB>>>(
     runner
 }
 
+/// A runner that is one peer of `collective`: its optimizer hook averages over the peers and
+/// it starts from rank 0's weights.
+fn peer_runner<D: DataSource<ClassificationBatch<AB>>>(
+    model: Net,
+    hook: OptimizerHook,
+    data: D,
+    length: RunLength,
+    dir: &Path,
+    collective: SharedCollective<Flex>,
+) -> Runner<AB, Net, D> {
+    let reducer = PeerReducer::new(collective.clone(), &Default::default());
+    let mut runner = runner(
+        model,
+        Box::new(hook.with_reducer(reducer)),
+        data,
+        length,
+        dir,
+    );
+    memsave::parallel::attach(&mut runner, collective);
+    runner
+}
+
 fn weights(model: &Net) -> Vec<f32> {
     struct All(Vec<f32>);
     impl ModuleVisitor<AB> for All {
@@ -127,21 +151,22 @@ fn peers<T: Send>(
 /// Final weights and per-step trace of each of 2 peers, each running `hook()` at batch `batch`.
 fn two_peers(
     name: &str,
-    hook: impl Fn() -> Box<dyn Hook<AB, Net>> + Sync,
+    hook: impl Fn() -> OptimizerHook + Sync,
     batch: usize,
     samples: usize,
     length: RunLength,
 ) -> Vec<(Vec<f32>, Vec<(Vec<f32>, IterLog)>)> {
     let dir = work_dir(name);
     peers(2, |peer| {
-        let mut runner = runner(
+        let shard = peer.shard();
+        let mut runner = peer_runner(
             net(),
             hook(),
-            data(batch, samples, peer.shard()),
+            data(batch, samples, shard),
             length,
             &dir,
+            peer,
         );
-        runner.set_collective(peer);
         let trace = Trace::default();
         runner.register_hook(Box::new(trace.clone()));
         runner.run()?;
@@ -153,7 +178,7 @@ fn two_peers(
 /// The final weights of one process at batch `batch`.
 fn alone(
     name: &str,
-    hook: Box<dyn Hook<AB, Net>>,
+    hook: OptimizerHook,
     batch: usize,
     samples: usize,
     length: RunLength,
@@ -161,7 +186,7 @@ fn alone(
     let dir = work_dir(name);
     let mut runner = runner(
         net(),
-        hook,
+        Box::new(hook),
         data(batch, samples, Shard::whole()),
         length,
         &dir,
@@ -200,8 +225,7 @@ fn assert_identical_peers(runs: &[(Vec<f32>, Vec<(Vec<f32>, IterLog)>)]) {
 #[test]
 fn two_peers_at_batch_2_train_like_one_process_at_batch_4() {
     let _turn = turn();
-    let plain =
-        || -> Box<dyn Hook<AB, Net>> { Box::new(OptimizerHook::new().with_grad_clip(clip())) };
+    let plain = || OptimizerHook::new().with_grad_clip(clip());
     let runs = watchdog(120, move || {
         two_peers("plain", plain, 2, 16, RunLength::Epochs(2))
     });
@@ -229,14 +253,14 @@ fn accumulation_over_two_peers_equals_the_whole_batch_and_reduces_once_per_group
             let mut hook = GradientCumulativeOptimizerHook::new(2).unwrap();
             hook.grad_clip = clip();
             let shard = counting.shard();
-            let mut runner = runner(
+            let mut runner = peer_runner(
                 net(),
-                Box::new(hook),
+                hook,
                 data(1, 16, shard),
                 RunLength::Epochs(2),
                 &dir,
+                counting.clone(),
             );
-            runner.set_collective(counting.clone());
             runner.register_hook(Box::new(PerIteration {
                 counting: counting.clone(),
                 seen: 0,
@@ -255,7 +279,7 @@ fn accumulation_over_two_peers_equals_the_whole_batch_and_reduces_once_per_group
     });
     let single = alone(
         "accumulation-1",
-        Box::new(OptimizerHook::new().with_grad_clip(clip())),
+        OptimizerHook::new().with_grad_clip(clip()),
         4,
         16,
         RunLength::Epochs(2),
@@ -345,9 +369,7 @@ impl Hook<AB, Net> for PerIteration {
 fn fp16_with_a_dynamic_scale_over_two_peers_trains_like_one_process() {
     let _turn = turn();
     let scaler = || LossScaler::new(1024.0, ScaleMode::Dynamic, 2.0, 1000).unwrap();
-    let hook = move || -> Box<dyn Hook<AB, Net>> {
-        Box::new(Fp16OptimizerHook::new(scaler()).with_grad_clip(clip()))
-    };
+    let hook = move || Fp16OptimizerHook::new(scaler()).with_grad_clip(clip());
     let runs = watchdog(120, move || {
         two_peers("fp16", hook, 2, 16, RunLength::Epochs(2))
     });
@@ -396,14 +418,14 @@ fn an_overflow_on_one_peer_skips_the_step_on_every_peer_and_halves_both_scales()
                 rank: peer.rank(),
                 at: 2,
             };
-            let mut runner = runner(
+            let mut runner = peer_runner(
                 net(),
-                Box::new(Fp16OptimizerHook::new(scaler)),
+                Fp16OptimizerHook::new(scaler),
                 source,
                 RunLength::Iters(4),
                 &dir,
+                peer,
             );
-            runner.set_collective(peer);
             let trace = Trace::default();
             runner.register_hook(Box::new(trace.clone()));
             runner.run()?;
@@ -473,9 +495,9 @@ fn a_failing_peer_ends_every_peer_with_an_error_naming_it_and_the_checkpoints_st
                     at: 5,
                     panic,
                 };
-                let plain = Box::new(OptimizerHook::new());
-                let mut runner = runner(net(), plain, source, RunLength::Iters(8), &run_dir);
-                runner.set_collective(peer);
+                let plain = OptimizerHook::new();
+                let length = RunLength::Iters(8);
+                let mut runner = peer_runner(net(), plain, source, length, &run_dir, peer);
                 runner.register_hook(Box::new(CheckpointHook::new(2, false)));
                 runner.run()
             })
@@ -509,14 +531,14 @@ fn every_peer_starts_from_rank_0s_weights() {
             let mine = weights(&model);
             let dir = work_dir(&format!("broadcast-{}", peer.rank()));
             let source = data(1, 6, peer.shard());
-            let mut runner = runner(
+            let mut runner = peer_runner(
                 model,
-                Box::new(OptimizerHook::new()),
+                OptimizerHook::new(),
                 source,
                 RunLength::Iters(1),
                 &dir,
+                peer,
             );
-            runner.set_collective(peer);
             let trace = Trace::default();
             runner.register_hook(Box::new(StartRecorder(trace.clone())));
             runner.run()?;
@@ -607,14 +629,14 @@ fn gradients_are_averaged_in_buckets_and_a_gradient_on_one_peer_only_is_averaged
             let mut one_each = clone_grads(&model, &grads);
             let mut whole = clone_grads(&model, &grads);
             let device = Default::default();
-            memsave::dist::all_reduce_grads_in_buckets::<AB, Net>(
+            memsave::parallel::all_reduce_grads_in_buckets::<AB, Net>(
                 &*peer,
                 &model,
                 &mut one_each,
                 &device,
                 1,
             )?;
-            memsave::dist::all_reduce_grads::<AB, Net>(&*peer, &model, &mut whole, &device)?;
+            memsave::parallel::all_reduce_grads::<AB, Net>(&*peer, &model, &mut whole, &device)?;
             Ok((mine, grads_of(&model, &one_each), grads_of(&model, &whole)))
         })
         .unwrap()

@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use burn::backend::Flex;
 use common::watchdog;
-use memsave::dist::{report_network_failure, run_local, Topology};
+use memsave::parallel::{report_network_failure, run_local, Topology};
 
 fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0")

@@ -9,9 +9,9 @@ mod common;
 use burn::backend::{Autodiff, Flex};
 use burn::module::{Module, Param};
 use burn::tensor::Tensor;
-use memsave::checkpoint::profile::AllocatorProbe;
 use memsave::checkpoint::{join_helpers, segment_paths, set_with_cp_paths};
 use memsave::hooks::OptimizerHook;
+use memsave::memory::AllocatorMeter;
 use memsave::memory::CountingAllocator;
 use memsave::models::classifier::ImageClassifier;
 use memsave::models::data::{SyntheticClassification, SyntheticClassificationConfig};
@@ -86,7 +86,7 @@ fn a_planned_resnet_stays_within_its_budget() {
             device,
         )
         .unwrap();
-        let profiler = ProfileHook::new(1, Box::new(AllocatorProbe));
+        let profiler = ProfileHook::new(1, Box::new(AllocatorMeter));
         let taken = profiler.profile.clone();
         runner.register_hook(Box::new(profiler));
         runner.run().unwrap();
@@ -126,7 +126,7 @@ fn a_planned_resnet_stays_within_its_budget() {
             device,
         )
         .unwrap();
-        let meter = StepMeter::new(1, 3, Box::new(AllocatorProbe));
+        let meter = StepMeter::new(1, 3, Box::new(AllocatorMeter));
         let steps = meter.steps.clone();
         runner.register_hook(Box::new(meter));
         runner.run().unwrap();

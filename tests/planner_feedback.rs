@@ -10,12 +10,13 @@ use burn::backend::{Autodiff, Flex};
 use burn::module::Module;
 use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::Tensor;
-use memsave::checkpoint::profile::Probe;
 use memsave::hooks::OptimizerHook;
 use memsave::memory::CountingAllocator;
+use memsave::memory::Meter;
 use memsave::models::classifier::ClassificationBatch;
 use memsave::models::classifier::ImageClassifier;
 use memsave::models::data::{SyntheticClassification, SyntheticClassificationConfig};
+use memsave::models::registry::BACKBONE_KEYS;
 use memsave::models::resnet::ResNetConfig;
 use memsave::planner::advise::Setting;
 use memsave::planner::{AutoPlanHook, Budget};
@@ -32,9 +33,15 @@ static TURN: std::sync::Mutex<()> = std::sync::Mutex::new(());
 /// Reports a peak far over any budget.
 struct Over;
 
-impl Probe for Over {
+impl Meter for Over {
     fn live(&self) -> u64 {
         0
+    }
+    fn reset_peak(&self) -> u64 {
+        0
+    }
+    fn peak(&self) -> u64 {
+        u64::MAX / 4
     }
     fn window_peak(&self) -> u64 {
         u64::MAX / 4
@@ -78,9 +85,9 @@ fn a_step_over_the_budget_adds_segments_and_says_so() {
             adam: false,
         };
         // The whole unplanned peak: nothing needs checkpointing at first.
-        let planner = AutoPlanHook::new(Budget::Fraction(1.0), setting, &device)
+        let planner = AutoPlanHook::new(Budget::Fraction(1.0), setting, BACKBONE_KEYS, &device)
             .unwrap()
-            .with_check_probe(Box::new(Over));
+            .with_check_meter(Box::new(Over));
         let current = planner.plan_handle();
         runner.register_hook(Box::new(planner));
         runner.run().unwrap();
@@ -152,7 +159,8 @@ fn a_device_out_of_memory_after_the_plan_ends_with_what_would_fit() {
             cumulative: 1,
             adam: false,
         };
-        let planner = AutoPlanHook::new(Budget::Fraction(1.0), setting, &device).unwrap();
+        let planner =
+            AutoPlanHook::new(Budget::Fraction(1.0), setting, BACKBONE_KEYS, &device).unwrap();
         runner.register_hook(Box::new(planner));
         let error = runner.run().unwrap_err().to_string();
         eprintln!("{error}");

@@ -198,12 +198,24 @@ fn the_step_in_groups_of_parameters_equals_one_step_bit_for_bit() {
                 &dir,
             );
             runner.register_hook(Box::new(StepGroups(group_bytes)));
+            let (recorder, log) = recorder();
+            runner.register_hook(recorder);
             runner.run().unwrap();
             let _ = std::fs::remove_dir_all(&dir);
-            weights(&runner.into_model())
+            let groups: Vec<usize> = log.lock().unwrap().iter().map(|l| l.step_groups).collect();
+            (weights(&runner.into_model()), groups)
         };
         // One byte: every parameter is a group of its own.
-        let (grouped, whole) = (run(1), run(usize::MAX));
+        let ((grouped, groups), (whole, one)) = (run(1), run(usize::MAX));
+        // The setting is read: each parameter stepped alone, or all of them at once.
+        assert!(
+            groups.iter().all(|&n| n != 1) && groups.iter().any(|&n| n > 1),
+            "{name}: {groups:?} groups per step"
+        );
+        assert!(
+            one.iter().all(|&n| n <= 1) && one.contains(&1),
+            "{name}: {one:?}"
+        );
         assert_ne!(grouped, weights(&net()), "{name}: the weights moved");
         assert_eq!(grouped, whole, "{name}");
     }

@@ -93,3 +93,12 @@ impl Error {
         }
     }
 }
+
+/// The text of a panic's payload (`panic!("...")`, with or without arguments); `None` for any
+/// other payload. The one place memsave reads a panic's message.
+pub fn panic_text(payload: &(dyn std::any::Any + Send)) -> Option<&str> {
+    payload
+        .downcast_ref::<&str>()
+        .copied()
+        .or_else(|| payload.downcast_ref::<String>().map(String::as_str))
+}

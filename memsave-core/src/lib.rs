@@ -14,18 +14,24 @@
 //!   advice on what fits.
 //! - [`scaler`], [`hooks`], [`train`], [`config`]: loss scaling, MMCV's runner and hooks,
 //!   snapshots, and the TOML configuration.
+//! - [`parallel`]: data parallelism on Burn's collective (MMCV's `mmcv.parallel`): the
+//!   optimizer hook's reducer part, the weight broadcast, the sampler's shards, the peers.
 
 pub mod cast;
 pub mod checkpoint;
 pub mod config;
-pub mod dist;
 mod error;
 pub mod fp16;
 pub mod hooks;
 pub mod memory;
 pub mod nn;
+pub mod parallel;
 pub mod planner;
 pub mod scaler;
 pub mod train;
 
-pub use error::{Error, Result};
+pub use error::{panic_text, Error, Result};
+
+/// The data-parallel module's earlier name.
+#[deprecated(since = "0.1.0", note = "renamed `parallel` (MMCV's `mmcv.parallel`)")]
+pub use parallel as dist;

@@ -87,6 +87,9 @@ impl TryFrom<ScalerState> for LossScaler {
     }
 }
 
+/// MMCV's static loss scale when `[fp16]` names none (`Fp16OptimizerHook(loss_scale=512.)`).
+pub const MMCV_STATIC_SCALE: f64 = 512.0;
+
 impl Default for LossScaler {
     /// Dynamic, 2^32, factor 2, window 1000 (MMCV's defaults).
     fn default() -> Self {

@@ -1,12 +1,13 @@
-//! Models built with memsave: a ResNet backbone, an image classifier on it, and a synthetic
-//! classification data set; RetinaNet (R50-FPN), VOC data and evaluation arrive with their own
-//! issues.
+//! Models built with memsave: a ResNet backbone, an image classifier on it, RetinaNet
+//! (R50-FPN), their data (a synthetic classification set, Pascal VOC) and VOC's evaluation;
+//! [`registry`] is what memsave's commands know of them.
 
 pub mod classifier;
 pub mod config;
 pub mod data;
 pub mod detection;
 pub mod eval;
+pub mod registry;
 pub mod resnet;
 pub mod weights;
 

@@ -6,6 +6,7 @@ pub mod orchestrator;
 pub mod plan;
 pub mod test;
 pub mod train;
+pub mod worker;
 
 use clap::ValueEnum;
 

@@ -15,5 +15,5 @@ pub fn orchestrator(args: OrchestratorArgs) -> memsave::Result<()> {
          ends it",
         args.port, args.port
     );
-    memsave::dist::serve_orchestrator(args.port)
+    memsave::parallel::serve_orchestrator(args.port)
 }

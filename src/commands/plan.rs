@@ -7,19 +7,19 @@
 //! checkpointed (the planner's profile), and, to predict the other strategies from measurements,
 //! the same with mixed precision and with half the batch.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::Command;
 use std::time::Instant;
 
 use memsave::config::Config;
 use memsave::memory::human;
-use memsave::models::config::{DataSection, DetectionDataSection, ModelSection, ModelType};
+use memsave::models::config::ModelSection;
 use memsave::planner::advise::{self, Candidate, Measured, Setting};
 use memsave::planner::{Budget, Profile, SegmentProfile};
 use memsave::{Error, Result};
 use serde::Serialize;
 
-use super::train::{model_type, Job, Measurement, TrainArgs};
+use super::train::{Job, Measurement, TrainArgs};
 use super::Device;
 
 #[derive(clap::Args, Debug)]
@@ -67,9 +67,6 @@ pub struct PlanWorkerArgs {
     /// Profile with every segment checkpointed.
     #[arg(long)]
     checkpoint_all: bool,
-    /// Where to write the measurement.
-    #[arg(long)]
-    out: PathBuf,
 }
 
 pub fn worker(args: PlanWorkerArgs) -> Result<()> {
@@ -81,15 +78,12 @@ pub fn worker(args: PlanWorkerArgs) -> Result<()> {
         device: args.device,
         dist: Default::default(),
     };
-    super::train::run_job(
-        &train,
-        &Job::Measure {
-            warmup: args.warmup,
-            iters: args.iters,
-            checkpoint_all: args.checkpoint_all,
-            out: args.out,
-        },
-    )
+    let job = Job::Measure {
+        warmup: args.warmup,
+        iters: args.iters,
+        checkpoint_all: args.checkpoint_all,
+    };
+    super::worker::serve(|| super::train::run_job(&train, &job))
 }
 
 /// The breakdown of a measured step, bytes.
@@ -134,22 +128,6 @@ pub struct PlanReport {
     pub verify: Option<Verified>,
 }
 
-/// Samples per micro-step of a config.
-fn micro_batch(config: &Path, sets: &[String]) -> Result<usize> {
-    Ok(match model_type(config, sets)? {
-        ModelType::ImageClassifier => {
-            match Config::<ModelSection, DataSection>::load(config, sets)?.data {
-                DataSection::SyntheticClassification(data) => data.samples_per_gpu,
-            }
-        }
-        ModelType::RetinaNet => {
-            Config::<ModelSection, DetectionDataSection>::load(config, sets)?
-                .data
-                .samples_per_gpu
-        }
-    })
-}
-
 /// Runs one measuring process.
 fn run_worker(
     args: &PlanArgs,
@@ -157,13 +135,6 @@ fn run_worker(
     iters: usize,
     checkpoint_all: bool,
 ) -> Result<Measurement> {
-    let out = std::env::temp_dir().join(format!(
-        "memsave-plan-{}-{}.json",
-        std::process::id(),
-        std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| d.as_nanos())
-    ));
     let exe = std::env::current_exe().map_err(|source| Error::Io {
         path: PathBuf::from("memsave"),
         source,
@@ -179,38 +150,18 @@ fn run_worker(
     };
     command
         .args(["--device", device, "--warmup", "1", "--iters"])
-        .arg(iters.to_string())
-        .arg("--out")
-        .arg(&out);
+        .arg(iters.to_string());
     if checkpoint_all {
         command.arg("--checkpoint-all");
     }
-    let output = command.output().map_err(|source| Error::Io {
-        path: PathBuf::from("memsave plan-worker"),
-        source,
-    })?;
-    if !output.status.success() {
-        let stderr = String::from_utf8_lossy(&output.stderr);
-        let message = stderr
-            .lines()
-            .rev()
-            .find(|line| line.contains("error"))
-            .unwrap_or(stderr.trim())
-            .trim_start_matches("memsave: error: ")
-            .trim_start_matches("data: ")
-            .to_string();
-        let _ = std::fs::remove_file(&out);
-        return Err(Error::Data(format!(
-            "memsave plan could not measure {what} ({}): {message}",
-            args.config.display()
-        )));
-    }
-    let text = std::fs::read_to_string(&out).map_err(|source| Error::Io {
-        path: out.clone(),
-        source,
-    })?;
-    let _ = std::fs::remove_file(&out);
-    serde_json::from_str(&text).map_err(|error| Error::Data(error.to_string()))
+    let worker = super::worker::spawn::<Measurement>("memsave plan-worker", command)?;
+    worker.finish()?.result.map_err(|message| {
+        Error::Data(format!(
+            "memsave plan could not measure {what} ({}): {}",
+            args.config.display(),
+            message.trim_start_matches("data: ")
+        ))
+    })
 }
 
 fn median(mut values: Vec<f64>) -> f64 {
@@ -259,7 +210,7 @@ pub fn plan(args: PlanArgs) -> Result<()> {
     if args.iters == 0 {
         return Err(Error::invalid("--iters", "at least one step is measured"));
     }
-    let batch = micro_batch(&args.config, &args.set)?;
+    let batch = memsave::models::registry::batch_size(&args.config, &args.set)?;
     let setting: Setting = {
         let config = Config::<ModelSection, memsave::models::config::AnyData>::load(
             &args.config,
@@ -347,7 +298,8 @@ pub fn plan(args: PlanArgs) -> Result<()> {
         report.segments = base.profile.segments.clone();
         report.floor = base.profile.floor();
         let started = Instant::now();
-        report.candidates = advise::advise(&setting, &measured, budget_bytes);
+        let keys = memsave::models::registry::entry(&args.config, &args.set)?.keys;
+        report.candidates = advise::advise(&setting, &measured, budget_bytes, &keys);
         report.advice_ms = started.elapsed().as_secs_f64() * 1e3;
         report.chosen = report.candidates.first().filter(|c| c.fits).cloned();
     }

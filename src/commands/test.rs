@@ -5,7 +5,7 @@ use std::path::PathBuf;
 
 use burn::backend::Flex;
 use memsave::config::Config;
-use memsave::models::config::{DetectionDataSection, ModelSection, ModelType};
+use memsave::models::config::{DetectionDataSection, ModelSection};
 use memsave::models::data::voc::loader::VocDetection;
 use memsave::models::eval::hook::evaluate;
 use memsave::models::eval::voc::{write_detections, ApMode};
@@ -44,7 +44,7 @@ pub fn test(args: TestArgs) -> memsave::Result<()> {
 }
 
 fn test_on<B: memsave::Backend>(args: &TestArgs, device: B::Device) -> memsave::Result<()> {
-    if super::train::model_type(&args.config, &args.set)? != ModelType::RetinaNet {
+    if !memsave::models::registry::entry(&args.config, &args.set)?.detector {
         return Err(memsave::Error::invalid(
             "model.type",
             "`memsave test` runs a detector: the config's model is not a RetinaNet",

@@ -1,30 +1,20 @@
 //! `memsave train CONFIG`: the classifier or the detector of the config, on the runner with
 //! its hooks.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::Arc;
 
 use burn::backend::{Autodiff, Flex};
 use burn::tensor::backend::AutodiffBackend;
 use memsave::checkpoint::{set_with_cp_paths, CheckpointModule};
 use memsave::config::Config;
-use memsave::dist::{run_local, BurnPeer, Collective, Shard, Topology};
-use memsave::models::classifier::ImageClassifier;
-use memsave::models::config::{DataSection, DetectionDataSection, ModelSection, ModelType};
-use memsave::models::data::voc::loader::VocDetection;
-use memsave::models::data::voc::VOC_CLASSES;
-use memsave::models::data::SyntheticClassification;
-use memsave::models::eval::hook::EvalHook;
-use memsave::models::eval::voc::ApMode;
+use memsave::models::config::ModelSection;
+use memsave::models::registry::{self, Built, ModelJob, Purpose, Setup};
+use memsave::parallel::{run_local, BurnPeer, Collective, PeerReducer, Shard, Topology};
 use memsave::planner::{AutoPlanHook, ProfileHook, StepMeter, WithCp};
 use memsave::train::{DataSource, Hook, Runner, TrainModel};
 
 use super::Device;
-
-/// Held while a model is seeded and its weights drawn: the peers of a data-parallel run share
-/// the backend's random stream, and drawing one model at a time keeps each draw the seed's (a
-/// run's start is then the same on every run, and the same as alone).
-static INIT: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
 /// One peer of a data-parallel run, as the runner holds it.
 type Peer<B> = Arc<BurnPeer<<B as AutodiffBackend>::InnerBackend>>;
@@ -126,16 +116,6 @@ impl DistArgs {
     }
 }
 
-/// Any `[data]` section (read per model, once the model is known).
-type IgnoredData = memsave::models::config::AnyData;
-
-/// The model type a config names (its data section is read per model).
-pub fn model_type(config: &Path, set: &[String]) -> memsave::Result<ModelType> {
-    Ok(Config::<ModelSection, IgnoredData>::load(config, set)?
-        .model
-        .kind)
-}
-
 pub fn train(args: TrainArgs) -> memsave::Result<()> {
     run_job(&args, &Job::Train)
 }
@@ -147,12 +127,12 @@ pub enum Job {
     /// `memsave train`.
     Train,
     /// `warmup` steps, `iters` measured steps (time, peak), then one step profiled (with every
-    /// segment checkpointed when `checkpoint_all`); the result as JSON in `out`.
+    /// segment checkpointed when `checkpoint_all`); the result reported to the parent
+    /// ([`super::worker::Report::Done`]).
     Measure {
         warmup: usize,
         iters: usize,
         checkpoint_all: bool,
-        out: PathBuf,
     },
 }
 
@@ -181,7 +161,7 @@ pub fn run_job(args: &TrainArgs, job: &Job) -> memsave::Result<()> {
         }
         let topology = args.dist.topology()?;
         // A config error is the config's, said once, before any peer starts.
-        model_type(&args.config, &args.set)?;
+        registry::entry(&args.config, &args.set)?;
         return match args.device {
             // N peers sharing the CPU.
             Device::Cpu => train_parallel::<Autodiff<Flex>>(
@@ -278,135 +258,60 @@ where
     B::InnerBackend: memsave::Backend,
 {
     let shard = peer.as_ref().map_or(Shard::whole(), |peer| peer.shard());
-    match model_type(&args.config, &args.set)? {
-        ModelType::ImageClassifier => {
-            let config = Config::<ModelSection, DataSection>::load(&args.config, &args.set)?;
-            let num_classes = config.model.classifier_classes()?;
-            if config.evaluation.is_some() {
-                return Err(memsave::Error::invalid(
-                    "evaluation",
-                    "only detectors are evaluated during training",
-                ));
-            }
-            let model = {
-                let _one_at_a_time = INIT.lock().unwrap_or_else(|e| e.into_inner());
-                B::seed(&device, config.seed);
-                let model =
-                    ImageClassifier::<B>::new(&config.model.backbone, num_classes, &device)?;
-                memsave::train::params::param_bytes::<B, _>(&model);
-                model
-            };
-            let data = match &config.data {
-                DataSection::SyntheticClassification(data) => {
-                    SyntheticClassification::<B>::new(data.clone(), num_classes, device.clone())?
-                        .with_shard(shard)
-                }
-            };
-            let batch = match &config.data {
-                DataSection::SyntheticClassification(data) => data.samples_per_gpu,
-            };
-            run(
-                args,
-                job,
-                &config,
-                model,
-                data,
-                batch,
-                Vec::new(),
-                device,
-                peer,
-            )
-        }
-        ModelType::RetinaNet => {
-            let config =
-                Config::<ModelSection, DetectionDataSection>::load(&args.config, &args.set)?;
-            let detector = config.model.retinanet()?;
-            if detector.bbox_head.num_classes != VOC_CLASSES.len() {
-                return Err(memsave::Error::invalid(
-                    "model.bbox_head.num_classes",
-                    format!(
-                        "a VOC detector tells the {} VOC classes apart, got {}",
-                        VOC_CLASSES.len(),
-                        detector.bbox_head.num_classes
-                    ),
-                ));
-            }
-            let model = {
-                let _one_at_a_time = INIT.lock().unwrap_or_else(|e| e.into_inner());
-                B::seed(&device, config.seed);
-                let model = detector.init::<B>(&device)?;
-                memsave::train::params::param_bytes::<B, _>(&model);
-                model
-            };
-            let data_config = &config.data;
-            let data = VocDetection::<B>::new_shard(
-                &data_config.train,
-                "data.train",
-                true,
-                data_config.samples_per_gpu,
-                data_config.workers_per_gpu,
-                config.seed,
-                shard,
-                device.clone(),
-            )?;
-            let mut extra: Vec<Box<dyn Hook<B, _>>> = Vec::new();
-            // A measuring job trains a few steps only: no evaluation data.
-            let evaluation = match job {
-                Job::Train => config.evaluation.as_ref(),
-                Job::Measure { .. } => None,
-            };
-            // Rank 0 evaluates a data-parallel run.
-            let evaluation = evaluation.filter(|_| shard.rank == 0);
-            if let Some(evaluation) = evaluation {
-                if evaluation.metric != "mAP" {
-                    return Err(memsave::Error::invalid(
-                        "evaluation.metric",
-                        format!(
-                            "`{}` is not known: a VOC detector is scored by \"mAP\"",
-                            evaluation.metric
-                        ),
-                    ));
-                }
-                let (split, field) = match &data_config.val {
-                    Some(val) => (val, "data.val"),
-                    None => (&data_config.test, "data.test"),
-                };
-                let val = VocDetection::<B::InnerBackend>::new(
-                    split,
-                    field,
-                    false,
-                    data_config.samples_per_gpu,
-                    data_config.workers_per_gpu,
-                    0,
-                    inner,
-                )?;
-                let mode = if split.is_voc2007() {
-                    ApMode::ElevenPoints
-                } else {
-                    ApMode::Area
-                };
-                extra.push(Box::new(EvalHook::<B>::new(
-                    val,
-                    evaluation.interval,
-                    config.runner.by_epoch(),
-                    mode,
-                )?));
-            }
-            let batch = data_config.samples_per_gpu;
-            run(args, job, &config, model, data, batch, extra, device, peer)
-        }
+    let setup = Setup::<B> {
+        config: &args.config,
+        sets: &args.set,
+        purpose: match job {
+            Job::Train => Purpose::Train,
+            Job::Measure { .. } => Purpose::Measure,
+        },
+        device: device.clone(),
+        inner,
+        shard,
+    };
+    registry::build(
+        setup,
+        TrainJob {
+            args,
+            job,
+            device,
+            peer,
+        },
+    )
+}
+
+/// `memsave train`'s job (or `memsave plan`'s measuring one) on whatever model the config has.
+struct TrainJob<'a, B: AutodiffBackend> {
+    args: &'a TrainArgs,
+    job: &'a Job,
+    device: B::Device,
+    peer: Option<Peer<B>>,
+}
+
+impl<B> ModelJob<B> for TrainJob<'_, B>
+where
+    B: AutodiffBackend + memsave::Backend,
+{
+    type Output = ();
+
+    fn run<M, D, Data>(
+        self,
+        config: &Config<ModelSection, D>,
+        built: Built<B, M, Data>,
+    ) -> memsave::Result<()>
+    where
+        M: TrainModel<B> + CheckpointModule,
+        Data: DataSource<M::Batch> + 'static,
+    {
+        run(self.args, self.job, config, built, self.device, self.peer)
     }
 }
 
-#[allow(clippy::too_many_arguments)]
 fn run<B, M, D, Data>(
     args: &TrainArgs,
     job: &Job,
     config: &Config<ModelSection, D>,
-    model: M,
-    data: Data,
-    batch: usize,
-    extra: Vec<Box<dyn Hook<B, M>>>,
+    built: Built<B, M, Data>,
     device: B::Device,
     peer: Option<Peer<B>>,
 ) -> memsave::Result<()>
@@ -415,16 +320,24 @@ where
     M: TrainModel<B> + CheckpointModule,
     Data: DataSource<M::Batch> + 'static,
 {
+    let Built {
+        model,
+        data,
+        batch,
+        hooks: extra,
+        with_cp,
+        keys,
+    } = built;
     let work_dir = work_dir(args, config);
     let main = peer.as_ref().is_none_or(|peer| peer.rank() == 0);
     // Every (lazily initialised) weight drawn now, in one order: a checkpointed segment would
     // otherwise draw its own when it first runs, and checkpointing would change the start.
     memsave::train::params::param_bytes::<B, M>(&model);
     // `with_cp`: a pinned list of segments applies to the built model; "auto" plans.
-    let with_cp = &config.model.backbone.with_cp;
+    let with_cp = &with_cp;
     // A measuring job plans nothing: `memsave plan` gives it the checkpoint set to measure.
     let budget = match job {
-        Job::Train => config.memory_budget(with_cp)?,
+        Job::Train => config.memory_budget(with_cp, &keys)?,
         Job::Measure { .. } => None,
     };
     let model = match with_cp {
@@ -435,7 +348,6 @@ where
         warmup,
         iters,
         checkpoint_all,
-        out,
     } = job
     {
         return measure(
@@ -443,13 +355,12 @@ where
             model,
             data,
             (*warmup, *iters, *checkpoint_all),
-            out,
             device,
         );
     }
     if budget.is_some() && args.dist.devices > 1 {
         return Err(memsave::Error::invalid(
-            "model.backbone.with_cp",
+            keys.with_cp,
             "\"auto\" profiles one training process, and --devices runs several peers in \
              one: plan with `memsave plan CONFIG --budget SIZE` and pin the blocks it prints \
              (`with_cp = [\"...\"]`), or run one peer per node (--devices 1)",
@@ -459,21 +370,30 @@ where
         Some(budget) => Some(AutoPlanHook::new(
             budget,
             config.planner_setting(batch),
+            keys,
             &device,
         )?),
         None => None,
     };
+    let optimizer_hook = config.optimizer_hook_of()?;
+    let optimizer_hook: Box<dyn Hook<B, M>> = match &peer {
+        Some(peer) => {
+            let reducer = PeerReducer::<B::InnerBackend>::new(peer.clone(), peer.device());
+            Box::new(optimizer_hook.with_reducer(reducer))
+        }
+        None => Box::new(optimizer_hook),
+    };
     let mut runner = Runner::new(
         model,
         &config.optimizer_kind(),
-        config.optimizer_hook()?,
+        optimizer_hook,
         data,
         config.run_length()?,
         &work_dir,
         device,
     )?;
     if let Some(peer) = peer {
-        runner.set_collective(peer);
+        memsave::parallel::attach(&mut runner, peer);
     }
     if let Some(planner) = planner {
         // First after the optimizer hook: the profile starts right before the forward.
@@ -508,13 +428,12 @@ where
 }
 
 /// `warmup` steps, `iters` measured ones and a profiled one of `model` on `data`; the
-/// [`Measurement`] to `out`.
+/// [`Measurement`] reported to the parent.
 fn measure<B, M, D, Data>(
     config: &Config<ModelSection, D>,
     model: M,
     data: Data,
     (warmup, iters, checkpoint_all): (usize, usize, bool),
-    out: &Path,
     device: B::Device,
 ) -> memsave::Result<()>
 where
@@ -523,7 +442,7 @@ where
     Data: DataSource<M::Batch> + 'static,
 {
     let probe = || {
-        memsave::planner::probe_for(&device).ok_or_else(|| {
+        memsave::memory::meter_for(&device).ok_or_else(|| {
             memsave::Error::invalid("--device", "the memory of this device cannot be read")
         })
     };
@@ -558,10 +477,5 @@ where
         trainable,
         optimizer_state_copies: copies,
     };
-    let text = serde_json::to_string(&measurement)
-        .map_err(|error| memsave::Error::Data(error.to_string()))?;
-    std::fs::write(out, text).map_err(|source| memsave::Error::Io {
-        path: out.to_path_buf(),
-        source,
-    })
+    super::worker::send(&super::worker::Report::Done(measurement))
 }

@@ -37,7 +37,6 @@ pub use threads::{join_helpers, live_helpers, recomputations};
 pub mod __private {
     pub use super::join_path;
     pub use super::stream::__private::*;
-    pub use super::with_cp_method;
 }
 
 /// A backend on which memsave can checkpoint segments. In generic model code, bound the backend
@@ -79,7 +78,8 @@ pub trait CheckpointBackend: Backend {
 /// - the segment must be deterministic given its input and the module: it runs twice. Random
 ///   draws through [`random`] (memsave's `Dropout`) are replayed; for a segment whose Burn layers
 ///   draw from the backend's stream (Burn's `Dropout` inside `MultiHeadAttention`, say), use
-///   [`checkpoint_random`] (`#[with_cp]` does so by itself when its module [draws](RandomDraws));
+///   [`checkpoint_with`] and [`Options::random`] (`#[with_cp]` does so by itself when its module
+///   [draws](RandomDraws));
 /// - every tracked tensor it uses must come in as its input or as a parameter (`Param`) of
 ///   `module`. One captured by the closure, or held in a bare `Tensor` field, cannot be
 ///   recomputed from fresh leaves: memsave sees it (an output of the untracked first forward is
@@ -93,12 +93,66 @@ where
     O: Segment<B>,
     F: Fn(&M, I) -> O + Send + Sync + 'static,
 {
-    checkpoint_named("", module, input, segment)
+    checkpoint_with(Options::new(), module, input, segment)
 }
 
-/// [`checkpoint`] for the method `method` of `module`, which names the segment `Type::method`
-/// in warnings.
-pub fn checkpoint_named<B, M, I, O, F>(method: &'static str, module: &M, input: I, segment: F) -> O
+/// How [`checkpoint_with`] runs a segment.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Options {
+    /// The method it is, which names the segment `Type::method` in warnings (`""`: none).
+    pub method: &'static str,
+    /// Whether it is checkpointed (when its input requires grad); off, it runs as written.
+    pub enabled: bool,
+    /// Whether its layers draw from the backend's global random stream (Burn's `Dropout`, or a
+    /// layer holding one, such as `MultiHeadAttention`): it then runs under a stream of its
+    /// own, seeded from the global one, checkpointed or not, and its recomputation draws the
+    /// same values (see [`RandomDraws`]).
+    pub random: bool,
+}
+
+impl Options {
+    /// Checkpointed, unnamed, drawing nothing from the global stream: [`checkpoint`]'s.
+    pub const fn new() -> Self {
+        Options {
+            method: "",
+            enabled: true,
+            random: false,
+        }
+    }
+
+    /// Named after the method `method`.
+    pub const fn method(self, method: &'static str) -> Self {
+        Options { method, ..self }
+    }
+
+    /// Checkpointed when `on` (a `#[with_cp]` method passes its module's flag).
+    pub const fn enabled(self, on: bool) -> Self {
+        Options {
+            enabled: on,
+            ..self
+        }
+    }
+
+    /// Under a random stream of its own when `draws` (`#[with_cp]` passes whether its module
+    /// [draws](RandomDraws)).
+    pub const fn random(self, draws: bool) -> Self {
+        Options {
+            random: draws,
+            ..self
+        }
+    }
+}
+
+impl Default for Options {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+/// [`checkpoint`] as `options` say: the one entry point of segments (the body of every
+/// `#[with_cp]` method is a call to it). A segment whose layers draw from the backend's stream
+/// takes `Options::new().random(true)`.
+pub fn checkpoint_with<B, M, I, O, F>(options: Options, module: &M, input: I, segment: F) -> O
 where
     B: CheckpointBackend,
     M: Module<B> + 'static,
@@ -106,62 +160,11 @@ where
     O: Segment<B>,
     F: Fn(&M, I) -> O + Send + Sync + 'static,
 {
-    run_segment(method, module, input, segment, true, false)
-}
-
-/// [`checkpoint`] for a segment whose layers draw from the backend's global random stream
-/// (Burn's `Dropout`, or a layer holding one, such as `MultiHeadAttention`): it runs under a
-/// stream of its own, seeded from the global one, and its recomputation draws the same values
-/// (see [`RandomDraws`]). `#[with_cp]` does this by itself when its module
-/// [draws](RandomDraws).
-pub fn checkpoint_random<B, M, I, O, F>(module: &M, input: I, segment: F) -> O
-where
-    B: CheckpointBackend,
-    M: Module<B> + 'static,
-    I: Segment<B>,
-    O: Segment<B>,
-    F: Fn(&M, I) -> O + Send + Sync + 'static,
-{
-    run_segment("", module, input, segment, true, true)
-}
-
-/// The body of a `#[with_cp]` method: checkpointed when `with_cp` is on (and the input
-/// requires grad), run as written otherwise; in both cases under the segment's own random
-/// stream when the module `draws`, so that both give the same gradients.
-#[doc(hidden)]
-pub fn with_cp_method<B, M, I, O, F>(
-    method: &'static str,
-    module: &M,
-    input: I,
-    segment: F,
-    with_cp: bool,
-    draws: bool,
-) -> O
-where
-    B: CheckpointBackend,
-    M: Module<B> + 'static,
-    I: Segment<B>,
-    O: Segment<B>,
-    F: Fn(&M, I) -> O + Send + Sync + 'static,
-{
-    run_segment(method, module, input, segment, with_cp, draws)
-}
-
-fn run_segment<B, M, I, O, F>(
-    method: &'static str,
-    module: &M,
-    input: I,
-    segment: F,
-    with_cp: bool,
-    draws: bool,
-) -> O
-where
-    B: CheckpointBackend,
-    M: Module<B> + 'static,
-    I: Segment<B>,
-    O: Segment<B>,
-    F: Fn(&M, I) -> O + Send + Sync + 'static,
-{
+    let Options {
+        method,
+        enabled: with_cp,
+        random: draws,
+    } = options;
     let floats = floats(&input);
     // A stream of its own, in training only (Burn's random layers draw only then).
     let stream = match floats.first() {

@@ -6,9 +6,8 @@
 //!
 //! One recording at a time per process (the recorder is global, as the allocator's counts are).
 //!
-//! The events are read by [`crate::planner::Profile::from_events`]. Bytes come from a
-//! [`Probe`]: the counting allocator on the CPU ([`AllocatorProbe`]), the device's pools
-//! elsewhere.
+//! The events are read by [`crate::planner::Profile::from_events`]. Bytes come from the one
+//! [`Meter`]: the counting allocator on the CPU, the device's pools elsewhere.
 
 use std::cell::Cell;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -16,41 +15,7 @@ use std::sync::Mutex;
 use std::time::Instant;
 
 use super::SegmentId;
-
-/// Reads a device's memory for the profile.
-pub trait Probe: Send + Sync {
-    /// Bytes live now.
-    fn live(&self) -> u64;
-    /// The most bytes live since the previous call (or since [`start`]), starting a new window.
-    fn window_peak(&self) -> u64;
-    /// Bytes live now under the backward pass's tag (gradients), where tags are counted.
-    fn gradients(&self) -> Option<u64> {
-        None
-    }
-}
-
-/// The counting allocator ([`crate::memory::CountingAllocator`]).
-pub struct AllocatorProbe;
-
-impl Probe for AllocatorProbe {
-    fn live(&self) -> u64 {
-        crate::memory::current_bytes() as u64
-    }
-    fn window_peak(&self) -> u64 {
-        crate::memory::take_window_peak() as u64
-    }
-    fn gradients(&self) -> Option<u64> {
-        let backward = crate::memory::phase::BACKWARD;
-        let recompute = crate::memory::phase::RECOMPUTE;
-        Some(
-            crate::memory::live_by_tag()
-                .iter()
-                .filter(|t| t.tag.starts_with(backward) && !t.tag.contains(recompute))
-                .map(|t| t.live.max(0) as u64)
-                .sum(),
-        )
-    }
-}
+use crate::memory::Meter;
 
 /// A boundary between phases of the step.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -130,7 +95,7 @@ pub enum Event {
 }
 
 struct Recorder {
-    probe: Box<dyn Probe>,
+    probe: Box<dyn Meter>,
     events: Vec<Event>,
     started: Instant,
 }
@@ -150,7 +115,7 @@ fn recorder() -> std::sync::MutexGuard<'static, Option<Recorder>> {
 }
 
 /// Starts recording, with `probe` reading the memory; drops what an earlier recording left.
-pub fn start(probe: Box<dyn Probe>) {
+pub fn start(probe: Box<dyn Meter>) {
     probe.window_peak();
     *recorder() = Some(Recorder {
         probe,
@@ -158,10 +123,18 @@ pub fn start(probe: Box<dyn Probe>) {
         started: Instant::now(),
     });
     ACTIVE.store(true, Ordering::SeqCst);
+    // The step's phases mark their own ends (`memory::in_phase`): the loop knows nothing of
+    // the recording.
+    crate::memory::on_phase_end(Some(Box::new(|phase| match phase {
+        crate::memory::phase::FORWARD => boundary(Boundary::ForwardEnd),
+        crate::memory::phase::BACKWARD => boundary(Boundary::BackwardEnd),
+        _ => {}
+    })));
 }
 
 /// Stops recording; returns the events.
 pub fn stop() -> Vec<Event> {
+    crate::memory::on_phase_end(None);
     ACTIVE.store(false, Ordering::SeqCst);
     recorder().take().map(|r| r.events).unwrap_or_default()
 }
@@ -171,7 +144,9 @@ pub fn is_recording() -> bool {
     ACTIVE.load(Ordering::Relaxed)
 }
 
-/// Marks a phase boundary (the runner and the optimizer hook do); nothing unless recording.
+/// Marks a phase boundary (the step's start and end: the profiling hook; the ends of forward
+/// and backward: their phases, through [`crate::memory::on_phase_end`]); nothing unless
+/// recording.
 pub fn boundary(at: Boundary) {
     if !is_recording() {
         return;

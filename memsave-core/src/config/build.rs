@@ -3,8 +3,8 @@
 
 use burn::tensor::backend::AutodiffBackend;
 
-use super::{under, Config};
-use crate::hooks::{Groups, LoggerHook, LrSchedule, LrUpdaterHook, OptimizerHook, SnapshotHook};
+use super::{under, Config, ModelKeys};
+use crate::hooks::{LoggerHook, LrSchedule, LrUpdaterHook, OptimizerHook, SnapshotHook};
 use crate::train::{Hook, OptimizerKind, RunLength, TrainModel};
 use crate::{Error, Result};
 
@@ -23,10 +23,9 @@ impl<M, D> Config<M, D> {
                      `optimizer_config.type = \"GradientCumulativeOptimizerHook\"`",
                 ))
             }
-            (true, Some(iters)) => {
-                Groups::new(iters).map_err(|e| under("optimizer_config", e))?;
+            _ => {
+                hook.groups().map_err(|e| under("optimizer_config", e))?;
             }
-            _ => {}
         }
         if let Some(fp16) = &self.fp16 {
             fp16.loss_scale.scaler().map_err(|error| match error {
@@ -44,21 +43,24 @@ impl<M, D> Config<M, D> {
         })
     }
 
-    /// The budget the planner works to, for a model whose `with_cp` is `with_cp`: `Some` with
-    /// `"auto"`; an error for `"auto"` without `[memory] memory_budget`, or a budget without
-    /// `"auto"` (which nothing would read).
-    pub fn memory_budget(&self, with_cp: &WithCp) -> Result<Option<Budget>> {
+    /// The budget the planner works to, for a model whose `with_cp` (at `keys.with_cp`) is
+    /// `with_cp`: `Some` with `"auto"`; an error for `"auto"` without `[memory]
+    /// memory_budget`, or a budget without `"auto"` (which nothing would read).
+    pub fn memory_budget(&self, with_cp: &WithCp, keys: &ModelKeys) -> Result<Option<Budget>> {
         match (with_cp, self.memory.memory_budget) {
             (WithCp::Auto, Some(budget)) => Ok(Some(budget)),
             (WithCp::Auto, None) => Err(Error::invalid(
-                "model.backbone.with_cp",
+                keys.with_cp,
                 "\"auto\" checkpoints what a memory budget needs: set one in `[memory]` \
                  (`memory_budget = \"3GiB\"`, or `\"60%\"` of the peak without checkpointing)",
             )),
             (_, Some(_)) => Err(Error::invalid(
                 "memory.memory_budget",
-                "is read by the planner only: set `model.backbone.with_cp = \"auto\"` for it to \
-                 pick the segments to checkpoint",
+                format!(
+                    "is read by the planner only: set `{} = \"auto\"` for it to pick the \
+                     segments to checkpoint",
+                    keys.with_cp
+                ),
             )),
             (_, None) => Ok(None),
         }
@@ -67,15 +69,13 @@ impl<M, D> Config<M, D> {
     /// What the planner's advice starts from: this config's precision, optimizer and
     /// accumulation, with `micro_batch` samples per micro-step.
     pub fn planner_setting(&self, micro_batch: usize) -> Setting {
-        let accumulates = self.optimizer_config.kind.accumulates();
         Setting {
             fp16: self.fp16.is_some() || self.optimizer_config.kind.is_fp16(),
             micro_batch,
-            cumulative: if accumulates {
-                self.optimizer_config.cumulative_iters.unwrap_or(1).max(1)
-            } else {
-                1
-            },
+            cumulative: self
+                .optimizer_config
+                .groups()
+                .map_or(1, |groups| groups.cumulative_iters()),
             adam: matches!(
                 self.optimizer.kind,
                 OptimizerKind::Adam { .. } | OptimizerKind::AdamW { .. }
@@ -114,11 +114,8 @@ impl<M, D> Config<M, D> {
         let mut hook = OptimizerHook::new()
             .with_grad_clip(section.grad_clip)
             .with_detect_anomalous_params(section.detect_anomalous_params);
-        if section.kind.accumulates() {
-            let groups = Groups::new(section.cumulative_iters.unwrap_or(1))
-                .map_err(|e| under("optimizer_config", e))?;
-            hook = hook.with_groups(groups);
-        }
+        let groups = section.groups().map_err(|e| under("optimizer_config", e))?;
+        hook = hook.with_groups(groups);
         let fp16 = match (&self.fp16, section.kind.is_fp16()) {
             (Some(fp16), _) => Some(fp16.clone()),
             (None, true) => Some(Default::default()),
@@ -131,7 +128,8 @@ impl<M, D> Config<M, D> {
         Ok(hook)
     }
 
-    /// The other hooks: learning rate, snapshots, log.
+    /// The other hooks: learning rate, snapshots, log, and the config keys of the strategies
+    /// for the advice of a step that does not fit.
     pub fn hooks<B: AutodiffBackend, Mo: TrainModel<B>>(&self) -> Vec<Box<dyn Hook<B, Mo>>> {
         vec![
             Box::new(LrUpdaterHook {
@@ -142,6 +140,27 @@ impl<M, D> Config<M, D> {
                 self.runner.by_epoch(),
             )),
             Box::new(LoggerHook::new(self.log_config.interval)),
+            Box::new(StrategyKeys),
         ]
+    }
+}
+
+/// Names the config keys of the strategies when a step does not fit.
+struct StrategyKeys;
+
+impl<B: AutodiffBackend, M: TrainModel<B>> Hook<B, M> for StrategyKeys {
+    fn name(&self) -> &'static str {
+        "strategy_keys"
+    }
+
+    fn out_of_memory_advice(&self, _state: &crate::train::TrainState<B, M>) -> Option<String> {
+        Some(
+            "in the config: mixed precision is `[fp16]`, accumulation \
+             `optimizer_config.cumulative_iters`, checkpointing `with_cp = true`; `memsave plan \
+             CONFIG --budget SIZE` measures which combination fits SIZE at the least cost, and \
+             `with_cp = \"auto\"` with `[memory] memory_budget = SIZE` checkpoints only the \
+             blocks that SIZE needs"
+                .to_string(),
+        )
     }
 }

@@ -38,6 +38,20 @@ pub struct OptimizerHookSection {
     pub detect_anomalous_params: bool,
 }
 
+impl OptimizerHookSection {
+    /// The grouping of micro-batches this section asks for: `cumulative_iters` for the
+    /// accumulating hooks (1 when unset), a step every iteration for the others. Errors name
+    /// `cumulative_iters`.
+    pub fn groups(&self) -> crate::Result<crate::hooks::Groups> {
+        let iters = if self.kind.accumulates() {
+            self.cumulative_iters.unwrap_or(1)
+        } else {
+            1
+        };
+        crate::hooks::Groups::new(iters)
+    }
+}
+
 /// The optimizer hooks, by MMCV's names.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize)]
 pub enum OptimizerHookType {
@@ -96,7 +110,7 @@ pub enum LossScaleSpec {
 impl Default for LossScaleSpec {
     /// MMCV's `Fp16OptimizerHook(loss_scale=512.)`.
     fn default() -> Self {
-        LossScaleSpec::Static(512.0)
+        LossScaleSpec::Static(crate::scaler::MMCV_STATIC_SCALE)
     }
 }
 

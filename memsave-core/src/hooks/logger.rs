@@ -24,7 +24,7 @@ impl Default for LogConfig {
 }
 
 /// A log line every `interval` iterations (loss averaged over them, learning rate, gradient
-/// norm, loss scale, peak memory as [`memory::device_peak_bytes`] reads it, time since the
+/// norm, loss scale, peak memory as the device's [`memory::Meter::peak`] reads it, time since the
 /// start) to stderr and `train.log` in the work directory, and a progress bar on a terminal
 /// (MMCV's `TextLoggerHook`).
 pub struct LoggerHook {
@@ -36,6 +36,7 @@ pub struct LoggerHook {
     file: Option<File>,
     bar: Option<ProgressBar>,
     started: Option<Instant>,
+    meter: Option<Box<dyn memory::Meter>>,
 }
 
 impl LoggerHook {
@@ -48,6 +49,7 @@ impl LoggerHook {
             file: None,
             bar: None,
             started: None,
+            meter: None,
         }
     }
 
@@ -95,8 +97,9 @@ impl<B: AutodiffBackend, M: TrainModel<B>> Hook<B, M> for LoggerHook {
         bar.set_position(state.iter as u64);
         self.bar = Some(bar);
         self.started = Some(Instant::now());
-        if memory::is_counting() {
-            memory::reset_peak();
+        self.meter = memory::meter_for(&state.device);
+        if let Some(meter) = &self.meter {
+            meter.reset_peak();
         }
         Ok(())
     }
@@ -150,11 +153,10 @@ impl<B: AutodiffBackend, M: TrainModel<B>> Hook<B, M> for LoggerHook {
         if let Some(scale) = state.log.loss_scale {
             line.push_str(&format!("  loss_scale: {scale}"));
         }
-        if let Some(bytes) = memory::device_peak_bytes(&state.device) {
+        if let Some(meter) = &self.meter {
+            let bytes = meter.peak();
             line.push_str(&format!("  memory: {:.1} MiB", memory::mib(bytes as usize)));
-        }
-        if memory::is_counting() {
-            memory::reset_peak();
+            meter.reset_peak();
         }
         if let Some(started) = self.started {
             line.push_str(&format!("  time: {:.1} s", started.elapsed().as_secs_f64()));

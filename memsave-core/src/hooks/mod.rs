@@ -11,7 +11,7 @@ pub use crate::train::grads::GradClip;
 pub use logger::{LogConfig, LoggerHook};
 pub use lr::{LrSchedule, LrUpdaterHook, Policy, Warmup};
 pub use optimizer::{
-    Fp16OptimizerHook, GradientCumulativeFp16OptimizerHook, GradientCumulativeOptimizerHook,
-    Groups, OptimizerHook,
+    Alone, Fp16OptimizerHook, GradientCumulativeFp16OptimizerHook, GradientCumulativeOptimizerHook,
+    Groups, OptimizerHook, Reducer,
 };
 pub use snapshot::{CheckpointHook, SnapshotConfig, SnapshotHook};

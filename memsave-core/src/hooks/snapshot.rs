@@ -75,6 +75,10 @@ impl SnapshotHook {
     }
 
     fn request<B: AutodiffBackend, M: TrainModel<B>>(&mut self, state: &mut TrainState<B, M>) {
+        if !state.is_main() {
+            // Rank 0 writes the snapshots of a data-parallel run.
+            return;
+        }
         let completed = (state.iter + 1).min(state.max_iters);
         let name = if self.by_epoch {
             format!("epoch_{}.ckpt", completed / state.iters_per_epoch)

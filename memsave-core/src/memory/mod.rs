@@ -25,29 +25,19 @@
 //! minus the baseline [`current_bytes`] taken at the reset.
 
 mod allocator;
+mod meter;
 mod tags;
 mod timeline;
 
 pub use allocator::{
     current_bytes, is_counting, peak_bytes, reset_peak, take_window_peak, CountingAllocator,
 };
+pub use meter::{meter_for, AllocatorMeter, Meter, PoolReadings};
 pub use tags::{live_by_tag, peak_by_tag, scope, scope_path, snapshot_peaks, TagBytes};
 pub use timeline::{Sample, Timeline};
 
-/// The tags the runner and the optimizer hook open around the phases of a training step, so
-/// that the bytes live at a peak can be told apart by what allocated them (see [`scope`]).
-pub mod phase {
-    /// The model's forward and loss (`Runner`): what is still live of it is what backward keeps.
-    pub const FORWARD: &str = "forward";
-    /// The backward pass (the optimizer hook): gradients, of parameters and in flight.
-    pub const BACKWARD: &str = "backward";
-    /// A checkpointed segment's forward run again in backward: its activations, briefly.
-    pub const RECOMPUTE: &str = "recompute";
-    /// Clipping and the optimizer step: the new weights and the optimizer's state.
-    pub const STEP: &str = "step";
-    /// The half-precision copy of the weights the forward runs on (mixed precision).
-    pub const HALF_WEIGHTS: &str = "half_weights";
-}
+pub mod phase;
+pub use phase::{in_phase, on_phase_end};
 
 use allocator::{CURRENT, PEAK};
 use std::sync::atomic::Ordering;
@@ -134,18 +124,10 @@ pub fn out_of_memory_size(message: &str) -> Option<u64> {
     digits.parse().ok()
 }
 
-/// What a log line reports as memory for a run on `device`: on the CPU, the live heap bytes
-/// peak since the last [`reset_peak`] (when a [`CountingAllocator`] is installed); on CUDA
-/// (feature `cuda`), the bytes CubeCL's pools hold reserved, their high-water mark. `None` where
-/// neither can be read.
+/// [`Meter::peak`] of `device`'s meter ([`meter_for`]): what a log line reports as memory.
+/// `None` where the device's memory cannot be read.
 pub fn device_peak_bytes<D: 'static>(device: &D) -> Option<u64> {
-    #[cfg(feature = "cuda")]
-    if let Some(device) = (device as &dyn std::any::Any).downcast_ref::<cubecl::cuda::CudaDevice>()
-    {
-        return cuda::pool_usage(device).map(|(_, reserved)| reserved);
-    }
-    let _ = device;
-    is_counting().then(|| peak_bytes() as u64)
+    meter_for(device).map(|meter| meter.peak())
 }
 
 /// Where a run on `device` allocates, in words, and the bytes available there when known: the
@@ -174,38 +156,12 @@ pub mod cuda {
         Some((usage.bytes_in_use, usage.bytes_reserved))
     }
 
-    /// The planner's probe on CUDA: live bytes are the pools' bytes in use. CubeCL keeps no
-    /// resettable high-water mark of them, so a window's peak is the most seen at the live
-    /// readings the profile takes (before and after each segment and recomputation), a lower
-    /// bound of the true one; the checks of the following steps correct a plan that is over.
-    pub struct PoolProbe {
+    /// The meter of `device`'s pools (see [`crate::memory::Meter`] for what each reading
+    /// means there).
+    pub fn pool_meter(
         device: CudaDevice,
-        seen: std::sync::atomic::AtomicU64,
-    }
-
-    impl PoolProbe {
-        /// A probe of `device`'s pools.
-        pub fn new(device: CudaDevice) -> Self {
-            PoolProbe {
-                device,
-                seen: std::sync::atomic::AtomicU64::new(0),
-            }
-        }
-    }
-
-    impl crate::checkpoint::profile::Probe for PoolProbe {
-        fn live(&self) -> u64 {
-            let live = pool_usage(&self.device).map_or(0, |(used, _)| used);
-            self.seen
-                .fetch_max(live, std::sync::atomic::Ordering::Relaxed);
-            live
-        }
-        fn window_peak(&self) -> u64 {
-            let live = pool_usage(&self.device).map_or(0, |(used, _)| used);
-            self.seen
-                .swap(live, std::sync::atomic::Ordering::Relaxed)
-                .max(live)
-        }
+    ) -> crate::memory::PoolReadings<impl Fn() -> Option<(u64, u64)> + Send + Sync> {
+        crate::memory::PoolReadings::new(move || pool_usage(&device))
     }
 
     /// Whether a CUDA driver and `device` can be opened: `Err` with the runtime's words where
@@ -219,11 +175,9 @@ pub mod cuda {
         match outcome {
             Ok(Ok(())) => Ok(()),
             Ok(Err(error)) => Err(format!("{error:?}")),
-            Err(payload) => Err(payload
-                .downcast_ref::<String>()
-                .cloned()
-                .or_else(|| payload.downcast_ref::<&str>().map(|s| s.to_string()))
-                .unwrap_or_else(|| "the CUDA runtime could not start".to_string())),
+            Err(payload) => Err(crate::panic_text(payload.as_ref())
+                .unwrap_or("the CUDA runtime could not start")
+                .to_string()),
         }
     }
 }

@@ -14,6 +14,7 @@ use serde::{Deserialize, Serialize};
 
 use super::profile::Profile;
 use super::solve::{plan, Plan};
+use crate::config::ModelKeys;
 
 /// What a step is made of, for the advice.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -67,8 +68,14 @@ pub struct Candidate {
     pub sets: Vec<String>,
 }
 
-/// The config overrides for `setting` (from `current`) and the checkpoint `paths`.
-pub fn overrides(current: &Setting, setting: &Setting, paths: &[String]) -> Vec<String> {
+/// The config overrides for `setting` (from `current`) and the checkpoint `paths`, the model's
+/// own settings at its `keys`.
+pub fn overrides(
+    current: &Setting,
+    setting: &Setting,
+    paths: &[String],
+    keys: &ModelKeys,
+) -> Vec<String> {
     let mut sets = Vec::new();
     if setting.fp16 && !current.fp16 {
         sets.push("fp16.loss_scale=\"dynamic\"".to_string());
@@ -85,14 +92,14 @@ pub fn overrides(current: &Setting, setting: &Setting, paths: &[String]) -> Vec<
         }
     }
     if setting.micro_batch != current.micro_batch {
-        sets.push(format!("data.samples_per_gpu={}", setting.micro_batch));
+        sets.push(format!("{}={}", keys.batch, setting.micro_batch));
     }
     if current.adam && !setting.adam {
         sets.push("optimizer.type=\"SGD\"".to_string());
         sets.push("optimizer.momentum=0.9".to_string());
     }
     let quoted: Vec<String> = paths.iter().map(|p| format!("\"{p}\"")).collect();
-    sets.push(format!("model.backbone.with_cp=[{}]", quoted.join(", ")));
+    sets.push(format!("{}=[{}]", keys.with_cp, quoted.join(", ")));
     sets
 }
 
@@ -146,7 +153,13 @@ pub fn scale(profile: &Profile, from: &Setting, to: &Setting) -> Profile {
 /// Every combination worth considering from `current`, best first: those that fit, in order of
 /// how little they change (the training kept, then SGD, then a smaller batch) and then of
 /// predicted time; then those that do not fit, by predicted peak.
-pub fn advise(current: &Setting, measured: &[Measured], budget: u64) -> Vec<Candidate> {
+/// `keys` are the model's own settings in the config.
+pub fn advise(
+    current: &Setting,
+    measured: &[Measured],
+    budget: u64,
+    keys: &ModelKeys,
+) -> Vec<Candidate> {
     let batch = current.batch();
     let divisors: Vec<usize> = (1..=batch).filter(|k| batch % k == 0).collect();
     let mut settings: Vec<Setting> = Vec::new();
@@ -195,7 +208,7 @@ pub fn advise(current: &Setting, measured: &[Measured], budget: u64) -> Vec<Cand
                     })
                 })?;
             let profile = scale(&source.profile, &source.setting, setting);
-            Some(candidate(current, setting, &profile, budget))
+            Some(candidate(current, setting, &profile, budget, keys))
         })
         .collect();
     candidates.sort_by(|a, b| {
@@ -215,7 +228,13 @@ pub fn advise(current: &Setting, measured: &[Measured], budget: u64) -> Vec<Cand
     candidates
 }
 
-fn candidate(current: &Setting, setting: &Setting, profile: &Profile, budget: u64) -> Candidate {
+fn candidate(
+    current: &Setting,
+    setting: &Setting,
+    profile: &Profile,
+    budget: u64,
+    keys: &ModelKeys,
+) -> Candidate {
     let (plan, fits) = match plan(profile, budget) {
         Ok(plan) => (plan, true),
         Err(_) => {
@@ -272,7 +291,7 @@ fn candidate(current: &Setting, setting: &Setting, profile: &Profile, budget: u6
     Candidate {
         label: words.join(" + "),
         setting: *setting,
-        sets: overrides(current, setting, &plan.paths),
+        sets: overrides(current, setting, &plan.paths, keys),
         checkpoint: plan.paths,
         peak: plan.peak,
         seconds: plan.seconds,

@@ -28,25 +28,13 @@ pub use budget::{Budget, MemorySection, WithCp};
 pub use profile::{Profile, SegmentProfile, Window};
 pub use solve::{plan, BelowFloor, Plan};
 
-use crate::checkpoint::profile::{self as recorder, AllocatorProbe, Boundary, Probe};
+use crate::checkpoint::profile::{self as recorder, Boundary};
 use crate::checkpoint::{CheckpointModule, SegmentId};
+use crate::config::ModelKeys;
+use crate::memory::{meter_for, Meter};
 use crate::train::params::param_bytes;
 use crate::train::{Hook, TrainModel, TrainState};
 use crate::{Error, Result};
-
-/// The memory probe for a run on `device`: the counting allocator on the CPU (when it is
-/// installed), CubeCL's pools on CUDA; `None` where memory cannot be read.
-pub fn probe_for<D: 'static>(device: &D) -> Option<Box<dyn Probe>> {
-    #[cfg(feature = "cuda")]
-    if let Some(device) = (device as &dyn std::any::Any).downcast_ref::<cubecl::cuda::CudaDevice>()
-    {
-        return Some(Box::new(crate::memory::cuda::PoolProbe::new(
-            device.clone(),
-        )));
-    }
-    let _ = device;
-    crate::memory::is_counting().then(|| Box::new(AllocatorProbe) as Box<dyn Probe>)
-}
 
 /// Each segment of `model` by identity, to its module path.
 pub fn segment_ids<M: CheckpointModule>(model: &M) -> HashMap<SegmentId, String> {
@@ -79,18 +67,18 @@ pub struct ProfileHook {
     /// profile), else as the model stands (a measurement of it).
     pub checkpoint_all: bool,
     ids: HashMap<SegmentId, String>,
-    probe: Option<Box<dyn Probe>>,
+    meter: Option<Box<dyn Meter>>,
 }
 
 impl ProfileHook {
-    /// Profiles iteration `iter` with every segment checkpointed, memory read by `probe`.
-    pub fn new(iter: usize, probe: Box<dyn Probe>) -> Self {
+    /// Profiles iteration `iter` with every segment checkpointed, memory read by `meter`.
+    pub fn new(iter: usize, meter: Box<dyn Meter>) -> Self {
         ProfileHook {
             iter,
             profile: Rc::new(RefCell::new(None)),
             checkpoint_all: true,
             ids: HashMap::new(),
-            probe: Some(probe),
+            meter: Some(meter),
         }
     }
 
@@ -102,8 +90,8 @@ impl ProfileHook {
             set_flags(state, &|_| true);
         }
         self.ids = segment_ids(state.forward_model());
-        if let Some(probe) = self.probe.take() {
-            recorder::start(probe);
+        if let Some(meter) = self.meter.take() {
+            recorder::start(meter);
         }
         recorder::boundary(Boundary::Start);
     }
@@ -148,18 +136,18 @@ pub struct StepMeter {
     pub to: usize,
     /// Per measured iteration: seconds and peak bytes.
     pub steps: Rc<RefCell<Vec<(f64, u64)>>>,
-    probe: Box<dyn Probe>,
+    meter: Box<dyn Meter>,
     started: Option<std::time::Instant>,
 }
 
 impl StepMeter {
-    /// Measures iterations `from..to`, memory read by `probe`.
-    pub fn new(from: usize, to: usize, probe: Box<dyn Probe>) -> Self {
+    /// Measures iterations `from..to`, memory read by `meter`.
+    pub fn new(from: usize, to: usize, meter: Box<dyn Meter>) -> Self {
         StepMeter {
             from,
             to,
             steps: Rc::new(RefCell::new(Vec::new())),
-            probe,
+            meter,
             started: None,
         }
     }
@@ -173,7 +161,7 @@ impl<B: AutodiffBackend, M: TrainModel<B>> Hook<B, M> for StepMeter {
     fn before_iter(&mut self, state: &mut TrainState<B, M>) -> Result<()> {
         if (self.from..self.to).contains(&state.iter) {
             let _ = B::sync(&state.device);
-            self.probe.window_peak();
+            self.meter.window_peak();
             self.started = Some(std::time::Instant::now());
         }
         Ok(())
@@ -183,7 +171,7 @@ impl<B: AutodiffBackend, M: TrainModel<B>> Hook<B, M> for StepMeter {
         if let Some(started) = self.started.take() {
             let _ = B::sync(&state.device);
             let seconds = started.elapsed().as_secs_f64();
-            let peak = self.probe.window_peak();
+            let peak = self.meter.window_peak();
             self.steps.borrow_mut().push((seconds, peak));
         }
         Ok(())
@@ -202,19 +190,26 @@ pub const CHECKED_STEPS: usize = 3;
 pub struct AutoPlanHook {
     budget: Budget,
     setting: advise::Setting,
+    keys: ModelKeys,
     profile: ProfileHook,
     planned: Option<(Profile, Plan, u64)>,
     checked: usize,
-    probe: Option<Box<dyn Probe>>,
+    meter: Option<Box<dyn Meter>>,
     current: Rc<RefCell<Vec<String>>>,
 }
 
 impl AutoPlanHook {
-    /// A planner for `budget` on `device`; `setting` is the config's (for the advice).
-    pub fn new<D: 'static>(budget: Budget, setting: advise::Setting, device: &D) -> Result<Self> {
-        let no_probe = || {
+    /// A planner for `budget` on `device`; `setting` is the config's and `keys` the model's own
+    /// settings in it (for the advice).
+    pub fn new<D: 'static>(
+        budget: Budget,
+        setting: advise::Setting,
+        keys: ModelKeys,
+        device: &D,
+    ) -> Result<Self> {
+        let no_meter = || {
             Error::invalid(
-                "with_cp",
+                keys.with_cp,
                 "\"auto\" measures memory, and it cannot be read here: memsave's counting \
                  allocator is not this program's global allocator (see memsave::memory), and \
                  the device is not CUDA",
@@ -223,10 +218,11 @@ impl AutoPlanHook {
         Ok(AutoPlanHook {
             budget,
             setting,
-            profile: ProfileHook::new(usize::MAX, probe_for(device).ok_or_else(no_probe)?),
+            keys,
+            profile: ProfileHook::new(usize::MAX, meter_for(device).ok_or_else(no_meter)?),
             planned: None,
             checked: 0,
-            probe: Some(probe_for(device).ok_or_else(no_probe)?),
+            meter: Some(meter_for(device).ok_or_else(no_meter)?),
             current: Rc::new(RefCell::new(Vec::new())),
         })
     }
@@ -236,9 +232,9 @@ impl AutoPlanHook {
         self.planned.as_ref()
     }
 
-    /// Reads the peaks of the checked steps with `probe` instead of the device's.
-    pub fn with_check_probe(mut self, probe: Box<dyn Probe>) -> Self {
-        self.probe = Some(probe);
+    /// Reads the peaks of the checked steps with `meter` instead of the device's.
+    pub fn with_check_meter(mut self, meter: Box<dyn Meter>) -> Self {
+        self.meter = Some(meter);
         self
     }
 
@@ -310,7 +306,7 @@ impl<B: AutodiffBackend, M: TrainModel<B> + CheckpointModule> Hook<B, M> for Aut
             setting: self.setting,
             profile: profile.clone(),
         }];
-        let candidates = advise::advise(&self.setting, &measured, held);
+        let candidates = advise::advise(&self.setting, &measured, held, &self.keys);
         Some(format!(
             "the plan ({} of {} segments checkpointed, predicted {}) did not fit; {}",
             plan.paths.len(),
@@ -330,8 +326,8 @@ impl<B: AutodiffBackend, M: TrainModel<B> + CheckpointModule> Hook<B, M> for Aut
         if state.iter == self.profile.iter {
             self.profile.begin(state);
         } else if self.planned.is_some() && self.checked < CHECKED_STEPS {
-            if let Some(probe) = &self.probe {
-                probe.window_peak();
+            if let Some(meter) = &self.meter {
+                meter.window_peak();
             }
         }
         Ok(())
@@ -382,7 +378,7 @@ impl<B: AutodiffBackend, M: TrainModel<B> + CheckpointModule> Hook<B, M> for Aut
                         setting: self.setting,
                         profile: profile.clone(),
                     }];
-                    let candidates = advise::advise(&self.setting, &measured, budget);
+                    let candidates = advise::advise(&self.setting, &measured, budget, &self.keys);
                     return Err(Error::OutOfMemory {
                         what: format!(
                             "one step with every one of the {} segments checkpointed, the \
@@ -405,7 +401,7 @@ impl<B: AutodiffBackend, M: TrainModel<B> + CheckpointModule> Hook<B, M> for Aut
             return Ok(());
         }
         self.checked += 1;
-        let Some(measured) = self.probe.as_ref().map(|p| p.window_peak()) else {
+        let Some(measured) = self.meter.as_ref().map(|p| p.window_peak()) else {
             return Ok(());
         };
         let line = format!(

@@ -73,8 +73,27 @@ pub struct IterLog {
     pub loss_scale: Option<f64>,
     /// Whether the optimizer stepped (false while accumulating, or on an overflow).
     pub stepped: bool,
+    /// The groups of parameters the step ran in (see [`TrainState::step`]); 0 without a step.
+    pub step_groups: usize,
     /// The named parts of the loss ([`TrainModel::loss_with_parts`]).
     pub parts: Vec<(&'static str, f64)>,
+}
+
+/// Which of the peers of a data-parallel run a state belongs to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PeerPlace {
+    /// Its rank, from 0 (rank 0 logs and writes snapshots).
+    pub rank: usize,
+    /// The number of peers.
+    pub world_size: usize,
+}
+
+impl PeerPlace {
+    /// Training alone: rank 0 of 1.
+    pub const ALONE: PeerPlace = PeerPlace {
+        rank: 0,
+        world_size: 1,
+    };
 }
 
 /// The state of a run, handed to every hook.
@@ -116,8 +135,9 @@ pub struct TrainState<B: AutodiffBackend, M: TrainModel<B>> {
     /// Bytes of gradients per group of parameters the optimizer steps at once (see
     /// [`TrainState::step`]); [`STEP_GROUP_BYTES`] unless changed.
     pub step_group_bytes: usize,
-    /// This peer of a data-parallel run (see [`crate::dist`]); `None` when training alone.
-    pub collective: Option<crate::dist::SharedCollective<B::InnerBackend>>,
+    /// This run's place among data-parallel peers ([`crate::parallel::attach`] sets it);
+    /// rank 0 of 1 when training alone.
+    pub peer: PeerPlace,
     warnings: Vec<String>,
 }
 
@@ -146,7 +166,7 @@ impl<B: AutodiffBackend, M: TrainModel<B>> TrainState<B, M> {
             work_dir,
             optimizer_state_copies: 0,
             step_group_bytes: STEP_GROUP_BYTES,
-            collective: None,
+            peer: PeerPlace::ALONE,
             warnings: Vec::new(),
         }
     }
@@ -158,7 +178,7 @@ impl<B: AutodiffBackend, M: TrainModel<B>> TrainState<B, M> {
 
     /// This peer's rank in a data-parallel run (0 when training alone).
     pub fn rank(&self) -> usize {
-        self.collective.as_ref().map_or(0, |c| c.rank())
+        self.peer.rank
     }
 
     /// Whether this peer logs and writes checkpoints (rank 0, or training alone).
@@ -168,7 +188,7 @@ impl<B: AutodiffBackend, M: TrainModel<B>> TrainState<B, M> {
 
     /// The number of peers (1 when training alone).
     pub fn world_size(&self) -> usize {
-        self.collective.as_ref().map_or(1, |c| c.world_size())
+        self.peer.world_size
     }
 
     /// Reports a warning (stderr, on the main peer only) and keeps it for
@@ -214,7 +234,10 @@ impl<B: AutodiffBackend, M: TrainModel<B>> TrainState<B, M> {
         grads: burn::optim::GradientsParams,
         prepare: &mut dyn FnMut(&M, &mut burn::optim::GradientsParams),
     ) {
-        for mut group in super::grads::into_chunks::<B, M>(&self.model, grads, STEP_GROUP_BYTES) {
+        let group_bytes = self.step_group_bytes;
+        let groups = super::grads::into_chunks::<B, M>(&self.model, grads, group_bytes);
+        self.log.step_groups = groups.len();
+        for mut group in groups {
             prepare(&self.model, &mut group);
             self.model = self.optimizer.step(self.lr, self.model.clone(), group);
         }

@@ -11,11 +11,14 @@ use super::valid::Plan;
 /// ```text
 /// fn forward(&self, x) -> y {
 ///     let segment = |this: &Self, x| -> y { body, with `self` read as `this` };
-///     with_cp_method("forward", self, x, segment, self.with_cp, self draws random numbers)
+///     checkpoint_with(
+///         Options::new().method("forward").enabled(self.with_cp).random(self draws random numbers),
+///         self, x, segment,
+///     )
 /// }
 /// ```
 ///
-/// `with_cp_method` checkpoints when the flag is on (and the input requires grad) and runs the
+/// `checkpoint_with` checkpoints when the flag is on (and the input requires grad) and runs the
 /// segment as written otherwise; when the module draws from the backend's random stream, both
 /// run under the segment's own stream, so that they give the same gradients.
 ///
@@ -65,13 +68,14 @@ pub fn expand(memsave: &TokenStream, plan: &Plan, method: ImplItemFn) -> TokenSt
         let #segment = |#this: &Self, #param_pattern: #param_type| #output { #body };
         #[allow(unused_imports)]
         use #memsave::checkpoint::__private::{ViaFallback as _, ViaTrait as _};
-        #memsave::checkpoint::__private::with_cp_method(
-            #name,
+        #memsave::checkpoint::checkpoint_with(
+            #memsave::checkpoint::Options::new()
+                .method(#name)
+                .enabled(#memsave::checkpoint::HasWithCp::with_cp(self))
+                .random((&#memsave::checkpoint::__private::Probe(self)).draws_random()),
             self,
             #input,
             #segment,
-            #memsave::checkpoint::HasWithCp::with_cp(self),
-            (&#memsave::checkpoint::__private::Probe(self)).draws_random(),
         )
     });
     quote!(#dispatcher)

@@ -4,7 +4,7 @@ use rand::{Rng, SeedableRng};
 use serde::Deserialize;
 
 use crate::classifier::ClassificationBatch;
-use crate::memsave::dist::Shard;
+use crate::memsave::parallel::Shard;
 use crate::memsave::train::{BatchFootprint, DataSource};
 use crate::memsave::{Error, Result};
 

@@ -9,9 +9,8 @@ mod plot;
 pub mod report;
 pub mod worker;
 
-use std::io::{BufRead, BufReader, Read, Write};
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
+use std::process::Command;
 
 use indicatif::{MultiProgress, ProgressBar, ProgressDrawTarget, ProgressStyle};
 use memsave::{Error, Result};
@@ -233,7 +232,7 @@ pub fn bench(args: BenchArgs) -> Result<()> {
         }
     };
 
-    let configs = run_interleaved(&args, &names, &config, random_init, &data, &temp.0)?;
+    let configs = run_interleaved(&args, &names, &config, random_init, &data)?;
     for result in &configs {
         eprintln!(
             "memsave bench: {}: peak {:.1} MiB above the step's start, {:.2} s/step, final \
@@ -315,16 +314,11 @@ fn device_words(device: Device) -> Result<String> {
     }
 }
 
-/// One configuration's process: its input (the pacing lines), its output lines, its error
-/// text (read by a thread), its progress bar.
+/// One configuration's process and its progress bar.
 struct Worker {
     name: String,
-    child: std::process::Child,
-    stdin: Option<std::process::ChildStdin>,
-    lines: std::io::Lines<BufReader<std::process::ChildStdout>>,
-    errors: Option<std::thread::JoinHandle<String>>,
+    process: super::worker::Worker<ConfigResult>,
     bar: ProgressBar,
-    result: PathBuf,
 }
 
 /// Starts one configuration's process; it builds its model and data, then waits for a line on
@@ -335,11 +329,9 @@ fn start(
     config: &Path,
     random_init: bool,
     data: &Path,
-    temp: &Path,
     bars: &MultiProgress,
 ) -> Result<Worker> {
     let exe = std::env::current_exe().map_err(|e| Error::Data(e.to_string()))?;
-    let result = temp.join(format!("{name}.json"));
     let mut command = Command::new(exe);
     command
         .arg("bench-worker")
@@ -359,9 +351,7 @@ fn start(
                 Device::Cpu => "cpu",
                 Device::Cuda => "cuda",
             },
-        ])
-        .arg("--result")
-        .arg(&result);
+        ]);
     if let Some(depth) = args.depth {
         command.args(["--depth", &depth.to_string()]);
     }
@@ -374,21 +364,7 @@ fn start(
     for line in config_lines(args, name)? {
         command.arg(format!("--set={line}"));
     }
-    command
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped());
-    let mut child = command
-        .spawn()
-        .map_err(|e| Error::Data(format!("could not start the `{name}` run: {e}")))?;
-    let mut stderr = child.stderr.take().expect("piped");
-    let errors = std::thread::spawn(move || {
-        let mut text = String::new();
-        let _ = stderr.read_to_string(&mut text);
-        text
-    });
-    let stdin = child.stdin.take();
-    let lines = BufReader::new(child.stdout.take().expect("piped")).lines();
+    let process = super::worker::spawn(&format!("the `{name}` run"), command)?;
     let total = (args.warmup + args.iters) as u64;
     let bar = bars.add(ProgressBar::new(total));
     bar.set_style(
@@ -399,70 +375,34 @@ fn start(
     bar.tick();
     Ok(Worker {
         name: name.to_string(),
-        child,
-        stdin,
-        lines,
-        errors: Some(errors),
+        process,
         bar,
-        result,
     })
 }
 
 impl Worker {
     /// Lets the process run one step and waits for it; false once the process has ended.
     fn step(&mut self) -> bool {
-        let Some(stdin) = &mut self.stdin else {
-            return false;
-        };
-        if writeln!(stdin, "go").and_then(|()| stdin.flush()).is_err() {
-            self.stdin = None;
-            return false;
-        }
-        for line in self.lines.by_ref().map_while(|l| l.ok()) {
-            if let Some(done) = line
-                .strip_prefix("step ")
-                .and_then(|rest| rest.split(' ').next())
-                .and_then(|n| n.parse::<u64>().ok())
-            {
+        match self.process.step() {
+            Some(done) => {
                 self.bar.set_position(done);
-                return true;
+                true
             }
+            None => false,
         }
-        self.stdin = None;
-        false
     }
 
     /// Waits for the process to end; its result, or its error in words.
-    fn finish(mut self) -> Result<ConfigResult> {
-        drop(self.stdin.take());
-        let status = self.child.wait().map_err(|e| Error::Data(e.to_string()))?;
+    fn finish(self) -> Result<ConfigResult> {
+        let finished = self.process.finish()?;
         self.bar.finish_and_clear();
-        let errors = self
-            .errors
-            .take()
-            .and_then(|handle| handle.join().ok())
-            .unwrap_or_default();
         let name = &self.name;
-        if !status.success() {
-            let reason = errors
-                .lines()
-                .rev()
-                .find_map(|l| l.strip_prefix("memsave: error: "))
-                .map(str::to_string)
-                .unwrap_or_else(|| {
-                    let lines: Vec<&str> = errors.lines().collect();
-                    lines[lines.len().saturating_sub(20)..].join("\n")
-                });
-            return Err(Error::Data(format!(
-                "the `{name}` configuration failed ({status}): {reason}"
-            )));
-        }
-        for warning in errors.lines().filter(|l| l.starts_with("memsave: warning")) {
+        for warning in &finished.warnings {
             eprintln!("{name}: {warning}");
         }
-        let text = std::fs::read_to_string(&self.result).map_err(io(&self.result))?;
-        serde_json::from_str(&text)
-            .map_err(|e| Error::Data(format!("{}: {e}", self.result.display())))
+        finished
+            .result
+            .map_err(|reason| Error::Data(format!("the `{name}` configuration failed: {reason}")))
     }
 }
 
@@ -475,12 +415,11 @@ fn run_interleaved(
     config: &Path,
     random_init: bool,
     data: &Path,
-    temp: &Path,
 ) -> Result<Vec<ConfigResult>> {
     let bars = MultiProgress::with_draw_target(ProgressDrawTarget::stderr());
     let mut workers = Vec::new();
     for name in names {
-        workers.push(start(args, name, config, random_init, data, temp, &bars)?);
+        workers.push(start(args, name, config, random_init, data, &bars)?);
     }
     for _ in 0..args.warmup + args.iters {
         let mut any = false;

@@ -26,7 +26,7 @@ use burn::tensor::backend::AutodiffBackend;
 use memsave::config::Config;
 use memsave::hooks::LrUpdaterHook;
 use memsave::memory::{self, phase, TagBytes, Timeline};
-use memsave::models::config::{DetectionDataSection, ModelSection, ModelType};
+use memsave::models::config::{DetectionDataSection, ModelSection};
 use memsave::models::data::voc::loader::{DatasetType, VocDatasetConfig, VocDetection};
 use memsave::models::data::voc::pipeline::Step;
 use memsave::models::data::voc::OneOrMany;
@@ -36,6 +36,7 @@ use memsave::train::params::param_bytes;
 use memsave::train::{DataSource, Hook, OptimizerKind, RunLength, Runner, TrainModel, TrainState};
 use memsave::{Error, Result};
 
+use super::super::worker::Report;
 use super::super::Device;
 use super::report::ConfigResult;
 
@@ -75,9 +76,6 @@ pub struct WorkerArgs {
     /// Where to run.
     #[arg(long, value_enum)]
     device: Device,
-    /// Where to write the result.
-    #[arg(long)]
-    result: PathBuf,
     /// Wait for a line on the standard input before each step (`memsave bench` paces its
     /// processes so that their steps take turns).
     #[arg(long)]
@@ -88,72 +86,22 @@ pub struct WorkerArgs {
 }
 
 pub fn worker(args: WorkerArgs) -> Result<()> {
-    let result = match args.device {
-        Device::Cpu => run::<Autodiff<Flex>>(&args, Default::default(), Rc::new(CpuMeter))?,
-        #[cfg(feature = "cuda")]
-        Device::Cuda => {
-            let device = burn::backend::cuda::CudaDevice::default();
-            run::<Autodiff<burn::backend::Cuda>>(&args, device.clone(), Rc::new(CudaMeter(device)))?
-        }
-        #[cfg(not(feature = "cuda"))]
-        Device::Cuda => return Err(super::super::no_cuda()),
-    };
-    let text = serde_json::to_string(&result).map_err(|e| Error::Data(e.to_string()))?;
-    std::fs::write(&args.result, text).map_err(|source| Error::Io {
-        path: args.result.clone(),
-        source,
+    super::super::worker::serve(|| {
+        let result = match args.device {
+            Device::Cpu => {
+                run::<Autodiff<Flex>>(&args, Default::default(), Rc::new(memory::AllocatorMeter))?
+            }
+            #[cfg(feature = "cuda")]
+            Device::Cuda => {
+                let device = burn::backend::cuda::CudaDevice::default();
+                let meter = Rc::new(memory::cuda::pool_meter(device.clone()));
+                run::<Autodiff<burn::backend::Cuda>>(&args, device, meter)?
+            }
+            #[cfg(not(feature = "cuda"))]
+            Device::Cuda => return Err(super::super::no_cuda()),
+        };
+        super::super::worker::send(&Report::Done(result))
     })
-}
-
-/// Reads a device's memory.
-pub trait Meter {
-    /// Bytes live now.
-    fn live(&self) -> u64;
-    /// Starts a new peak; returns the live bytes it starts from.
-    fn start_peak(&self) -> u64;
-    /// The peak since [`Meter::start_peak`].
-    fn peak(&self) -> u64;
-    /// Whether bytes are charged to phases (the counting allocator), for the breakdown and the
-    /// timeline.
-    fn phases(&self) -> bool;
-}
-
-/// The counting allocator.
-pub struct CpuMeter;
-
-impl Meter for CpuMeter {
-    fn live(&self) -> u64 {
-        memory::current_bytes() as u64
-    }
-    fn start_peak(&self) -> u64 {
-        memory::reset_peak() as u64
-    }
-    fn peak(&self) -> u64 {
-        memory::peak_bytes() as u64
-    }
-    fn phases(&self) -> bool {
-        memory::is_counting()
-    }
-}
-
-/// CubeCL's pools: bytes in use; the peak is the pools' reservation (their high-water mark).
-#[cfg(feature = "cuda")]
-pub struct CudaMeter(burn::backend::cuda::CudaDevice);
-
-#[cfg(feature = "cuda")]
-impl Meter for CudaMeter {
-    fn live(&self) -> u64 {
-        memory::cuda::pool_usage(&self.0).map_or(0, |(used, _)| used)
-    }
-    fn start_peak(&self) -> u64 {
-        self.live()
-    }
-    fn peak(&self) -> u64 {
-        memory::cuda::pool_usage(&self.0).map_or(0, |(_, reserved)| reserved)
-    }
-    fn phases(&self) -> bool {
-        false
-    }
 }
 
 /// MMDetection's training pipeline, the resize stretched to exactly `width` x `height`.
@@ -225,7 +173,7 @@ struct Measure {
     paced: bool,
     warmup: usize,
     last: usize,
-    meter: Rc<dyn Meter>,
+    meter: Rc<dyn memory::Meter>,
     record: Rc<RefCell<Record>>,
     started: Option<(Instant, u64, Vec<TagBytes>)>,
     timeline: Option<Timeline>,
@@ -242,12 +190,7 @@ impl<B: AutodiffBackend, M: TrainModel<B>> Hook<B, M> for Measure {
             return Ok(());
         }
         if self.paced {
-            let mut line = String::new();
-            if std::io::stdin().read_line(&mut line).unwrap_or(0) == 0 {
-                return Err(Error::Data(
-                    "the bench that started this run has gone".into(),
-                ));
-            }
+            super::super::worker::wait_for_turn()?;
         }
         let group = state.iter / self.micro;
         if group < self.warmup {
@@ -258,7 +201,7 @@ impl<B: AutodiffBackend, M: TrainModel<B>> Hook<B, M> for Measure {
         let mut record = self.record.borrow_mut();
         record.resident.get_or_insert(live);
         drop(record);
-        if group == self.last && self.meter.phases() {
+        if group == self.last && self.meter.tags() {
             // Room for a sample every millisecond of a long step.
             self.timeline = Some(
                 Timeline::start(std::time::Duration::from_millis(1), 1 << 17).map_err(|e| {
@@ -266,12 +209,12 @@ impl<B: AutodiffBackend, M: TrainModel<B>> Hook<B, M> for Measure {
                 })?,
             );
         }
-        let at_start = if self.meter.phases() {
+        let at_start = if self.meter.tags() {
             memory::live_by_tag()
         } else {
             Vec::new()
         };
-        let baseline = self.meter.start_peak();
+        let baseline = self.meter.reset_peak();
         self.started = Some((Instant::now(), baseline, at_start));
         Ok(())
     }
@@ -291,7 +234,7 @@ impl<B: AutodiffBackend, M: TrainModel<B>> Hook<B, M> for Measure {
             let seconds = started.elapsed().as_secs_f64();
             let peak = self.meter.peak().saturating_sub(baseline);
             // What each tag added between the step's start and its peak.
-            let mut at_peak = if self.meter.phases() {
+            let mut at_peak = if self.meter.tags() {
                 memory::peak_by_tag()
             } else {
                 Vec::new()
@@ -307,8 +250,8 @@ impl<B: AutodiffBackend, M: TrainModel<B>> Hook<B, M> for Measure {
             }
         }
         let group = state.iter / self.micro + 1;
-        // The parent's progress bar reads these lines.
-        println!("step {group} {}", self.last + 1);
+        // The parent's progress bar reads these reports.
+        super::super::worker::send(&Report::<()>::Step { done: group as u64 })?;
         Ok(())
     }
 }
@@ -322,7 +265,7 @@ pub fn load_config(
     adam: bool,
     random_init: bool,
 ) -> Result<Config<ModelSection, DetectionDataSection>> {
-    if super::super::train::model_type(path, sets)? != ModelType::RetinaNet {
+    if !memsave::models::registry::entry(path, sets)?.detector {
         return Err(Error::invalid(
             "model.type",
             format!(
@@ -357,7 +300,11 @@ pub fn load_config(
     Ok(config)
 }
 
-fn run<B>(args: &WorkerArgs, device: B::Device, meter: Rc<dyn Meter>) -> Result<ConfigResult>
+fn run<B>(
+    args: &WorkerArgs,
+    device: B::Device,
+    meter: Rc<dyn memory::Meter>,
+) -> Result<ConfigResult>
 where
     B: AutodiffBackend + memsave::Backend,
 {
@@ -369,11 +316,10 @@ where
         args.random_init,
     )?;
     let detector = config.model.retinanet()?;
-    let micro = if config.optimizer_config.kind.accumulates() {
-        config.optimizer_config.cumulative_iters.unwrap_or(1).max(1)
-    } else {
-        1
-    };
+    let micro = config
+        .optimizer_config
+        .groups()
+        .map_or(1, |groups| groups.cumulative_iters());
 
     // Two steps' worth of batches, each step's images split into its micro-batches.
     let train = VocDatasetConfig {
@@ -406,7 +352,7 @@ where
     drop(loader);
 
     B::seed(&device, config.seed);
-    memory::snapshot_peaks(meter.phases());
+    memory::snapshot_peaks(meter.tags());
     let before_model = meter.live();
     let model: RetinaNet<B> = memory::scope("model", || {
         let model = detector.init::<B>(&device)?;
@@ -422,7 +368,7 @@ where
     })?;
     // The bytes the model keeps (weights, BatchNorm statistics): on the CPU, those live under
     // the tag its construction ran in; elsewhere, the growth of the live bytes.
-    let parameters = if meter.phases() {
+    let parameters = if meter.tags() {
         memory::live_by_tag()
             .iter()
             .filter(|t| t.tag == "model" || t.tag.starts_with("model."))
@@ -457,11 +403,13 @@ where
         timeline: None,
         losses: Vec::new(),
     }));
-    if let Some(budget) = config.memory_budget(&config.model.backbone.with_cp)? {
+    let keys = memsave::models::registry::entry(&args.config, &args.set)?.keys;
+    if let Some(budget) = config.memory_budget(&config.model.backbone.with_cp, &keys)? {
         // `planned`: the planner profiles the warm-up step and checkpoints for the budget.
         runner.register_hook(Box::new(memsave::planner::AutoPlanHook::new(
             budget,
             config.planner_setting(config.data.samples_per_gpu),
+            keys,
             &runner.state().device.clone(),
         )?));
     }
@@ -475,14 +423,7 @@ where
         .sum();
     drop(runner);
     let record = record.take();
-    summarise(
-        args,
-        &record,
-        parameters,
-        half_weights,
-        built,
-        meter.phases(),
-    )
+    summarise(args, &record, parameters, half_weights, built, meter.tags())
 }
 
 /// Samples kept of a timeline.

@@ -1,6 +1,5 @@
 //! The recomputation of a segment in backward, on a helper thread (see [`super::super::threads`]).
 
-use std::any::Any;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::mpsc;
 
@@ -56,7 +55,11 @@ where
             })
         }));
         if let Err(payload) = outcome {
-            let _ = report.send(Message::Panicked(panic_message(payload.as_ref())));
+            let _ = report.send(Message::Panicked(
+                crate::panic_text(payload.as_ref())
+                    .unwrap_or("(no message)")
+                    .to_string(),
+            ));
         }
     })
     .map_err(|error| format!("memsave: could not start a recompute thread: {error}"))?;
@@ -99,16 +102,6 @@ pub(super) fn recompute_panic(message: &str) -> String {
     format!(
         "memsave: a checkpointed segment panicked while it was recomputed in backward: {message}"
     )
-}
-
-pub(super) fn panic_message(payload: &(dyn Any + Send)) -> String {
-    if let Some(text) = payload.downcast_ref::<&str>() {
-        (*text).to_string()
-    } else if let Some(text) = payload.downcast_ref::<String>() {
-        text.clone()
-    } else {
-        "(no message)".to_string()
-    }
 }
 
 /// Runs on the helper thread: recompute from fresh leaves, seed the outputs with their

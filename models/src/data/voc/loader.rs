@@ -19,7 +19,7 @@ use super::pipeline::{Pipeline, Step};
 use super::{read_splits, OneOrMany, VocImage};
 use crate::detection::boxes::BBox;
 use crate::detection::{DetectionBatch, ImageMeta};
-use crate::memsave::dist::Shard;
+use crate::memsave::parallel::Shard;
 use crate::memsave::train::{BatchFootprint, DataSource};
 use crate::memsave::{Error, Result};
 

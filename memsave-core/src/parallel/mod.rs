@@ -3,11 +3,14 @@
 //! and processes on other machines through its global orchestrator). memsave writes no
 //! all-reduce, transport or orchestrator of its own: it decides *what* is reduced and *when*.
 //!
-//! - Every peer starts from peer 0's weights ([`broadcast_module`], before the first iteration
+//! - A runner becomes a peer by parts ([`attach`], [`PeerReducer`]), not by a branch in its
+//!   loop.
+//! - Every peer starts from peer 0's weights ([`BroadcastHook`], before the first iteration
 //!   and after a resume) and the same seed.
 //! - Each peer reads its own shard of the data ([`Shard`], PyTorch's `DistributedSampler`).
-//! - The optimizer hook averages the gradients across peers at the end of each group of
-//!   micro-batches, before unscaling, the overflow check and clipping ([`all_reduce_grads`]):
+//! - The optimizer hook's reduction part ([`PeerReducer`]) averages the gradients across peers
+//!   at the end of each group of micro-batches, before unscaling, the overflow check and
+//!   clipping ([`all_reduce_grads`]):
 //!   once per group under accumulation (DDP's `no_sync` on the other micro-steps). Every peer
 //!   gets the same averaged bits, so the norm, the clipping and the step are the same
 //!   everywhere; the overflow decision is agreed explicitly too ([`agree_any`]), so loss
@@ -18,6 +21,7 @@
 //! - A peer that fails ends the run on every peer with an [`Error::Peer`] naming it
 //!   ([`peer::run_local`]); a remote node that stops answering ends it after the peer timeout.
 
+mod parts;
 pub mod peer;
 mod sampler;
 
@@ -30,6 +34,7 @@ use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::ops::FloatTensor;
 use burn::tensor::{DType, Tensor, TensorData, TensorPrimitive};
 
+pub use parts::{attach, BroadcastHook, PeerReducer};
 pub use peer::{
     report_network_failure, run_local, serve_orchestrator, BurnPeer, Topology, DEFAULT_TIMEOUT,
 };

@@ -7,7 +7,6 @@
 //! pending there with an error) or when no answer came within the peer timeout (a node on
 //! another machine that died or cannot be reached).
 
-use std::any::Any;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender};
 use std::sync::{Arc, Mutex};
@@ -540,7 +539,10 @@ where
                             Ok(outcome) => outcome,
                             Err(payload) => Err(Error::Peer {
                                 peer: name.clone(),
-                                message: format!("panicked: {}", panic_text(payload.as_ref())),
+                                message: format!(
+                                    "panicked: {}",
+                                    crate::panic_text(payload.as_ref()).unwrap_or("(no message)")
+                                ),
                             }),
                         };
                         if let Err(error) = &outcome {
@@ -568,16 +570,6 @@ where
         return Err(Error::Peer { peer, message });
     }
     results.into_iter().collect()
-}
-
-fn panic_text(payload: &(dyn Any + Send)) -> String {
-    if let Some(text) = payload.downcast_ref::<&str>() {
-        (*text).to_string()
-    } else if let Some(text) = payload.downcast_ref::<String>() {
-        text.clone()
-    } else {
-        "(no message)".to_string()
-    }
 }
 
 /// Runs burn-collective's global orchestrator on `port` (all interfaces) until the process is

@@ -1,6 +1,8 @@
 //! The optimizer hook: backward and step, composed of a *precision* part (fp32, or half
-//! precision with a loss scaler and fp32 master weights) and a *grouping* part (step every
-//! `cumulative_iters` iterations; 1: every one). MMCV's four hooks are its four corners:
+//! precision with a loss scaler and fp32 master weights), a *grouping* part (step every
+//! `cumulative_iters` iterations; 1: every one) and a *reduction* part (training alone, or
+//! averaging over data-parallel peers: [`Reducer`]). MMCV's four hooks are the four corners
+//! of the first two:
 //!
 //! | | every iteration | groups of `cumulative_iters` |
 //! |---|---|---|
@@ -12,23 +14,30 @@
 //! [`crate::train::grads::backward`]); at a group's end: unscale, overflow check (half
 //! precision), clip, step or skip, update the scaler.
 
+mod groups;
+mod reduce;
+
+use std::path::Path;
+
 use burn::optim::GradientsParams;
 use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::DType;
-use serde::{Deserialize, Serialize};
 
 use crate::fp16::{wrap_fp16_model, Precision};
 use crate::memory;
 use crate::scaler::LossScaler;
 use crate::train::grads::{self, GradClip};
-use crate::train::params::has_batch_norm;
-use crate::train::{Hook, TrainModel, TrainState};
+use crate::train::{Hook, SnapshotMeta, TrainModel, TrainState};
 use crate::{Error, Result};
 
+pub use groups::Groups;
+pub use reduce::{Alone, Reducer};
+
 /// Backward, optional global-norm clipping, step (MMCV's `OptimizerHook`), in fp32 or half
-/// precision, every iteration or in groups (see the [module docs](self)).
+/// precision, every iteration or in groups, alone or averaged over peers with `R` (see the
+/// [module docs](self)).
 #[derive(Debug)]
-pub struct OptimizerHook {
+pub struct OptimizerHook<R = Alone> {
     /// Clip the gradients by their global norm before each step (after unscaling).
     pub grad_clip: Option<GradClip>,
     /// Report every trainable parameter that got no gradient, by its module path.
@@ -39,6 +48,7 @@ pub struct OptimizerHook {
     summed: Option<GradientsParams>,
     /// Micro-batches summed in the current group.
     pending: usize,
+    reducer: R,
 }
 
 /// The precision part under mixed precision: the scaler, and the half type of the forward copy.
@@ -46,70 +56,6 @@ pub struct OptimizerHook {
 struct Mixed {
     scaler: LossScaler,
     precision: Precision,
-}
-
-/// The grouping part: micro-batches per optimizer step, and MMCV's loss factor.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub struct Groups {
-    cumulative_iters: usize,
-}
-
-impl Groups {
-    /// Steps every `cumulative_iters` iterations; 0 is an error naming `cumulative_iters`.
-    pub fn new(cumulative_iters: usize) -> Result<Self> {
-        if cumulative_iters == 0 {
-            return Err(Error::invalid(
-                "cumulative_iters",
-                "must be a positive integer, got 0",
-            ));
-        }
-        Ok(Groups { cumulative_iters })
-    }
-
-    /// Micro-batches per step.
-    pub fn cumulative_iters(self) -> usize {
-        self.cumulative_iters
-    }
-
-    /// What the loss of iteration `iter` is divided by: `cumulative_iters` in the full groups,
-    /// the size of the final short group in it (REFERENCE.md section 2).
-    pub fn loss_factor(self, iter: usize, max_iters: usize) -> usize {
-        let remainder = max_iters % self.cumulative_iters;
-        if iter < max_iters - remainder {
-            self.cumulative_iters
-        } else {
-            remainder
-        }
-    }
-
-    /// Whether the optimizer steps after iteration `state.iter`.
-    fn boundary<B: AutodiffBackend, M: TrainModel<B>>(self, state: &TrainState<B, M>) -> bool {
-        state.every_n_iters(self.cumulative_iters) || state.is_last_iter()
-    }
-
-    /// MMCV's two warnings, at the start of a run.
-    fn warn<B: AutodiffBackend, M: TrainModel<B>>(self, state: &mut TrainState<B, M>) {
-        if self.cumulative_iters == 1 {
-            return;
-        }
-        if !state.iter.is_multiple_of(self.cumulative_iters) {
-            state.warn(format!(
-                "resuming at iteration {}, which is not a multiple of cumulative_iters ({}): the \
-                 gradients of the first {} iterations of this group are lost, which may change \
-                 the result slightly",
-                state.iter,
-                self.cumulative_iters,
-                state.iter % self.cumulative_iters
-            ));
-        }
-        if has_batch_norm::<B, M>(&state.model) {
-            state.warn(format!(
-                "the model has BatchNorm layers: with cumulative_iters = {}, their batch \
-                 statistics see one micro-batch at a time, which may lower the result slightly",
-                self.cumulative_iters
-            ));
-        }
-    }
 }
 
 impl Default for OptimizerHook {
@@ -125,14 +71,15 @@ impl OptimizerHook {
             grad_clip: None,
             detect_anomalous_params: false,
             mixed: None,
-            groups: Groups {
-                cumulative_iters: 1,
-            },
+            groups: Groups::EVERY_ITERATION,
             summed: None,
             pending: 0,
+            reducer: Alone,
         }
     }
+}
 
+impl<R> OptimizerHook<R> {
     /// The same hook clipping the gradients by their global norm.
     pub fn with_grad_clip(mut self, grad_clip: Option<GradClip>) -> Self {
         self.grad_clip = grad_clip;
@@ -158,12 +105,27 @@ impl OptimizerHook {
         self
     }
 
-    /// The half type of the forward copy under mixed precision.
-    pub fn with_precision(mut self, precision: Precision) -> Self {
-        if let Some(mixed) = &mut self.mixed {
-            mixed.precision = precision;
+    /// The same hook averaging over peers with `reducer` (a data-parallel run:
+    /// [`crate::parallel::PeerReducer`]).
+    pub fn with_reducer<R2>(self, reducer: R2) -> OptimizerHook<R2> {
+        OptimizerHook {
+            grad_clip: self.grad_clip,
+            detect_anomalous_params: self.detect_anomalous_params,
+            mixed: self.mixed,
+            groups: self.groups,
+            summed: self.summed,
+            pending: self.pending,
+            reducer,
         }
-        self
+    }
+
+    /// The precision the forward runs in (`"fp32"`, `"f16"`, `"bf16"`): written in
+    /// snapshots, compared on resume.
+    pub fn precision(&self) -> String {
+        match &self.mixed {
+            None => "fp32".to_string(),
+            Some(mixed) => mixed.precision.to_string(),
+        }
     }
 
     /// The loss scaler, under mixed precision.
@@ -186,14 +148,13 @@ impl OptimizerHook {
         &mut self,
         state: &mut TrainState<B, M>,
         mut grads: GradientsParams,
-    ) -> Result<()> {
-        if let Some(collective) = state.collective.clone() {
-            // Data parallel: the mean over the peers, once per group, before anything reads
-            // the gradients (the norm, the overflow check, clipping); every peer gets the same
-            // bits.
-            let device = inner_device::<B>(&state.device);
-            crate::dist::all_reduce_grads::<B, M>(&*collective, &state.model, &mut grads, &device)?;
-        }
+    ) -> Result<()>
+    where
+        R: Reducer<B>,
+    {
+        // The mean over the peers, once per group, before anything reads the gradients (the
+        // norm, the overflow check, clipping); every peer gets the same bits.
+        self.reducer.mean_grads(&state.model, &mut grads)?;
         if self.detect_anomalous_params {
             let missing = grads::params_without_grad::<B, M>(&state.model, &grads);
             if !missing.is_empty() {
@@ -218,12 +179,10 @@ impl OptimizerHook {
         let scale = mixed.scaler.loss_scale();
         let norm_type = self.grad_clip.as_ref().map_or(2.0, |clip| clip.norm_type);
         let norm = grads::global_norm::<B, M>(&state.model, &grads, norm_type).map(|n| n / scale);
-        let mut overflow = norm.is_some_and(|norm| !norm.is_finite());
-        if let Some(collective) = &state.collective {
-            // One non-finite gradient on any peer skips the step on every peer.
-            let device = inner_device::<B>(&state.device);
-            overflow = crate::dist::agree_any(&**collective, overflow, &device)?;
-        }
+        // One non-finite gradient on any peer skips the step on every peer.
+        let overflow = self
+            .reducer
+            .any(norm.is_some_and(|norm| !norm.is_finite()))?;
         if overflow {
             mixed.scaler.update_scale(true);
             state.warn(format!(
@@ -258,9 +217,9 @@ impl OptimizerHook {
     }
 }
 
-impl<B: AutodiffBackend, M: TrainModel<B>> Hook<B, M> for OptimizerHook {
+impl<B: AutodiffBackend, M: TrainModel<B>, R: Reducer<B>> Hook<B, M> for OptimizerHook<R> {
     fn name(&self) -> &'static str {
-        match (&self.mixed, self.groups.cumulative_iters > 1) {
+        match (&self.mixed, self.groups.cumulative_iters() > 1) {
             (None, false) => "optimizer",
             (None, true) => "cumulative",
             (Some(_), false) => "fp16",
@@ -283,21 +242,11 @@ impl<B: AutodiffBackend, M: TrainModel<B>> Hook<B, M> for OptimizerHook {
             return Ok(());
         };
         state.log.loss = Some(grads::scalar(&loss));
-        if let Some(collective) = &state.collective {
-            // The log shows the mean over the peers (MMDetection's `_parse_losses`).
-            let mut values: Vec<f64> = std::iter::once(state.log.loss.unwrap_or(0.0))
-                .chain(state.log.parts.iter().map(|(_, value)| *value))
-                .collect();
-            let device = inner_device::<B>(&state.device);
-            crate::dist::mean_for_log(&**collective, &mut values, &device)?;
-            state.log.loss = values.first().copied();
-            for ((_, part), value) in state.log.parts.iter_mut().zip(&values[1..]) {
-                *part = *value;
-            }
-        }
+        // The log shows the mean over the peers (MMDetection's `_parse_losses`).
+        self.reducer.mean_for_log(&mut state.log)?;
         let divisor = self.groups.loss_factor(state.iter, state.max_iters) as f64;
         let summed = self.summed.take();
-        let grads = memory::scope(memory::phase::BACKWARD, || match &self.mixed {
+        let grads = memory::in_phase(memory::phase::BACKWARD, || match &self.mixed {
             // fp32: the group's sums start the backward pass, no second set is made.
             None => grads::backward::<B, M>(loss.div_scalar(divisor), &state.model, summed),
             // Half: the forward copy's gradients are half and scaled, the sums fp32.
@@ -316,7 +265,6 @@ impl<B: AutodiffBackend, M: TrainModel<B>> Hook<B, M> for OptimizerHook {
                 }
             }
         });
-        crate::checkpoint::profile::boundary(crate::checkpoint::profile::Boundary::BackwardEnd);
         self.pending += 1;
         if self.groups.boundary(state) {
             self.pending = 0;
@@ -337,17 +285,41 @@ impl<B: AutodiffBackend, M: TrainModel<B>> Hook<B, M> for OptimizerHook {
         Ok(())
     }
 
-    fn precision(&self) -> Option<String> {
-        Some(match &self.mixed {
-            None => "fp32".to_string(),
-            Some(mixed) => mixed.precision.to_string(),
-        })
+    fn before_save(&self, meta: &mut SnapshotMeta) {
+        meta.precision = Some(self.precision());
+    }
+
+    /// A snapshot of another precision loads (its weights are fp32), with a warning that says
+    /// what becomes of the loss scaler.
+    fn after_load(
+        &mut self,
+        state: &mut TrainState<B, M>,
+        meta: &SnapshotMeta,
+        path: &Path,
+    ) -> Result<()> {
+        let now = self.precision();
+        if let Some(saved) = meta.precision.as_ref().filter(|saved| **saved != now) {
+            let scaler = if now == "fp32" {
+                "its loss scaler is dropped"
+            } else if saved == "fp32" {
+                "the loss scaler starts afresh at its `init_scale`"
+            } else {
+                "the loss scaler carries on"
+            };
+            state.warn(format!(
+                "checkpoint {} was trained in {saved}, and this config trains in {now}: the \
+                 weights load (they are kept in fp32), {scaler}; set `[fp16]` as the run that \
+                 wrote it did to resume it exactly",
+                path.display()
+            ));
+        }
+        Ok(())
     }
 
     fn state_dict(&self) -> Option<serde_json::Value> {
-        let groups = (self.groups.cumulative_iters > 1).then(|| {
+        let groups = (self.groups.cumulative_iters() > 1).then(|| {
             serde_json::json!({
-                "cumulative_iters": self.groups.cumulative_iters,
+                "cumulative_iters": self.groups.cumulative_iters(),
                 "pending": self.pending,
             })
         });
@@ -367,7 +339,7 @@ impl<B: AutodiffBackend, M: TrainModel<B>> Hook<B, M> for OptimizerHook {
         let Some(mixed) = &mut self.mixed else {
             return Ok(());
         };
-        let (scaler, prefix) = if self.groups.cumulative_iters > 1 {
+        let (scaler, prefix) = if self.groups.cumulative_iters() > 1 {
             let scaler = value
                 .get("loss_scaler")
                 .cloned()
@@ -386,13 +358,6 @@ impl<B: AutodiffBackend, M: TrainModel<B>> Hook<B, M> for OptimizerHook {
     }
 }
 
-/// The inner backend's device of an autodiff device (the same device).
-fn inner_device<B: AutodiffBackend>(device: &B::Device) -> burn::tensor::Device<B::InnerBackend> {
-    burn::tensor::Tensor::<B, 1>::empty([0], device)
-        .inner()
-        .device()
-}
-
 /// MMCV's `Fp16OptimizerHook`: mixed precision with fp32 master weights and loss scaling, a
 /// step every iteration. Before the run the forward model becomes a half copy of the weights
 /// (`wrap_fp16_model`); each iteration back-propagates `loss * scale` through it, casts the half
@@ -402,7 +367,7 @@ fn inner_device<B: AutodiffBackend>(device: &B::Device) -> burn::tensor::Device<
 pub struct Fp16OptimizerHook;
 
 impl Fp16OptimizerHook {
-    /// The hook, in f16 (`with_precision` for bf16).
+    /// The hook, in f16 (`OptimizerHook::with_mixed_precision` for bf16).
     #[allow(clippy::new_ret_no_self)]
     pub fn new(loss_scaler: LossScaler) -> OptimizerHook {
         OptimizerHook::new().with_mixed_precision(loss_scaler, Precision::F16)
@@ -411,7 +376,9 @@ impl Fp16OptimizerHook {
     /// MMCV's default: a static scale of 512.
     #[allow(clippy::should_implement_trait)]
     pub fn default() -> OptimizerHook {
-        Self::new(LossScaler::fixed(512.0).expect("512 is a valid scale"))
+        Self::new(
+            LossScaler::fixed(crate::scaler::MMCV_STATIC_SCALE).expect("512 is a valid scale"),
+        )
     }
 }
 

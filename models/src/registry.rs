@@ -1,0 +1,290 @@
+//! The models memsave's commands run, each registered once: its config section, how it is
+//! built, its data, the config keys of its batch and its `with_cp`, and whether it is a detector
+//! (`memsave test` evaluates it). The commands ask this module and never name a model type.
+//!
+//! Adding a model: its config section (in [`crate::config`]), a `build_*` function below that
+//! makes its model, data and hooks, and one line in [`ENTRIES`] and in [`build`]'s match.
+
+use std::path::Path;
+
+use burn::tensor::backend::AutodiffBackend;
+
+use crate::classifier::ImageClassifier;
+use crate::config::{AnyData, DataSection, DetectionDataSection, ModelSection, ModelType};
+use crate::data::voc::loader::VocDetection;
+use crate::data::voc::VOC_CLASSES;
+use crate::data::SyntheticClassification;
+use crate::eval::hook::EvalHook;
+use crate::eval::voc::ApMode;
+use crate::memsave::checkpoint::CheckpointModule;
+use crate::memsave::config::{Config, ModelKeys};
+use crate::memsave::parallel::Shard;
+use crate::memsave::planner::WithCp;
+use crate::memsave::train::{DataSource, Hook, TrainModel};
+use crate::memsave::{Error, Result};
+
+/// One registered model.
+#[derive(Clone, Copy, Debug)]
+pub struct Entry {
+    /// Its `model.type`.
+    pub kind: ModelType,
+    /// Its keys.
+    pub keys: ModelKeys,
+    /// Whether it is a VOC detector: `memsave test` evaluates it (VOC's mAP) and `memsave
+    /// bench` measures it.
+    pub detector: bool,
+}
+
+/// Every model, by `model.type`.
+pub const ENTRIES: &[Entry] = &[
+    Entry {
+        kind: ModelType::ImageClassifier,
+        keys: BACKBONE_KEYS,
+        detector: false,
+    },
+    Entry {
+        kind: ModelType::RetinaNet,
+        keys: BACKBONE_KEYS,
+        detector: true,
+    },
+];
+
+/// The keys of a model whose checkpointed segments are its ResNet backbone's blocks.
+pub const BACKBONE_KEYS: ModelKeys = ModelKeys {
+    with_cp: "model.backbone.with_cp",
+    batch: "data.samples_per_gpu",
+};
+
+/// The entry of the model a config names (its data section is not read yet).
+pub fn entry(config: &Path, sets: &[String]) -> Result<Entry> {
+    let kind = Config::<ModelSection, AnyData>::load(config, sets)?
+        .model
+        .kind;
+    Ok(*ENTRIES
+        .iter()
+        .find(|entry| entry.kind == kind)
+        .expect("every ModelType has an entry"))
+}
+
+/// What a model is built for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Purpose {
+    /// A training run: with the evaluation the config asks for (on rank 0).
+    Train,
+    /// A few measured steps (`memsave plan`): no evaluation data is read.
+    Measure,
+}
+
+/// What a command needs to build a config's model.
+pub struct Setup<'a, B: AutodiffBackend> {
+    /// The config file.
+    pub config: &'a Path,
+    /// Its `--set` overrides.
+    pub sets: &'a [String],
+    /// What for.
+    pub purpose: Purpose,
+    /// The training device.
+    pub device: B::Device,
+    /// The same device for the inner backend (evaluation).
+    pub inner: <B::InnerBackend as burn::tensor::backend::BackendTypes>::Device,
+    /// The data this peer reads.
+    pub shard: Shard,
+}
+
+/// A model built from its config, handed to a [`ModelJob`].
+pub struct Built<B: AutodiffBackend, M: TrainModel<B>, D> {
+    /// The model, every weight drawn.
+    pub model: M,
+    /// Its training data.
+    pub data: D,
+    /// Samples per micro-batch.
+    pub batch: usize,
+    /// The model's own hooks (a detector's evaluation).
+    pub hooks: Vec<Box<dyn Hook<B, M>>>,
+    /// Its checkpointing switch as the config sets it.
+    pub with_cp: WithCp,
+    /// Its keys.
+    pub keys: ModelKeys,
+}
+
+/// What a command does with the model of a config, whatever its type.
+pub trait ModelJob<B: AutodiffBackend> {
+    /// What the job returns.
+    type Output;
+
+    /// Runs the job on `built`, built from `config`.
+    fn run<M, D, Data>(
+        self,
+        config: &Config<ModelSection, D>,
+        built: Built<B, M, Data>,
+    ) -> Result<Self::Output>
+    where
+        M: TrainModel<B> + CheckpointModule,
+        Data: DataSource<M::Batch> + 'static;
+}
+
+/// Held while a model is seeded and its weights drawn: the peers of a data-parallel run share
+/// the backend's random stream, and drawing one model at a time keeps each draw the seed's (a
+/// run's start is then the same on every run, and the same as alone).
+static INIT: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+/// `init` on a backend seeded with `seed`, every (lazily initialised) weight drawn before the
+/// next model is.
+fn seeded<B: AutodiffBackend, M: TrainModel<B>>(
+    device: &B::Device,
+    seed: u64,
+    init: impl FnOnce() -> Result<M>,
+) -> Result<M> {
+    let _one_at_a_time = INIT.lock().unwrap_or_else(|e| e.into_inner());
+    B::seed(device, seed);
+    let model = init()?;
+    crate::memsave::train::params::param_bytes::<B, _>(&model);
+    Ok(model)
+}
+
+/// Builds the model, data and hooks of `setup.config` and runs `job` on them.
+pub fn build<B, J>(setup: Setup<'_, B>, job: J) -> Result<J::Output>
+where
+    B: AutodiffBackend + crate::memsave::Backend,
+    B::InnerBackend: crate::memsave::Backend,
+    J: ModelJob<B>,
+{
+    let entry = entry(setup.config, setup.sets)?;
+    match entry.kind {
+        ModelType::ImageClassifier => build_classifier(setup, entry, job),
+        ModelType::RetinaNet => build_retinanet(setup, entry, job),
+    }
+}
+
+/// Samples per micro-batch of a config's model.
+pub fn batch_size(config: &Path, sets: &[String]) -> Result<usize> {
+    Ok(match entry(config, sets)?.kind {
+        ModelType::ImageClassifier => {
+            match Config::<ModelSection, DataSection>::load(config, sets)?.data {
+                DataSection::SyntheticClassification(data) => data.samples_per_gpu,
+            }
+        }
+        ModelType::RetinaNet => {
+            Config::<ModelSection, DetectionDataSection>::load(config, sets)?
+                .data
+                .samples_per_gpu
+        }
+    })
+}
+
+fn build_classifier<B, J>(setup: Setup<'_, B>, entry: Entry, job: J) -> Result<J::Output>
+where
+    B: AutodiffBackend + crate::memsave::Backend,
+    J: ModelJob<B>,
+{
+    let config = Config::<ModelSection, DataSection>::load(setup.config, setup.sets)?;
+    let num_classes = config.model.classifier_classes()?;
+    if config.evaluation.is_some() {
+        return Err(Error::invalid(
+            "evaluation",
+            "only detectors are evaluated during training",
+        ));
+    }
+    let device = setup.device;
+    let model = seeded::<B, _>(&device, config.seed, || {
+        ImageClassifier::<B>::new(&config.model.backbone, num_classes, &device)
+    })?;
+    let DataSection::SyntheticClassification(data) = &config.data;
+    let batch = data.samples_per_gpu;
+    let data = SyntheticClassification::<B>::new(data.clone(), num_classes, device)?
+        .with_shard(setup.shard);
+    let built = Built {
+        model,
+        data,
+        batch,
+        hooks: Vec::new(),
+        with_cp: config.model.backbone.with_cp.clone(),
+        keys: entry.keys,
+    };
+    job.run(&config, built)
+}
+
+fn build_retinanet<B, J>(setup: Setup<'_, B>, entry: Entry, job: J) -> Result<J::Output>
+where
+    B: AutodiffBackend + crate::memsave::Backend,
+    B::InnerBackend: crate::memsave::Backend,
+    J: ModelJob<B>,
+{
+    let config = Config::<ModelSection, DetectionDataSection>::load(setup.config, setup.sets)?;
+    let detector = config.model.retinanet()?;
+    if detector.bbox_head.num_classes != VOC_CLASSES.len() {
+        return Err(Error::invalid(
+            "model.bbox_head.num_classes",
+            format!(
+                "a VOC detector tells the {} VOC classes apart, got {}",
+                VOC_CLASSES.len(),
+                detector.bbox_head.num_classes
+            ),
+        ));
+    }
+    let device = setup.device;
+    let model = seeded::<B, _>(&device, config.seed, || detector.init::<B>(&device))?;
+    let data_config = &config.data;
+    let data = VocDetection::<B>::new_shard(
+        &data_config.train,
+        "data.train",
+        true,
+        data_config.samples_per_gpu,
+        data_config.workers_per_gpu,
+        config.seed,
+        setup.shard,
+        device.clone(),
+    )?;
+    let mut hooks: Vec<Box<dyn Hook<B, _>>> = Vec::new();
+    // A measuring job trains a few steps only: no evaluation data. Rank 0 evaluates a
+    // data-parallel run.
+    let evaluation = match setup.purpose {
+        Purpose::Train => config.evaluation.as_ref(),
+        Purpose::Measure => None,
+    }
+    .filter(|_| setup.shard.rank == 0);
+    if let Some(evaluation) = evaluation {
+        if evaluation.metric != "mAP" {
+            return Err(Error::invalid(
+                "evaluation.metric",
+                format!(
+                    "`{}` is not known: a VOC detector is scored by \"mAP\"",
+                    evaluation.metric
+                ),
+            ));
+        }
+        let (split, field) = match &data_config.val {
+            Some(val) => (val, "data.val"),
+            None => (&data_config.test, "data.test"),
+        };
+        let val = VocDetection::<B::InnerBackend>::new(
+            split,
+            field,
+            false,
+            data_config.samples_per_gpu,
+            data_config.workers_per_gpu,
+            0,
+            setup.inner,
+        )?;
+        let mode = if split.is_voc2007() {
+            ApMode::ElevenPoints
+        } else {
+            ApMode::Area
+        };
+        hooks.push(Box::new(EvalHook::<B>::new(
+            val,
+            evaluation.interval,
+            config.runner.by_epoch(),
+            mode,
+        )?));
+    }
+    let built = Built {
+        model,
+        data,
+        batch: data_config.samples_per_gpu,
+        hooks,
+        with_cp: config.model.backbone.with_cp.clone(),
+        keys: entry.keys,
+    };
+    job.run(&config, built)
+}
