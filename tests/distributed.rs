@@ -19,8 +19,8 @@ use burn::tensor::TensorMetadata;
 use common::tiny::TinyNet;
 use common::{watchdog, AB};
 use memsave::hooks::{
-    CheckpointHook, Fp16OptimizerHook, GradClip, GradientCumulativeOptimizerHook, LrSchedule,
-    LrUpdaterHook, OptimizerHook,
+    Fp16OptimizerHook, GradClip, GradientCumulativeOptimizerHook, LrSchedule, LrUpdaterHook,
+    OptimizerHook,
 };
 use memsave::models::classifier::ClassificationBatch;
 use memsave::models::data::{SyntheticClassification, SyntheticClassificationConfig};
@@ -498,7 +498,7 @@ fn a_failing_peer_ends_every_peer_with_an_error_naming_it_and_the_checkpoints_st
                 let plain = OptimizerHook::new();
                 let length = RunLength::Iters(8);
                 let mut runner = peer_runner(net(), plain, source, length, &run_dir, peer);
-                runner.register_hook(Box::new(CheckpointHook::new(2, false)));
+                runner.register_hook(Box::new(memsave::hooks::SnapshotHook::new(2, false)));
                 runner.run()
             })
         });

@@ -490,7 +490,7 @@ fn amp_end_to_end_reaches_the_fp32_loss_within_5_percent() {
 
 fn checkpointed_run(dir: &Path, hook: Box<dyn Hook<AB, Net>>, model: Net) -> Runner<AB, Net, Data> {
     let mut runner = runner(model, hook, data(2, 8), RunLength::Iters(12), dir);
-    runner.register_hook(Box::new(memsave::hooks::CheckpointHook::new(3, false)));
+    runner.register_hook(Box::new(memsave::hooks::SnapshotHook::new(3, false)));
     runner
 }
 
@@ -607,7 +607,7 @@ fn resuming_adam_and_adamw_is_exact_and_the_accumulation_position_is_saved() {
                 RunLength::Iters(10),
                 dir,
             );
-            runner.register_hook(Box::new(memsave::hooks::CheckpointHook::new(3, false)));
+            runner.register_hook(Box::new(memsave::hooks::SnapshotHook::new(3, false)));
             runner
         };
         let mut uninterrupted = run(&dir);

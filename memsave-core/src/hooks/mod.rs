@@ -14,4 +14,4 @@ pub use optimizer::{
     Alone, Fp16OptimizerHook, GradientCumulativeFp16OptimizerHook, GradientCumulativeOptimizerHook,
     Groups, OptimizerHook, Reducer,
 };
-pub use snapshot::{CheckpointHook, SnapshotConfig, SnapshotHook};
+pub use snapshot::{SnapshotConfig, SnapshotHook};

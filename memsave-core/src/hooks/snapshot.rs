@@ -49,9 +49,6 @@ pub struct SnapshotHook {
     saved: Vec<PathBuf>,
 }
 
-/// MMCV's name for [`SnapshotHook`].
-pub type CheckpointHook = SnapshotHook;
-
 impl SnapshotHook {
     /// Saves every `interval` epochs (`by_epoch`) or iterations, and at the end; keeps all.
     pub fn new(interval: usize, by_epoch: bool) -> Self {

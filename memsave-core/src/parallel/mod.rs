@@ -24,6 +24,7 @@
 mod parts;
 pub mod peer;
 mod sampler;
+mod topology;
 
 use std::sync::Arc;
 

@@ -4,15 +4,17 @@
 pub mod grads;
 mod hook;
 mod length;
-pub mod optim;
+mod optim;
 pub mod params;
-pub mod runner;
+mod runner;
 pub mod snapshot;
-pub mod state;
+mod state;
 
 pub use hook::{Hook, Priority};
 pub use length::RunLength;
 pub use optim::{Optim, OptimizerKind};
 pub use runner::Runner;
 pub use snapshot::{load_weights, Snapshot, SnapshotMeta};
-pub use state::{BatchFootprint, DataSource, IterLog, PeerPlace, TrainModel, TrainState};
+pub use state::{
+    BatchFootprint, DataSource, IterLog, PeerPlace, TrainModel, TrainState, STEP_GROUP_BYTES,
+};

@@ -5,6 +5,7 @@
 //! their steps in turn, so that their times are interleaved. Prints a Markdown
 //! table, writes `bench.json`, `bench_bars.png` and `bench_timeline.png` to `--out`.
 
+mod measure;
 mod plot;
 pub mod report;
 pub mod worker;

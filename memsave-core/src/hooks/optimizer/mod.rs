@@ -174,7 +174,7 @@ impl<R> OptimizerHook<R> {
         };
         // The gradients are still half (one micro-batch) or fp32 sums (accumulation), and
         // scaled. Their norm is taken as they are and unscaled after (the same value, for a
-        // power-of-two scale); each group of parameters is then cast, unscaled and clipped just
+        // power-of-two scale); each chunk of parameters is then cast, unscaled and clipped just
         // before it steps, in the order a full fp32 copy would have been.
         let scale = mixed.scaler.loss_scale();
         let norm_type = self.grad_clip.as_ref().map_or(2.0, |clip| clip.norm_type);
@@ -198,11 +198,12 @@ impl<R> OptimizerHook<R> {
                 _ => None,
             }
             .filter(|&coefficient| coefficient < 1.0);
-            state.step_with(grads, &mut |model, group| {
-                grads::to_f32::<B, M>(model, group);
-                grads::scale::<B, M>(model, group, 1.0 / scale);
+            // Each chunk of parameters the optimizer steps at once.
+            state.step_with(grads, &mut |model, chunk| {
+                grads::to_f32::<B, M>(model, chunk);
+                grads::scale::<B, M>(model, chunk, 1.0 / scale);
                 if let Some(coefficient) = clip {
-                    grads::scale::<B, M>(model, group, coefficient);
+                    grads::scale::<B, M>(model, chunk, coefficient);
                 }
             });
             // The old half copy goes before the new one is made.

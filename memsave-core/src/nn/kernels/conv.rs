@@ -23,7 +23,10 @@ use gemm::{gemm, Parallelism};
 use half::{bf16, f16};
 use rayon::prelude::*;
 
-fn contiguous(x: &FlexTensor) -> FlexTensor {
+use super::im2col::{col2im_rows, im2col, im2col_rows, Geometry};
+
+/// `x`, contiguous from its start (itself when it already is).
+pub(super) fn contiguous(x: &FlexTensor) -> FlexTensor {
     if x.is_contiguous() && x.layout().start_offset() == 0 {
         x.clone()
     } else {
@@ -61,59 +64,6 @@ pub(crate) fn supports(options: &ConvOptions<2>) -> bool {
 /// Whether [`forward`] and [`input_grad`] handle these tensors: fp32, one group.
 pub(crate) fn supports_f32(x: &FlexTensor, weight: &FlexTensor, options: &ConvOptions<2>) -> bool {
     options.groups == 1 && x.dtype() == DType::F32 && weight.dtype() == DType::F32
-}
-
-/// The geometry of one convolution.
-struct Geometry {
-    n: usize,
-    ci: usize,
-    h: usize,
-    w: usize,
-    co: usize,
-    kh: usize,
-    kw: usize,
-    ho: usize,
-    wo: usize,
-}
-
-impl Geometry {
-    fn new(x: &[usize], weight: &[usize], options: &ConvOptions<2>) -> Geometry {
-        let out = |size: usize, kernel: usize, axis: usize| {
-            let span = options.dilation[axis] * (kernel - 1) + 1;
-            (size + 2 * options.padding[axis]).saturating_sub(span) / options.stride[axis] + 1
-        };
-        Geometry {
-            n: x[0],
-            ci: x[1],
-            h: x[2],
-            w: x[3],
-            co: weight[0],
-            kh: weight[2],
-            kw: weight[3],
-            ho: out(x[2], weight[2], 0),
-            wo: out(x[3], weight[3], 1),
-        }
-    }
-
-    /// Rows of the im2col buffer, `ci * kh * kw`.
-    fn q(&self) -> usize {
-        self.ci * self.kh * self.kw
-    }
-
-    /// Output positions per sample.
-    fn p(&self) -> usize {
-        self.ho * self.wo
-    }
-
-    /// A 1x1 convolution with stride 1 and no padding: the sample is its own im2col.
-    fn direct(&self, options: &ConvOptions<2>) -> bool {
-        self.kh == 1
-            && self.kw == 1
-            && options.stride == [1, 1]
-            && options.padding == [0, 0]
-            && self.ho == self.h
-            && self.wo == self.w
-    }
 }
 
 /// Elements (fp32) of the im2col buffers of a whole batch below which [`input_grad`] runs one
@@ -200,42 +150,6 @@ pub(crate) fn forward(
         }
     });
     FlexTensor::from_data(TensorData::new(y, Shape::from(vec![g.n, g.co, g.ho, g.wo])))
-}
-
-/// The im2col of output rows `rows` of one sample: `col[(c, i, j), (oh - rows.start, ow)]`.
-fn im2col_rows(
-    x: &[f32],
-    g: &Geometry,
-    options: &ConvOptions<2>,
-    rows: std::ops::Range<usize>,
-    col: &mut [f32],
-) {
-    let [sh, sw] = options.stride;
-    let [ph, pw] = options.padding;
-    let [dh, dw] = options.dilation;
-    let len = rows.len() * g.wo;
-    for (row, out) in col.chunks_mut(len).enumerate() {
-        let (c, rest) = (row / (g.kh * g.kw), row % (g.kh * g.kw));
-        let (i, j) = (rest / g.kw, rest % g.kw);
-        let plane = &x[c * g.h * g.w..(c + 1) * g.h * g.w];
-        for (local, oh) in rows.clone().enumerate() {
-            let ih = (oh * sh + i * dh) as isize - ph as isize;
-            let line = &mut out[local * g.wo..(local + 1) * g.wo];
-            if ih < 0 || ih >= g.h as isize {
-                line.fill(0.0);
-                continue;
-            }
-            let src = &plane[ih as usize * g.w..(ih as usize + 1) * g.w];
-            for (ow, value) in line.iter_mut().enumerate() {
-                let iw = (ow * sw + j * dw) as isize - pw as isize;
-                *value = if iw < 0 || iw >= g.w as isize {
-                    0.0
-                } else {
-                    src[iw as usize]
-                };
-            }
-        }
-    }
 }
 
 /// `dX` of `y = conv2d(x, w)` for fp32 tensors with one group (see [`supports_f32`]): x's
@@ -343,40 +257,6 @@ pub(crate) fn input_grad(
             .for_each(|(c, out)| col2im_rows(col, &g, options, 0..g.ho, c, out));
     }
     FlexTensor::from_data(TensorData::new(dx, Shape::from(x_shape.to_vec())))
-}
-
-/// `x[c, oh * s - pad + i * d, ow * s - pad + j * d] += col[(c, i, j), (oh - rows.start, ow)]`
-/// for one channel `c` (`plane`: its `h x w` values) and output rows `rows`.
-fn col2im_rows(
-    col: &[f32],
-    g: &Geometry,
-    options: &ConvOptions<2>,
-    rows: std::ops::Range<usize>,
-    c: usize,
-    plane: &mut [f32],
-) {
-    let [sh, sw] = options.stride;
-    let [ph, pw] = options.padding;
-    let [dh, dw] = options.dilation;
-    let (len, taps) = (rows.len() * g.wo, g.kh * g.kw);
-    for tap in 0..taps {
-        let (i, j) = (tap / g.kw, tap % g.kw);
-        let row = &col[(c * taps + tap) * len..(c * taps + tap + 1) * len];
-        for (local, oh) in rows.clone().enumerate() {
-            let ih = (oh * sh + i * dh) as isize - ph as isize;
-            if ih < 0 || ih >= g.h as isize {
-                continue;
-            }
-            let line = &mut plane[ih as usize * g.w..(ih as usize + 1) * g.w];
-            let src = &row[local * g.wo..(local + 1) * g.wo];
-            for (ow, value) in src.iter().enumerate() {
-                let iw = (ow * sw + j * dw) as isize - pw as isize;
-                if iw >= 0 && iw < g.w as isize {
-                    line[iw as usize] += value;
-                }
-            }
-        }
-    }
 }
 
 /// `dW` of `y = conv2d(x, w)`: x `[N, Ci, H, W]`, dy `[N, Co, Ho, Wo]`, result
@@ -506,114 +386,6 @@ fn weight_grad_into(
                 false,
                 Parallelism::Rayon(0),
             );
-        }
-    }
-}
-
-/// `col[(c, i, j), (oh, ow)] = x[c, oh * s - pad + i * d, ow * s - pad + j * d]`, 0 outside.
-fn im2col(
-    x: &[f32],
-    [ci, h, w]: [usize; 3],
-    [kh, kw]: [usize; 2],
-    [ho, wo]: [usize; 2],
-    options: &ConvOptions<2>,
-    col: &mut [f32],
-) {
-    let [sh, sw] = options.stride;
-    let [ph, pw] = options.padding;
-    let [dh, dw] = options.dilation;
-    let p = ho * wo;
-    col.par_chunks_mut(p).enumerate().for_each(|(row, out)| {
-        let (c, rest) = (row / (kh * kw), row % (kh * kw));
-        let (i, j) = (rest / kw, rest % kw);
-        let plane = &x[c * h * w..(c + 1) * h * w];
-        for oh in 0..ho {
-            let ih = (oh * sh + i * dh) as isize - ph as isize;
-            let line = &mut out[oh * wo..(oh + 1) * wo];
-            if ih < 0 || ih >= h as isize {
-                line.fill(0.0);
-                continue;
-            }
-            let src = &plane[ih as usize * w..(ih as usize + 1) * w];
-            for (ow, value) in line.iter_mut().enumerate() {
-                let iw = (ow * sw + j * dw) as isize - pw as isize;
-                *value = if iw < 0 || iw >= w as isize {
-                    0.0
-                } else {
-                    src[iw as usize]
-                };
-            }
-        }
-    });
-    let _ = ci;
-}
-
-/// `dW = x^T * dy` of `y = x * W` (a linear layer): x `[N, in]`, dy `[N, out]`, fp32, into
-/// `onto` in place (`+=`) when it fits as in [`weight_grad_onto`], else into a new buffer
-/// (`Err`, with `onto` handed back). x and dy must be fp32.
-pub(crate) fn linear_weight_grad_onto(
-    x: &FlexTensor,
-    dy: &FlexTensor,
-    onto: Option<FlexTensor>,
-) -> Result<FlexTensor, (FlexTensor, Option<FlexTensor>)> {
-    assert!(
-        x.dtype() == DType::F32 && dy.dtype() == DType::F32,
-        "linear weight gradient: fp32 only"
-    );
-    let (x, dy) = (contiguous(x), contiguous(dy));
-    let (xd, yd) = (x.layout().shape().to_vec(), dy.layout().shape().to_vec());
-    let (rows, input, output) = (xd[0], xd[1], yd[1]);
-    let xs = x.as_slice::<f32>().expect("contiguous f32");
-    let dys = dy.as_slice::<f32>().expect("contiguous f32");
-    let product = |dw: &mut [f32], add: bool| {
-        assert_eq!(
-            dw.len(),
-            input * output,
-            "linear weight gradient: buffer of another size"
-        );
-        // dst (in x out) (+)= lhs (in x rows) * rhs (rows x out), lhs[i, r] = x[r, i].
-        // SAFETY: dst covers in*out elements, lhs rows*in, rhs rows*out; none overlaps dst.
-        unsafe {
-            gemm(
-                input,
-                output,
-                rows,
-                dw.as_mut_ptr(),
-                1,
-                output as isize,
-                add,
-                xs.as_ptr(),
-                input as isize,
-                1,
-                dys.as_ptr(),
-                1,
-                output as isize,
-                1.0,
-                1.0,
-                false,
-                false,
-                false,
-                Parallelism::Rayon(0),
-            );
-        }
-    };
-    let fits = |t: &FlexTensor| {
-        t.dtype() == DType::F32
-            && t.layout().shape().to_vec() == vec![input, output]
-            && t.is_contiguous()
-            && t.layout().start_offset() == 0
-            && t.is_unique()
-    };
-    match onto {
-        Some(mut sum) if fits(&sum) => {
-            product(sum.try_storage_mut::<f32>().expect("checked: unique"), true);
-            Ok(sum)
-        }
-        onto => {
-            let mut dw = vec![0.0f32; input * output];
-            product(&mut dw, false);
-            let dw = FlexTensor::from_data(TensorData::new(dw, Shape::from(vec![input, output])));
-            Err((dw, onto))
         }
     }
 }

@@ -20,6 +20,8 @@
 mod conv;
 mod flex;
 pub mod generic;
+mod im2col;
+mod linear;
 
 use burn::prelude::Backend;
 use burn::tensor::ops::{ConvOptions, FloatTensor, FloatTensorOps, ModuleOps};
@@ -384,7 +386,7 @@ impl ConvKernels for burn::backend::Flex {
         if x.dtype() != DType::F32 || dy.dtype() != DType::F32 {
             return linear_weight_grad_ops::<Self>(x, dy, onto);
         }
-        match conv::linear_weight_grad_onto(&x, &dy, onto) {
+        match linear::linear_weight_grad_onto(&x, &dy, onto) {
             Ok(sum) => sum,
             Err((dw, Some(onto))) => Self::float_add(dw, onto),
             Err((dw, None)) => dw,

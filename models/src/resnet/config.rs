@@ -1,0 +1,203 @@
+//! The configuration of a [`super::ResNet`]: MMDetection's `backbone = dict(type='ResNet',
+//! ...)`, its depths and its checks.
+
+use std::path::PathBuf;
+
+use serde::{Deserialize, Serialize};
+
+use crate::memsave;
+use memsave::planner::WithCp;
+
+/// Configuration of a [`ResNet`]: MMDetection's `backbone = dict(type='ResNet', depth=50,
+/// ...)`, read straight from a config's `[model.backbone]`; unset keys take the values of
+/// `ResNetConfig::default()` (a ResNet-50).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct ResNetConfig {
+    /// `"ResNet"`.
+    #[serde(rename = "type")]
+    pub kind: BackboneType,
+    /// 18, 34 (basic blocks), 50, 101 or 152 (bottlenecks).
+    pub depth: usize,
+    /// Channels of the input image.
+    pub in_channels: usize,
+    /// Channels of the stem, and the width of the first stage (64 in torchvision's ResNets;
+    /// narrower for small models and test fixtures). Stage `i` is `base_channels << i` wide.
+    pub base_channels: usize,
+    /// The stages whose feature maps `forward` returns, from 0 (C2) to 3 (C5).
+    pub out_indices: Vec<usize>,
+    /// `-1`: train everything; `0`: freeze the stem; `k`: the stem and stages 1..=k
+    /// (parameters take no gradient and no optimizer state, their BNs run in eval mode).
+    pub frozen_stages: i64,
+    /// Every BN in eval mode during training (running statistics used and kept as they are;
+    /// their weights still train unless frozen). MMDetection's detectors set it.
+    pub norm_eval: bool,
+    /// Where a bottleneck's stride goes: on the 3x3 conv (`pytorch`) or on the first 1x1
+    /// (`caffe`).
+    pub style: Style,
+    /// Zero the last BN of every block (each residual branch starts as the identity), when the
+    /// weights are initialised here rather than loaded.
+    pub zero_init_residual: bool,
+    /// Which blocks to checkpoint (recompute in backward): `true` every one (MMCV's), `false`
+    /// none, `"auto"` those the planner picks for `[memory] memory_budget`, or a list of
+    /// module paths of the whole model (`["backbone.layer1.0"]`, as `memsave plan` prints
+    /// them), applied once the model is built.
+    pub with_cp: WithCp,
+    /// Where the weights come from: `{ type = "Pretrained", checkpoint = "PATH" }` loads a
+    /// torchvision ResNet state dict (`.pth` or `.safetensors`); absent, random.
+    pub init_cfg: Option<InitCfg>,
+}
+
+impl Default for ResNetConfig {
+    fn default() -> Self {
+        ResNetConfig {
+            kind: BackboneType::ResNet,
+            depth: 50,
+            in_channels: 3,
+            base_channels: 64,
+            out_indices: vec![0, 1, 2, 3],
+            frozen_stages: -1,
+            norm_eval: false,
+            style: Style::Pytorch,
+            zero_init_residual: false,
+            with_cp: WithCp::Off,
+            init_cfg: None,
+        }
+    }
+}
+
+/// Where a bottleneck's stride goes.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Style {
+    /// On the 3x3 conv (torchvision, MMDetection's default).
+    #[default]
+    Pytorch,
+    /// On the first 1x1 conv (the original Caffe models).
+    Caffe,
+}
+
+/// MMCV's `init_cfg`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "type", deny_unknown_fields)]
+pub enum InitCfg {
+    /// Weights from a torchvision-layout state dict.
+    Pretrained {
+        /// A `.pth` / `.pt` (torch.save of a state dict) or `.safetensors` file.
+        checkpoint: PathBuf,
+    },
+}
+
+/// The backbones.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub enum BackboneType {
+    /// He et al.'s residual network.
+    #[default]
+    ResNet,
+}
+
+impl ResNetConfig {
+    /// A ResNet of `depth`, the other settings at their defaults.
+    pub fn new(depth: usize) -> Self {
+        ResNetConfig {
+            depth,
+            ..Self::default()
+        }
+    }
+
+    /// With `with_cp` set.
+    pub fn with_with_cp(mut self, with_cp: bool) -> Self {
+        self.with_cp = if with_cp { WithCp::On } else { WithCp::Off };
+        self
+    }
+
+    /// Blocks per stage and block kind for the configured depth.
+    pub(super) fn layout(&self) -> memsave::Result<([usize; 4], BlockKind)> {
+        Ok(match self.depth {
+            18 => ([2, 2, 2, 2], BlockKind::Basic),
+            34 => ([3, 4, 6, 3], BlockKind::Basic),
+            50 => ([3, 4, 6, 3], BlockKind::Bottleneck),
+            101 => ([3, 4, 23, 3], BlockKind::Bottleneck),
+            152 => ([3, 8, 36, 3], BlockKind::Bottleneck),
+            other => {
+                return Err(memsave::Error::invalid(
+                    "model.backbone.depth",
+                    format!("{other} is not a ResNet depth; use 18, 34, 50, 101 or 152"),
+                ))
+            }
+        })
+    }
+
+    /// Channels of the last stage's feature map.
+    pub fn out_channels(&self) -> memsave::Result<usize> {
+        let (_, kind) = self.layout()?;
+        Ok((self.base_channels << 3) * kind.expansion())
+    }
+
+    /// Channels of the feature maps `forward` returns, in `out_indices` order.
+    pub fn stage_channels(&self) -> memsave::Result<Vec<usize>> {
+        let (_, kind) = self.layout()?;
+        self.check()?;
+        Ok(self
+            .out_indices
+            .iter()
+            .map(|&stage| (self.base_channels << stage) * kind.expansion())
+            .collect())
+    }
+
+    pub(super) fn check(&self) -> memsave::Result<()> {
+        let bad = |field: &str, message: String| {
+            Err(memsave::Error::invalid(
+                format!("model.backbone.{field}"),
+                message,
+            ))
+        };
+        if self.in_channels == 0 {
+            return bad("in_channels", "must be at least 1".into());
+        }
+        if self.base_channels == 0 {
+            return bad("base_channels", "must be at least 1".into());
+        }
+        if self.out_indices.is_empty() {
+            return bad("out_indices", "must name at least one stage (0..=3)".into());
+        }
+        if let Some(stage) = self.out_indices.iter().find(|&&stage| stage > 3) {
+            return bad(
+                "out_indices",
+                format!("{stage} is not a stage; the stages are 0, 1, 2 and 3"),
+            );
+        }
+        if self.out_indices.windows(2).any(|pair| pair[0] >= pair[1]) {
+            return bad(
+                "out_indices",
+                format!("{:?} must increase", self.out_indices),
+            );
+        }
+        if !(-1..=4).contains(&self.frozen_stages) {
+            return bad(
+                "frozen_stages",
+                format!(
+                    "{} is out of range: -1 (none), 0 (the stem) or 1..=4 (the stem and stages \
+                     up to it)",
+                    self.frozen_stages
+                ),
+            );
+        }
+        Ok(())
+    }
+}
+
+#[derive(Clone, Copy)]
+pub(super) enum BlockKind {
+    Basic,
+    Bottleneck,
+}
+
+impl BlockKind {
+    pub(super) fn expansion(self) -> usize {
+        match self {
+            BlockKind::Basic => 1,
+            BlockKind::Bottleneck => 4,
+        }
+    }
+}
