@@ -8,11 +8,11 @@ use std::path::{Path, PathBuf};
 use common::tiny::TinyNet;
 use common::AB;
 use memsave::config::{Config, LossScaleSpec};
-use memsave::models::config::{DataSection, ModelSection};
+use memsave::models::config::{ClassifierSection, DataSection};
 use memsave::scaler::ScaleMode;
 use memsave::train::RunLength;
 
-type Cfg = Config<ModelSection, DataSection>;
+type Cfg = Config<ClassifierSection, DataSection>;
 
 const BASE: &str = r#"
 [model]

@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 use std::process::Output;
 
 use memsave::config::Config;
-use memsave::models::config::{DetectionDataSection, ModelSection};
+use memsave::models::config::{DetectionDataSection, RetinaNetSection};
 
 use common::memsave;
 
@@ -41,7 +41,7 @@ fn every_retinanet_config_reads_and_fits_together() {
     for base in ["retinanet_r50_fpn_voc", "retinanet_r18_fpn_synthvoc"] {
         for suffix in ["", "_fp16", "_accumulation", "_checkpointing"] {
             let path = configs().join(format!("{base}{suffix}.toml"));
-            let config = Config::<ModelSection, DetectionDataSection>::load(&path, &[])
+            let config = Config::<RetinaNetSection, DetectionDataSection>::load(&path, &[])
                 .unwrap_or_else(|e| panic!("{}: {e}", path.display()));
             let detector = config.model.retinanet().unwrap();
             assert_eq!(detector.bbox_head.num_classes, 20);
@@ -53,7 +53,7 @@ fn every_retinanet_config_reads_and_fits_together() {
             assert!(config.evaluation.is_some());
         }
     }
-    let r50 = Config::<ModelSection, DetectionDataSection>::load(
+    let r50 = Config::<RetinaNetSection, DetectionDataSection>::load(
         &configs().join("retinanet_r50_fpn_voc.toml"),
         &[],
     )
@@ -67,7 +67,7 @@ fn every_retinanet_config_reads_and_fits_together() {
         (1, true)
     );
     // A mismatch between the pieces is an error naming the field.
-    let error = Config::<ModelSection, DetectionDataSection>::load(
+    let error = Config::<RetinaNetSection, DetectionDataSection>::load(
         &configs().join("retinanet_r50_fpn_voc.toml"),
         &["model.neck.in_channels=[64, 128, 256, 512]".to_string()],
     )

@@ -1,4 +1,5 @@
-//! The `model` and `data` sections of a training configuration.
+//! The `model` and `data` sections of a training configuration: each model's own `[model]`
+//! section (the registry picks it by `model.type`), and the data sets.
 
 use serde::Deserialize;
 
@@ -12,35 +13,7 @@ use crate::resnet::ResNetConfig;
 
 pub use crate::data::voc::loader::DetectionDataSection;
 
-/// `[model]`: MMDetection's `model = dict(type=..., backbone=..., neck=..., bbox_head=...,
-/// train_cfg=..., test_cfg=...)`.
-#[derive(Clone, Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct ModelSection {
-    /// `ImageClassifier` or `RetinaNet`.
-    #[serde(rename = "type")]
-    pub kind: ModelType,
-    /// Classes of a classifier (a detector's are `bbox_head.num_classes`).
-    #[serde(default)]
-    pub num_classes: Option<usize>,
-    /// `[model.backbone]` (MMDetection's `backbone = dict(type='ResNet', ...)`).
-    #[serde(default)]
-    pub backbone: ResNetConfig,
-    /// `[model.neck]`: a detector's FPN.
-    #[serde(default)]
-    pub neck: Option<FpnConfig>,
-    /// `[model.bbox_head]`: a detector's head.
-    #[serde(default)]
-    pub bbox_head: Option<RetinaHeadConfig>,
-    /// `[model.train_cfg]`: a detector's assigner.
-    #[serde(default)]
-    pub train_cfg: Option<TrainCfg>,
-    /// `[model.test_cfg]`: a detector's inference settings.
-    #[serde(default)]
-    pub test_cfg: Option<TestCfg>,
-}
-
-/// The models.
+/// The models, by `model.type`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Deserialize)]
 pub enum ModelType {
     /// ResNet + global pooling + linear.
@@ -49,22 +22,35 @@ pub enum ModelType {
     RetinaNet,
 }
 
-impl ModelSection {
-    /// The classes of an `ImageClassifier`; its detector-only sections are an error.
-    pub fn classifier_classes(&self) -> Result<usize> {
-        for (given, field) in [
-            (self.neck.is_some(), "model.neck"),
-            (self.bbox_head.is_some(), "model.bbox_head"),
-            (self.train_cfg.is_some(), "model.train_cfg"),
-            (self.test_cfg.is_some(), "model.test_cfg"),
-        ] {
-            if given {
-                return Err(Error::invalid(
-                    field,
-                    "belongs to a detector: an ImageClassifier has none",
-                ));
-            }
-        }
+/// Any `[model]` section, read for its `type` only: the model's own section reads the rest
+/// once the registry knows which it is.
+#[derive(Clone, Debug, Deserialize)]
+pub struct ModelKind {
+    /// `model.type`.
+    #[serde(rename = "type")]
+    pub kind: ModelType,
+    #[serde(flatten)]
+    _rest: std::collections::BTreeMap<String, serde::de::IgnoredAny>,
+}
+
+/// `[model]` of an `ImageClassifier`: a ResNet, global pooling and a linear head.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ClassifierSection {
+    /// `ImageClassifier`.
+    #[serde(rename = "type")]
+    pub kind: ModelType,
+    /// Its classes.
+    #[serde(default)]
+    pub num_classes: Option<usize>,
+    /// `[model.backbone]` (MMDetection's `backbone = dict(type='ResNet', ...)`).
+    #[serde(default)]
+    pub backbone: ResNetConfig,
+}
+
+impl ClassifierSection {
+    /// Its classes; an error naming `model.num_classes` when they are not given.
+    pub fn classes(&self) -> Result<usize> {
         self.num_classes.ok_or_else(|| {
             Error::invalid(
                 "model.num_classes",
@@ -72,8 +58,39 @@ impl ModelSection {
             )
         })
     }
+}
 
-    /// The detector of a `RetinaNet` section: each part given, or MMDetection's default.
+/// `[model]` of a `RetinaNet`: MMDetection's `model = dict(type='RetinaNet', backbone=...,
+/// neck=..., bbox_head=..., train_cfg=..., test_cfg=...)`; each part absent is MMDetection's
+/// default. Its classes are `bbox_head.num_classes`.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RetinaNetSection {
+    /// `RetinaNet`.
+    #[serde(rename = "type")]
+    pub kind: ModelType,
+    /// Read only to say where a detector's classes go (`bbox_head.num_classes`).
+    #[serde(default)]
+    num_classes: Option<usize>,
+    /// `[model.backbone]`.
+    #[serde(default)]
+    pub backbone: ResNetConfig,
+    /// `[model.neck]`: the FPN.
+    #[serde(default)]
+    pub neck: FpnConfig,
+    /// `[model.bbox_head]`: the head.
+    #[serde(default)]
+    pub bbox_head: RetinaHeadConfig,
+    /// `[model.train_cfg]`: the assigner.
+    #[serde(default)]
+    pub train_cfg: TrainCfg,
+    /// `[model.test_cfg]`: inference settings.
+    #[serde(default)]
+    pub test_cfg: TestCfg,
+}
+
+impl RetinaNetSection {
+    /// The detector, checked.
     pub fn retinanet(&self) -> Result<RetinaNetConfig> {
         if self.num_classes.is_some() {
             return Err(Error::invalid(
@@ -83,10 +100,10 @@ impl ModelSection {
         }
         let config = RetinaNetConfig {
             backbone: self.backbone.clone(),
-            neck: self.neck.clone().unwrap_or_default(),
-            bbox_head: self.bbox_head.clone().unwrap_or_default(),
-            train_cfg: self.train_cfg.clone().unwrap_or_default(),
-            test_cfg: self.test_cfg.clone().unwrap_or_default(),
+            neck: self.neck.clone(),
+            bbox_head: self.bbox_head.clone(),
+            train_cfg: self.train_cfg.clone(),
+            test_cfg: self.test_cfg.clone(),
         };
         config.check()?;
         Ok(config)

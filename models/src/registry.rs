@@ -10,7 +10,10 @@ use std::path::Path;
 use burn::tensor::backend::AutodiffBackend;
 
 use crate::classifier::ImageClassifier;
-use crate::config::{AnyData, DataSection, DetectionDataSection, ModelSection, ModelType};
+use crate::config::{
+    AnyData, ClassifierSection, DataSection, DetectionDataSection, ModelKind, ModelType,
+    RetinaNetSection,
+};
 use crate::data::voc::loader::VocDetection;
 use crate::data::voc::VOC_CLASSES;
 use crate::data::SyntheticClassification;
@@ -57,9 +60,7 @@ pub const BACKBONE_KEYS: ModelKeys = ModelKeys {
 
 /// The entry of the model a config names (its data section is not read yet).
 pub fn entry(config: &Path, sets: &[String]) -> Result<Entry> {
-    let kind = Config::<ModelSection, AnyData>::load(config, sets)?
-        .model
-        .kind;
+    let kind = Config::<ModelKind, AnyData>::load(config, sets)?.model.kind;
     Ok(*ENTRIES
         .iter()
         .find(|entry| entry.kind == kind)
@@ -112,10 +113,11 @@ pub trait ModelJob<B: AutodiffBackend> {
     /// What the job returns.
     type Output;
 
-    /// Runs the job on `built`, built from `config`.
-    fn run<M, D, Data>(
+    /// Runs the job on `built`, built from `config` (whose `[model]` is the model's own section
+    /// `S`).
+    fn run<S, D, M, Data>(
         self,
-        config: &Config<ModelSection, D>,
+        config: &Config<S, D>,
         built: Built<B, M, Data>,
     ) -> Result<Self::Output>
     where
@@ -160,12 +162,12 @@ where
 pub fn batch_size(config: &Path, sets: &[String]) -> Result<usize> {
     Ok(match entry(config, sets)?.kind {
         ModelType::ImageClassifier => {
-            match Config::<ModelSection, DataSection>::load(config, sets)?.data {
+            match Config::<ClassifierSection, DataSection>::load(config, sets)?.data {
                 DataSection::SyntheticClassification(data) => data.samples_per_gpu,
             }
         }
         ModelType::RetinaNet => {
-            Config::<ModelSection, DetectionDataSection>::load(config, sets)?
+            Config::<RetinaNetSection, DetectionDataSection>::load(config, sets)?
                 .data
                 .samples_per_gpu
         }
@@ -177,8 +179,8 @@ where
     B: AutodiffBackend + crate::memsave::Backend,
     J: ModelJob<B>,
 {
-    let config = Config::<ModelSection, DataSection>::load(setup.config, setup.sets)?;
-    let num_classes = config.model.classifier_classes()?;
+    let config = Config::<ClassifierSection, DataSection>::load(setup.config, setup.sets)?;
+    let num_classes = config.model.classes()?;
     if config.evaluation.is_some() {
         return Err(Error::invalid(
             "evaluation",
@@ -210,7 +212,7 @@ where
     B::InnerBackend: crate::memsave::Backend,
     J: ModelJob<B>,
 {
-    let config = Config::<ModelSection, DetectionDataSection>::load(setup.config, setup.sets)?;
+    let config = Config::<RetinaNetSection, DetectionDataSection>::load(setup.config, setup.sets)?;
     let detector = config.model.retinanet()?;
     if detector.bbox_head.num_classes != VOC_CLASSES.len() {
         return Err(Error::invalid(

@@ -13,7 +13,6 @@ use std::time::Instant;
 
 use memsave::config::Config;
 use memsave::memory::human;
-use memsave::models::config::ModelSection;
 use memsave::planner::advise::{self, Candidate, Measured, Setting};
 use memsave::planner::{Budget, Profile, SegmentProfile};
 use memsave::{Error, Result};
@@ -212,10 +211,11 @@ pub fn plan(args: PlanArgs) -> Result<()> {
     }
     let batch = memsave::models::registry::batch_size(&args.config, &args.set)?;
     let setting: Setting = {
-        let config = Config::<ModelSection, memsave::models::config::AnyData>::load(
-            &args.config,
-            &args.set,
-        )?;
+        let config =
+            Config::<memsave::models::config::ModelKind, memsave::models::config::AnyData>::load(
+                &args.config,
+                &args.set,
+            )?;
         config.planner_setting(batch)
     };
     let say = |line: &str| {

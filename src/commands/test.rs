@@ -5,7 +5,7 @@ use std::path::PathBuf;
 
 use burn::backend::Flex;
 use memsave::config::Config;
-use memsave::models::config::{DetectionDataSection, ModelSection};
+use memsave::models::config::{DetectionDataSection, RetinaNetSection};
 use memsave::models::data::voc::loader::VocDetection;
 use memsave::models::eval::hook::evaluate;
 use memsave::models::eval::voc::{write_detections, ApMode};
@@ -50,7 +50,7 @@ fn test_on<B: memsave::Backend>(args: &TestArgs, device: B::Device) -> memsave::
             "`memsave test` runs a detector: the config's model is not a RetinaNet",
         ));
     }
-    let config = Config::<ModelSection, DetectionDataSection>::load(&args.config, &args.set)?;
+    let config = Config::<RetinaNetSection, DetectionDataSection>::load(&args.config, &args.set)?;
     let model = config.model.retinanet()?.init::<B>(&device)?;
     let model = load_weights(model, &args.checkpoint, &device)?;
     let split = &config.data.test;

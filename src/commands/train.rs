@@ -8,7 +8,6 @@ use burn::backend::{Autodiff, Flex};
 use burn::tensor::backend::AutodiffBackend;
 use memsave::checkpoint::{set_with_cp_paths, CheckpointModule};
 use memsave::config::Config;
-use memsave::models::config::ModelSection;
 use memsave::models::registry::{self, Built, ModelJob, Purpose, Setup};
 use memsave::parallel::{run_local, BurnPeer, Collective, PeerReducer, Shard, Topology};
 use memsave::planner::{AutoPlanHook, ProfileHook, StepMeter, WithCp};
@@ -294,9 +293,9 @@ where
 {
     type Output = ();
 
-    fn run<M, D, Data>(
+    fn run<S, D, M, Data>(
         self,
-        config: &Config<ModelSection, D>,
+        config: &Config<S, D>,
         built: Built<B, M, Data>,
     ) -> memsave::Result<()>
     where
@@ -307,10 +306,10 @@ where
     }
 }
 
-fn run<B, M, D, Data>(
+fn run<B, S, D, M, Data>(
     args: &TrainArgs,
     job: &Job,
-    config: &Config<ModelSection, D>,
+    config: &Config<S, D>,
     built: Built<B, M, Data>,
     device: B::Device,
     peer: Option<Peer<B>>,
@@ -429,8 +428,8 @@ where
 
 /// `warmup` steps, `iters` measured ones and a profiled one of `model` on `data`; the
 /// [`Measurement`] reported to the parent.
-fn measure<B, M, D, Data>(
-    config: &Config<ModelSection, D>,
+fn measure<B, S, D, M, Data>(
+    config: &Config<S, D>,
     model: M,
     data: Data,
     (warmup, iters, checkpoint_all): (usize, usize, bool),

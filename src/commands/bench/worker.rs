@@ -25,7 +25,7 @@ use burn::tensor::backend::AutodiffBackend;
 use memsave::config::Config;
 use memsave::hooks::LrUpdaterHook;
 use memsave::memory::{self, phase};
-use memsave::models::config::{DetectionDataSection, ModelSection};
+use memsave::models::config::{DetectionDataSection, RetinaNetSection};
 use memsave::models::data::voc::loader::{DatasetType, VocDatasetConfig, VocDetection};
 use memsave::models::data::voc::pipeline::Step;
 use memsave::models::data::voc::OneOrMany;
@@ -162,7 +162,7 @@ pub fn load_config(
     depth: Option<usize>,
     adam: bool,
     random_init: bool,
-) -> Result<Config<ModelSection, DetectionDataSection>> {
+) -> Result<Config<RetinaNetSection, DetectionDataSection>> {
     if !memsave::models::registry::entry(path, sets)?.detector {
         return Err(Error::invalid(
             "model.type",
@@ -172,16 +172,15 @@ pub fn load_config(
             ),
         ));
     }
-    let mut config = Config::<ModelSection, DetectionDataSection>::load(path, sets)?;
+    let mut config = Config::<RetinaNetSection, DetectionDataSection>::load(path, sets)?;
     if let Some(depth) = depth {
         config.model.backbone.depth = depth;
         let expansion = if depth >= 50 { 4 } else { 1 };
         let base = config.model.backbone.base_channels;
-        if let Some(neck) = &mut config.model.neck {
-            neck.in_channels = (0..neck.in_channels.len())
-                .map(|i| (base << i) * expansion)
-                .collect();
-        }
+        let neck = &mut config.model.neck;
+        neck.in_channels = (0..neck.in_channels.len())
+            .map(|i| (base << i) * expansion)
+            .collect();
     }
     if random_init {
         config.model.backbone.init_cfg = None;
