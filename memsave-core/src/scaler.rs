@@ -156,7 +156,7 @@ impl LossScaler {
 
     /// A scaler from its stored state (as `serde_json` wrote it), checked as [`LossScaler::new`]
     /// checks its arguments; errors name the field.
-    pub fn from_state(state: serde_json::Value) -> Result<Self> {
+    pub(crate) fn from_state(state: serde_json::Value) -> Result<Self> {
         let state: ScalerState = serde_json::from_value(state)
             .map_err(|error| Error::invalid("loss scaler state", error.to_string()))?;
         Self::try_from(state)

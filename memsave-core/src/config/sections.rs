@@ -68,7 +68,7 @@ pub enum OptimizerHookType {
 
 impl OptimizerHookType {
     /// Whether the hook accumulates.
-    pub fn accumulates(self) -> bool {
+    pub(crate) fn accumulates(self) -> bool {
         matches!(
             self,
             OptimizerHookType::GradientCumulativeOptimizerHook
@@ -77,7 +77,7 @@ impl OptimizerHookType {
     }
 
     /// Whether the hook runs in mixed precision by its name alone.
-    pub fn is_fp16(self) -> bool {
+    pub(crate) fn is_fp16(self) -> bool {
         matches!(
             self,
             OptimizerHookType::Fp16OptimizerHook

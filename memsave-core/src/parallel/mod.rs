@@ -77,7 +77,7 @@ pub trait Collective<B: Backend>: Send + Sync {
 pub type SharedCollective<B> = Arc<dyn Collective<B>>;
 
 /// [`Collective::all_reduce`] on a tensor of any rank.
-pub fn all_reduce_tensor<B: Backend, const D: usize>(
+pub(crate) fn all_reduce_tensor<B: Backend, const D: usize>(
     collective: &dyn Collective<B>,
     tensor: Tensor<B, D>,
     op: Reduce,
@@ -87,7 +87,7 @@ pub fn all_reduce_tensor<B: Backend, const D: usize>(
 }
 
 /// The values of `values` reduced over the peers, in f64 (summed or averaged in f32).
-pub fn all_reduce_values<B: Backend>(
+pub(crate) fn all_reduce_values<B: Backend>(
     collective: &dyn Collective<B>,
     values: &[f64],
     op: Reduce,
@@ -107,7 +107,7 @@ pub fn all_reduce_values<B: Backend>(
 }
 
 /// Whether `flag` holds on any peer (every peer gets the same answer).
-pub fn agree_any<B: Backend>(
+pub(crate) fn agree_any<B: Backend>(
     collective: &dyn Collective<B>,
     flag: bool,
     device: &B::Device,
@@ -118,7 +118,7 @@ pub fn agree_any<B: Backend>(
 
 /// Every float parameter of `module` replaced by peer 0's (a sum where the other peers add
 /// zeros: exact). Every peer must call it.
-pub fn broadcast_module<B: AutodiffBackend, M: AutodiffModule<B>>(
+pub(crate) fn broadcast_module<B: AutodiffBackend, M: AutodiffModule<B>>(
     collective: &dyn Collective<B::InnerBackend>,
     module: M,
 ) -> Result<M> {
@@ -183,7 +183,7 @@ pub fn broadcast_module<B: AutodiffBackend, M: AutodiffModule<B>>(
 /// and its reduced value beside the gradients, and on the CPU 25 MB buckets raised the peak of
 /// two ResNet-18 peers from 276.8 to 343.9 MiB without a shorter step. 1 MiB joins the many small
 /// tensors (norms, biases) into few calls and leaves the large ones alone.
-pub const BUCKET_BYTES: usize = 1 << 20;
+pub(crate) const BUCKET_BYTES: usize = 1 << 20;
 
 /// Averages the gradients of `model`'s parameters over the peers, in the model's order (the
 /// same on every peer, unlike parameter ids), in buckets of [`BUCKET_BYTES`]. A parameter with a
@@ -334,7 +334,7 @@ pub fn all_reduce_grads_in_buckets<B: AutodiffBackend, M: AutodiffModule<B>>(
 }
 
 /// The loss and its parts averaged over the peers, for the log.
-pub fn mean_for_log<B: Backend>(
+pub(crate) fn mean_for_log<B: Backend>(
     collective: &dyn Collective<B>,
     values: &mut [f64],
     device: &B::Device,

@@ -50,12 +50,12 @@ impl Topology {
     }
 
     /// The rank of this process's peer `local`.
-    pub fn rank_of(&self, local: usize) -> usize {
+    pub(crate) fn rank_of(&self, local: usize) -> usize {
         self.node_rank * self.devices + local
     }
 
     /// Whether the run spans several processes.
-    pub fn is_multi_node(&self) -> bool {
+    pub(crate) fn is_multi_node(&self) -> bool {
         self.nodes > 1
     }
 

@@ -37,7 +37,7 @@ use crate::train::{Hook, TrainModel, TrainState};
 use crate::{Error, Result};
 
 /// Each segment of `model` by identity, to its module path.
-pub fn segment_ids<M: CheckpointModule>(model: &M) -> HashMap<SegmentId, String> {
+pub(crate) fn segment_ids<M: CheckpointModule>(model: &M) -> HashMap<SegmentId, String> {
     let mut ids = HashMap::new();
     model.visit_segments("", &mut |path, id| {
         ids.insert(id, path.to_string());
@@ -179,7 +179,7 @@ impl<B: AutodiffBackend, M: TrainModel<B>> Hook<B, M> for StepMeter {
 }
 
 /// How many steps after the plan applies have their peak checked against the budget.
-pub const CHECKED_STEPS: usize = 3;
+pub(crate) const CHECKED_STEPS: usize = 3;
 
 /// `with_cp = "auto"`: profiles the run's first iteration (every segment checkpointed, the
 /// same gradients as without), plans for the budget, applies the plan from the next iteration,
@@ -259,7 +259,7 @@ fn note<B: AutodiffBackend, M: TrainModel<B>>(state: &TrainState<B, M>, line: &s
 }
 
 /// The advice for a budget nothing fits with checkpointing alone, in words.
-pub fn advice_text(candidates: &[advise::Candidate], budget: u64) -> String {
+pub(crate) fn advice_text(candidates: &[advise::Candidate], budget: u64) -> String {
     let human = crate::memory::human;
     let mut lines = vec![format!(
         "what would fit {} (predicted from the profiled step; `memsave plan CONFIG --budget SIZE` \

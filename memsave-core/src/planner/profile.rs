@@ -94,7 +94,7 @@ impl Profile {
     /// segment checkpointed), its segments named by `paths` (from
     /// [`crate::checkpoint::CheckpointModule::visit_segments`] on the model that ran the
     /// forward). `trainable`: the bytes of the trainable parameters.
-    pub fn from_events(
+    pub(crate) fn from_events(
         events: &[Event],
         paths: &HashMap<SegmentId, String>,
         trainable: u64,
@@ -280,7 +280,7 @@ impl Profile {
 
     /// The peak predicted with the segments `checkpointed` (one flag per segment) and the rest
     /// keeping their activations.
-    pub fn predict_peak(&self, checkpointed: &[bool]) -> u64 {
+    pub(crate) fn predict_peak(&self, checkpointed: &[bool]) -> u64 {
         self.windows
             .iter()
             .map(|window| {
@@ -315,7 +315,7 @@ impl Profile {
     }
 
     /// The step time predicted with the segments `checkpointed`.
-    pub fn predict_seconds(&self, checkpointed: &[bool]) -> f64 {
+    pub(crate) fn predict_seconds(&self, checkpointed: &[bool]) -> f64 {
         let saved: f64 = self
             .segments
             .iter()

@@ -15,9 +15,9 @@ use std::rc::Rc;
 use super::profile::Profile;
 
 /// Segments called several times that are enumerated exactly.
-pub const MAX_ENUMERATED: usize = 10;
+pub(crate) const MAX_ENUMERATED: usize = 10;
 /// Pareto states kept before thinning.
-pub const MAX_FRONT: usize = 200_000;
+pub(crate) const MAX_FRONT: usize = 200_000;
 
 /// A checkpoint set and what it is predicted to cost.
 #[derive(Clone, Debug, PartialEq)]

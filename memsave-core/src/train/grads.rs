@@ -77,7 +77,7 @@ impl GradClip {
 }
 
 /// The value of a one-element tensor, as f64.
-pub fn scalar<B: Backend>(value: &Tensor<B, 1>) -> f64 {
+pub(crate) fn scalar<B: Backend>(value: &Tensor<B, 1>) -> f64 {
     value.clone().cast(DType::F32).into_scalar().elem::<f32>() as f64
 }
 
@@ -256,7 +256,7 @@ impl<K: Backend> Backward<K, 1> for Seed {
 }
 
 /// Applies `f` to every gradient of `model`'s parameters, in place.
-pub fn map_grads<B: AutodiffBackend, M: AutodiffModule<B>>(
+pub(crate) fn map_grads<B: AutodiffBackend, M: AutodiffModule<B>>(
     model: &M,
     grads: &mut GradientsParams,
     f: &mut dyn FnMut(Tensor<B::InnerBackend, 1>) -> Tensor<B::InnerBackend, 1>,
@@ -282,7 +282,7 @@ pub fn map_grads<B: AutodiffBackend, M: AutodiffModule<B>>(
 /// `limit` bytes of gradients counted at 4 bytes an element (one parameter more, when a single
 /// one is larger): the optimizer steps a group at a time (see `TrainState::step`). The tensors
 /// are moved, not copied.
-pub fn into_chunks<B: AutodiffBackend, M: AutodiffModule<B>>(
+pub(crate) fn into_chunks<B: AutodiffBackend, M: AutodiffModule<B>>(
     model: &M,
     mut grads: GradientsParams,
     limit: usize,
@@ -337,7 +337,10 @@ pub fn scale<B: AutodiffBackend, M: AutodiffModule<B>>(
 }
 
 /// Casts every gradient to fp32 (half gradients onto the fp32 master weights).
-pub fn to_f32<B: AutodiffBackend, M: AutodiffModule<B>>(model: &M, grads: &mut GradientsParams) {
+pub(crate) fn to_f32<B: AutodiffBackend, M: AutodiffModule<B>>(
+    model: &M,
+    grads: &mut GradientsParams,
+) {
     map_grads::<B, M>(model, grads, &mut |grad| grad.cast(DType::F32));
 }
 
@@ -391,7 +394,7 @@ pub fn global_norm<B: AutodiffBackend, M: AutodiffModule<B>>(
 /// The global norm of `grads` (`clip`'s `p`, else 2), clipping them to `clip.max_norm`. The
 /// norm before clipping is returned (for the log, and as the overflow test: it is not finite
 /// when a gradient is inf or NaN).
-pub fn norm_and_clip<B: AutodiffBackend, M: AutodiffModule<B>>(
+pub(crate) fn norm_and_clip<B: AutodiffBackend, M: AutodiffModule<B>>(
     model: &M,
     grads: &mut GradientsParams,
     clip: Option<&GradClip>,
@@ -409,7 +412,7 @@ pub fn norm_and_clip<B: AutodiffBackend, M: AutodiffModule<B>>(
 
 /// The module paths of the trainable parameters that have no gradient (MMCV's
 /// `detect_anomalous_params`).
-pub fn params_without_grad<B: AutodiffBackend, M: AutodiffModule<B>>(
+pub(crate) fn params_without_grad<B: AutodiffBackend, M: AutodiffModule<B>>(
     model: &M,
     grads: &GradientsParams,
 ) -> Vec<String> {

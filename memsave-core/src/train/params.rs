@@ -24,7 +24,7 @@ pub fn param_bytes<B: AutodiffBackend, M: AutodiffModule<B>>(model: &M) -> (u64,
 }
 
 /// Whether `model` contains a BatchNorm (memsave's or Burn's), found by its type name.
-pub fn has_batch_norm<B: AutodiffBackend, M: AutodiffModule<B>>(model: &M) -> bool {
+pub(crate) fn has_batch_norm<B: AutodiffBackend, M: AutodiffModule<B>>(model: &M) -> bool {
     struct Find(bool);
     impl<B: AutodiffBackend> ModuleVisitor<B> for Find {
         fn enter_module(&mut self, _name: &str, container_type: &str) {
@@ -38,7 +38,7 @@ pub fn has_batch_norm<B: AutodiffBackend, M: AutodiffModule<B>>(model: &M) -> bo
 
 /// Parameter ids with their shapes, in visiting order: a model's signature, to check that a
 /// checkpoint belongs to it.
-pub fn param_shapes<B: AutodiffBackend, M: AutodiffModule<B>>(
+pub(crate) fn param_shapes<B: AutodiffBackend, M: AutodiffModule<B>>(
     model: &M,
 ) -> Vec<(ParamId, Vec<usize>)> {
     struct Shapes(Vec<(ParamId, Vec<usize>)>);

@@ -169,7 +169,7 @@ pub fn backward<B: Backend>(
 }
 
 /// A one-element fp32 zero on the device of `like`.
-pub fn scalar_like<B: Backend>(like: &FloatTensor<B>) -> FloatTensor<B> {
+pub(crate) fn scalar_like<B: Backend>(like: &FloatTensor<B>) -> FloatTensor<B> {
     B::float_zeros(
         Shape::new([1]),
         &B::float_device(like),
