@@ -92,6 +92,19 @@ impl Error {
             message: message.into(),
         }
     }
+
+    /// The error of a value inside `section`: an [`Error::InvalidValue`]'s field becomes
+    /// `section.field` (a runtime type names its own fields; whoever holds it says where it
+    /// is). Other errors are returned as they are.
+    pub fn within(self, section: &str) -> Self {
+        match self {
+            Error::InvalidValue { field, message } => Error::InvalidValue {
+                field: format!("{section}.{field}"),
+                message,
+            },
+            other => other,
+        }
+    }
 }
 
 /// The text of a panic's payload (`panic!("...")`, with or without arguments); `None` for any

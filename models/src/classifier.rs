@@ -64,13 +64,13 @@ impl<B: Backend> ImageClassifier<B> {
     ) -> crate::memsave::Result<Self> {
         if num_classes < 2 {
             return Err(crate::memsave::Error::invalid(
-                "model.num_classes",
+                "num_classes",
                 format!("a classifier needs at least 2 classes, got {num_classes}"),
             ));
         }
-        let width = backbone.out_channels()?;
+        let width = backbone.out_channels().map_err(|e| e.within("backbone"))?;
         Ok(ImageClassifier {
-            backbone: backbone.init(device)?,
+            backbone: backbone.init(device).map_err(|e| e.within("backbone"))?,
             head: ClsHead {
                 fc: LinearConfig::new(width, num_classes).init(device),
                 fp16_enabled: Fp16::Off,

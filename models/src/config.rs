@@ -90,7 +90,7 @@ pub struct RetinaNetSection {
 }
 
 impl RetinaNetSection {
-    /// The detector, checked.
+    /// The detector, checked; errors name the key (`model.neck.in_channels`).
     pub fn retinanet(&self) -> Result<RetinaNetConfig> {
         if self.num_classes.is_some() {
             return Err(Error::invalid(
@@ -105,7 +105,7 @@ impl RetinaNetSection {
             train_cfg: self.train_cfg.clone(),
             test_cfg: self.test_cfg.clone(),
         };
-        config.check()?;
+        config.check().map_err(|e| e.within("model"))?;
         Ok(config)
     }
 }

@@ -190,6 +190,7 @@ where
     let device = setup.device;
     let model = seeded::<B, _>(&device, config.seed, || {
         ImageClassifier::<B>::new(&config.model.backbone, num_classes, &device)
+            .map_err(|e| e.within("model"))
     })?;
     let DataSection::SyntheticClassification(data) = &config.data;
     let batch = data.samples_per_gpu;
@@ -225,7 +226,9 @@ where
         ));
     }
     let device = setup.device;
-    let model = seeded::<B, _>(&device, config.seed, || detector.init::<B>(&device))?;
+    let model = seeded::<B, _>(&device, config.seed, || {
+        detector.init::<B>(&device).map_err(|e| e.within("model"))
+    })?;
     let data_config = &config.data;
     let data = VocDetection::<B>::new_shard(
         &data_config.train,

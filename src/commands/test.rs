@@ -51,7 +51,11 @@ fn test_on<B: memsave::Backend>(args: &TestArgs, device: B::Device) -> memsave::
         ));
     }
     let config = Config::<RetinaNetSection, DetectionDataSection>::load(&args.config, &args.set)?;
-    let model = config.model.retinanet()?.init::<B>(&device)?;
+    let model = config
+        .model
+        .retinanet()?
+        .init::<B>(&device)
+        .map_err(|e| e.within("model"))?;
     let model = load_weights(model, &args.checkpoint, &device)?;
     let split = &config.data.test;
     let data = VocDetection::<B>::new(

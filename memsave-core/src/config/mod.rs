@@ -154,10 +154,5 @@ impl<M: DeserializeOwned, D: DeserializeOwned> Config<M, D> {
 
 /// `error` from a runtime type's check, with its parameter put under the config's `section`.
 fn under(section: &str, error: Error) -> Error {
-    match error {
-        Error::InvalidValue { field, message } => {
-            Error::invalid(format!("{section}.{field}"), message)
-        }
-        other => other,
-    }
+    error.within(section)
 }

@@ -44,14 +44,10 @@ impl AnchorGeneratorConfig {
         self.ratios.len() * self.scales_per_octave
     }
 
-    /// Checks the values; errors name `model.bbox_head.anchor_generator.<field>`.
+    /// Checks the values; errors name the field.
     pub fn check(&self) -> crate::memsave::Result<()> {
-        let bad = |field: &str, message: String| {
-            Err(crate::memsave::Error::invalid(
-                format!("model.bbox_head.anchor_generator.{field}"),
-                message,
-            ))
-        };
+        let bad =
+            |field: &str, message: String| Err(crate::memsave::Error::invalid(field, message));
         if self.kind != "AnchorGenerator" {
             return bad(
                 "type",

@@ -54,14 +54,10 @@ pub enum Assignment {
 }
 
 impl MaxIoUAssignerConfig {
-    /// Checks the values; errors name `model.train_cfg.assigner.<field>`.
+    /// Checks the values; errors name the field.
     pub fn check(&self) -> crate::memsave::Result<()> {
-        let bad = |field: &str, message: String| {
-            Err(crate::memsave::Error::invalid(
-                format!("model.train_cfg.assigner.{field}"),
-                message,
-            ))
-        };
+        let bad =
+            |field: &str, message: String| Err(crate::memsave::Error::invalid(field, message));
         if self.kind != "MaxIoUAssigner" {
             return bad(
                 "type",

@@ -89,11 +89,9 @@ fn conv<B: Backend>(
 }
 
 impl FpnConfig {
-    /// Checks the values; errors name `model.neck.<field>`.
+    /// Checks the values; errors name the field.
     pub fn check(&self) -> Result<()> {
-        let bad = |field: &str, message: String| {
-            Err(Error::invalid(format!("model.neck.{field}"), message))
-        };
+        let bad = |field: &str, message: String| Err(Error::invalid(field, message));
         if self.kind != "FPN" {
             return bad("type", format!("`{}` is not known: use \"FPN\"", self.kind));
         }

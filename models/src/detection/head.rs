@@ -144,11 +144,9 @@ fn conv3x3<B: Backend>(channels: [usize; 2], bias: f32, device: &B::Device) -> C
 }
 
 impl RetinaHeadConfig {
-    /// Checks the values; errors name `model.bbox_head.<field>`.
+    /// Checks the values; errors name the field (`anchor_generator.<field>` for the anchors).
     pub fn check(&self) -> Result<()> {
-        let bad = |field: &str, message: String| {
-            Err(Error::invalid(format!("model.bbox_head.{field}"), message))
-        };
+        let bad = |field: &str, message: String| Err(Error::invalid(field, message));
         if self.kind != "RetinaHead" {
             return bad(
                 "type",
@@ -200,7 +198,9 @@ impl RetinaHeadConfig {
                 format!("`{}` is not known: use \"L1Loss\"", self.loss_bbox.kind),
             );
         }
-        self.anchor_generator.check()
+        self.anchor_generator
+            .check()
+            .map_err(|e| e.within("anchor_generator"))
     }
 
     /// The head: N(0, 0.01) weights, zero biases, and the classifier's bias at

@@ -62,11 +62,9 @@ impl Default for TestCfg {
 }
 
 impl TestCfg {
-    /// Checks the values; errors name `model.test_cfg.<field>`.
+    /// Checks the values; errors name the field.
     pub fn check(&self) -> Result<()> {
-        let bad = |field: &str, message: String| {
-            Err(Error::invalid(format!("model.test_cfg.{field}"), message))
-        };
+        let bad = |field: &str, message: String| Err(Error::invalid(field, message));
         if self.nms.kind != "nms" {
             return bad(
                 "nms.type",

@@ -83,11 +83,17 @@ impl RetinaNetConfig {
 
     /// Checks that the pieces fit together; errors name the field.
     pub fn check(&self) -> Result<()> {
-        self.neck.check()?;
-        self.bbox_head.check()?;
-        self.train_cfg.assigner.check()?;
-        self.test_cfg.check()?;
-        let channels = self.backbone.stage_channels()?;
+        self.neck.check().map_err(|e| e.within("neck"))?;
+        self.bbox_head.check().map_err(|e| e.within("bbox_head"))?;
+        self.train_cfg
+            .assigner
+            .check()
+            .map_err(|e| e.within("train_cfg.assigner"))?;
+        self.test_cfg.check().map_err(|e| e.within("test_cfg"))?;
+        let channels = self
+            .backbone
+            .stage_channels()
+            .map_err(|e| e.within("backbone"))?;
         let given: Vec<usize> = self
             .backbone
             .out_indices
@@ -96,7 +102,7 @@ impl RetinaNetConfig {
             .collect();
         if given != self.neck.in_channels {
             return Err(Error::invalid(
-                "model.neck.in_channels",
+                "neck.in_channels",
                 format!(
                     "{:?} does not match the backbone's outputs {given:?} (out_indices {:?})",
                     self.neck.in_channels, self.backbone.out_indices
@@ -105,7 +111,7 @@ impl RetinaNetConfig {
         }
         if self.bbox_head.in_channels != self.neck.out_channels {
             return Err(Error::invalid(
-                "model.bbox_head.in_channels",
+                "bbox_head.in_channels",
                 format!(
                     "{} does not match the neck's out_channels {}",
                     self.bbox_head.in_channels, self.neck.out_channels
@@ -115,7 +121,7 @@ impl RetinaNetConfig {
         let strides = &self.bbox_head.anchor_generator.strides;
         if strides.len() != self.neck.num_outs {
             return Err(Error::invalid(
-                "model.bbox_head.anchor_generator.strides",
+                "bbox_head.anchor_generator.strides",
                 format!(
                     "{} strides for the neck's {} levels",
                     strides.len(),
@@ -125,7 +131,7 @@ impl RetinaNetConfig {
         }
         if self.train_cfg.allowed_border != -1 {
             return Err(Error::invalid(
-                "model.train_cfg.allowed_border",
+                "train_cfg.allowed_border",
                 "only -1 is supported (anchors on the padding are ignored, any other may stick out)",
             ));
         }
@@ -136,9 +142,15 @@ impl RetinaNetConfig {
     pub fn init<B: Backend>(&self, device: &B::Device) -> Result<RetinaNet<B>> {
         self.check()?;
         Ok(RetinaNet {
-            backbone: self.backbone.init(device)?,
-            neck: self.neck.init(device)?,
-            bbox_head: self.bbox_head.init(device)?,
+            backbone: self
+                .backbone
+                .init(device)
+                .map_err(|e| e.within("backbone"))?,
+            neck: self.neck.init(device).map_err(|e| e.within("neck"))?,
+            bbox_head: self
+                .bbox_head
+                .init(device)
+                .map_err(|e| e.within("bbox_head"))?,
             settings: Settings {
                 anchors: self.bbox_head.anchor_generator.clone(),
                 head: self.bbox_head.clone(),

@@ -121,7 +121,7 @@ impl ResNetConfig {
             152 => ([3, 8, 36, 3], BlockKind::Bottleneck),
             other => {
                 return Err(memsave::Error::invalid(
-                    "model.backbone.depth",
+                    "depth",
                     format!("{other} is not a ResNet depth; use 18, 34, 50, 101 or 152"),
                 ))
             }
@@ -146,12 +146,7 @@ impl ResNetConfig {
     }
 
     pub(super) fn check(&self) -> memsave::Result<()> {
-        let bad = |field: &str, message: String| {
-            Err(memsave::Error::invalid(
-                format!("model.backbone.{field}"),
-                message,
-            ))
-        };
+        let bad = |field: &str, message: String| Err(memsave::Error::invalid(field, message));
         if self.in_channels == 0 {
             return bad("in_channels", "must be at least 1".into());
         }

@@ -252,7 +252,7 @@ where
     memory::snapshot_peaks(meter.tags());
     let before_model = meter.live();
     let model: RetinaNet<B> = memory::scope("model", || {
-        let model = detector.init::<B>(&device)?;
+        let model = detector.init::<B>(&device).map_err(|e| e.within("model"))?;
         let model = match &config.model.backbone.with_cp {
             memsave::planner::WithCp::Paths(paths) => {
                 memsave::checkpoint::set_with_cp_paths(model, paths)?
