@@ -5,6 +5,7 @@
 
 use serde::de::{MapAccess, Visitor};
 use serde::{Deserialize, Deserializer};
+use smart_default::SmartDefault;
 
 use crate::fp16::Precision;
 use crate::hooks::GradClip;
@@ -116,34 +117,25 @@ impl Default for LossScaleSpec {
 
 /// The table form, with PyTorch's `GradScaler` names (and MMCV's `LossScaler` names as
 /// aliases); unset ones take `GradScaler`'s defaults.
-#[derive(Clone, Debug, PartialEq, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Deserialize, SmartDefault)]
 #[serde(default, deny_unknown_fields)]
 pub struct GradScalerParams {
     /// Starting scale.
+    #[default(65536.0)]
     pub init_scale: f64,
     /// `"dynamic"` or `"static"`.
+    #[default(ScaleMode::Dynamic)]
     pub mode: ScaleMode,
     /// Growth factor (MMCV: `scale_factor`).
     #[serde(alias = "scale_factor")]
+    #[default(2.0)]
     pub growth_factor: f64,
     /// Back-off factor on overflow (unset: `1 / growth_factor`).
     pub backoff_factor: Option<f64>,
     /// Clean iterations before growing (MMCV: `scale_window`).
     #[serde(alias = "scale_window")]
+    #[default(2000)]
     pub growth_interval: u64,
-}
-
-impl Default for GradScalerParams {
-    /// PyTorch's `GradScaler()`: 65536, dynamic, growth 2, back-off 0.5, interval 2000.
-    fn default() -> Self {
-        GradScalerParams {
-            init_scale: 65536.0,
-            mode: ScaleMode::Dynamic,
-            growth_factor: 2.0,
-            backoff_factor: None,
-            growth_interval: 2000,
-        }
-    }
 }
 
 impl<'de> Deserialize<'de> for LossScaleSpec {

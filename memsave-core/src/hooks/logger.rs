@@ -4,23 +4,19 @@ use std::time::Instant;
 
 use burn::tensor::backend::AutodiffBackend;
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+use smart_default::SmartDefault;
 
 use crate::memory;
 use crate::train::{Hook, TrainModel, TrainState};
 use crate::{Error, Result};
 
 /// How often to log (MMCV's `log_config`).
-#[derive(Clone, Debug, PartialEq, Eq, serde::Deserialize)]
+#[derive(Clone, Debug, PartialEq, Eq, serde::Deserialize, SmartDefault)]
 #[serde(default, deny_unknown_fields)]
 pub struct LogConfig {
     /// Iterations between log lines.
+    #[default(50)]
     pub interval: usize,
-}
-
-impl Default for LogConfig {
-    fn default() -> Self {
-        LogConfig { interval: 50 }
-    }
 }
 
 /// A log line every `interval` iterations (loss averaged over them, learning rate, gradient

@@ -1,5 +1,6 @@
 use burn::tensor::backend::AutodiffBackend;
 use serde::Deserialize;
+use smart_default::SmartDefault;
 
 use crate::train::{Hook, TrainModel, TrainState};
 use crate::{Error, Result};
@@ -30,17 +31,19 @@ pub enum Warmup {
 
 /// The learning rate of every iteration (MMCV's `StepLrUpdaterHook` with warm-up), as
 /// `lr_config` writes it; the base rate is the optimizer's `lr`.
-#[derive(Clone, Debug, PartialEq, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Deserialize, SmartDefault)]
 #[serde(default, deny_unknown_fields)]
 pub struct LrSchedule {
     /// The learning rate before any decay (the optimizer's `lr`).
     #[serde(skip)]
     pub base_lr: f64,
     /// The decay.
+    #[default(Policy::Fixed)]
     pub policy: Policy,
     /// Milestones of the `step` policy: epochs, or iterations when not counted by epoch.
     pub step: Vec<usize>,
     /// The decay factor at each milestone.
+    #[default(0.1)]
     pub gamma: f64,
     /// Whether the milestones count epochs; `None`: as the runner counts.
     pub by_epoch: Option<bool>,
@@ -49,24 +52,8 @@ pub struct LrSchedule {
     /// Iterations of warm-up.
     pub warmup_iters: usize,
     /// The warm-up's starting fraction of the learning rate.
+    #[default(0.1)]
     pub warmup_ratio: f64,
-}
-
-impl Default for LrSchedule {
-    /// A constant rate (0 until the optimizer's is set), no warm-up; `gamma` 0.1 and
-    /// `warmup_ratio` 0.1 as MMCV's.
-    fn default() -> Self {
-        LrSchedule {
-            base_lr: 0.0,
-            policy: Policy::Fixed,
-            step: Vec::new(),
-            gamma: 0.1,
-            by_epoch: None,
-            warmup: None,
-            warmup_iters: 0,
-            warmup_ratio: 0.1,
-        }
-    }
 }
 
 impl LrSchedule {

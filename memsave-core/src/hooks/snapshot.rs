@@ -2,6 +2,7 @@ use std::path::PathBuf;
 
 use burn::tensor::backend::AutodiffBackend;
 use serde::Deserialize;
+use smart_default::SmartDefault;
 
 use crate::train::{Hook, TrainModel, TrainState};
 use crate::Result;
@@ -9,29 +10,21 @@ use crate::Result;
 /// When to save snapshots (MMCV's `checkpoint_config`): every `interval` epochs (or
 /// iterations) and at the end of the run, as `epoch_N.ckpt` / `iter_N.ckpt` in the work
 /// directory, with `latest.ckpt` beside them; only the newest `max_keep_ckpts` are kept.
-#[derive(Clone, Debug, PartialEq, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Deserialize, SmartDefault)]
 #[serde(default, deny_unknown_fields)]
 pub struct SnapshotConfig {
     /// Every this many epochs or iterations; 0: only at the end.
+    #[default(1)]
     pub interval: usize,
     /// Count `interval` in epochs (else iterations); `None`: as the runner counts.
     pub by_epoch: Option<bool>,
     /// Also save after the last iteration.
+    #[default(true)]
     pub save_last: bool,
     /// Keep only the newest this many numbered snapshots of the run (MMCV's
     /// `max_keep_ckpts`); -1 keeps all.
+    #[default(-1)]
     pub max_keep_ckpts: i64,
-}
-
-impl Default for SnapshotConfig {
-    fn default() -> Self {
-        SnapshotConfig {
-            interval: 1,
-            by_epoch: None,
-            save_last: true,
-            max_keep_ckpts: -1,
-        }
-    }
 }
 
 /// Saves snapshots as its [`SnapshotConfig`] says (MMCV's `CheckpointHook`).

@@ -2,40 +2,33 @@
 //! scales per octave, ratios 0.5/1/2, strides 8 to 128, base size = stride, centre offset 0).
 
 use serde::{Deserialize, Serialize};
+use smart_default::SmartDefault;
 
 use super::boxes::BBox;
 
 /// `anchor_generator` of a RetinaHead.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, SmartDefault)]
 #[serde(default, deny_unknown_fields)]
 pub struct AnchorGeneratorConfig {
     /// `"AnchorGenerator"`.
     #[serde(rename = "type")]
+    #[default("AnchorGenerator".to_string())]
     pub kind: String,
     /// The smallest anchor of a level is `octave_base_scale * stride` wide.
+    #[default(4.0)]
     pub octave_base_scale: f32,
     /// Scales per octave: `octave_base_scale * 2^(i / scales_per_octave)`.
+    #[default(3)]
     pub scales_per_octave: usize,
     /// Height / width ratios.
+    #[default(vec![0.5, 1.0, 2.0])]
     pub ratios: Vec<f32>,
     /// The stride of each level (P3..P7: 8, 16, 32, 64, 128).
+    #[default(vec![8, 16, 32, 64, 128])]
     pub strides: Vec<usize>,
     /// Where a location's anchors are centred, as a fraction of the stride (MMDetection: 0,
     /// the top-left corner of the cell).
     pub center_offset: f32,
-}
-
-impl Default for AnchorGeneratorConfig {
-    fn default() -> Self {
-        AnchorGeneratorConfig {
-            kind: "AnchorGenerator".to_string(),
-            octave_base_scale: 4.0,
-            scales_per_octave: 3,
-            ratios: vec![0.5, 1.0, 2.0],
-            strides: vec![8, 16, 32, 64, 128],
-            center_offset: 0.0,
-        }
-    }
 }
 
 impl AnchorGeneratorConfig {

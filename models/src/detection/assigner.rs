@@ -4,42 +4,35 @@
 //! overlaps most (low-quality matches), so that no object goes without an anchor.
 
 use serde::{Deserialize, Serialize};
+use smart_default::SmartDefault;
 
 use super::boxes::{iou, BBox};
 
 /// `train_cfg.assigner`.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, SmartDefault)]
 #[serde(default, deny_unknown_fields)]
 pub struct MaxIoUAssignerConfig {
     /// `"MaxIoUAssigner"`.
     #[serde(rename = "type")]
+    #[default("MaxIoUAssigner".to_string())]
     pub kind: String,
     /// IoU at or above which an anchor is positive.
+    #[default(0.5)]
     pub pos_iou_thr: f32,
     /// IoU below which an anchor is negative.
+    #[default(0.4)]
     pub neg_iou_thr: f32,
     /// The least IoU a low-quality match needs.
     pub min_pos_iou: f32,
     /// Low-quality matches give a ground truth every anchor that ties for its best IoU.
+    #[default(true)]
     pub gt_max_assign_all: bool,
     /// Allow low-quality matches at all.
+    #[default(true)]
     pub match_low_quality: bool,
     /// MMDetection's ignore rule for `gt_bboxes_ignore` (-1: off, the only supported value).
+    #[default(-1.0)]
     pub ignore_iof_thr: f32,
-}
-
-impl Default for MaxIoUAssignerConfig {
-    fn default() -> Self {
-        MaxIoUAssignerConfig {
-            kind: "MaxIoUAssigner".to_string(),
-            pos_iou_thr: 0.5,
-            neg_iou_thr: 0.4,
-            min_pos_iou: 0.0,
-            gt_max_assign_all: true,
-            match_low_quality: true,
-            ignore_iof_thr: -1.0,
-        }
-    }
 }
 
 /// What an anchor became.

@@ -9,6 +9,7 @@ use burn::prelude::{Backend, Tensor};
 use burn::tensor::module::{interpolate, max_pool2d};
 use burn::tensor::ops::{InterpolateMode, InterpolateOptions};
 use serde::{Deserialize, Serialize};
+use smart_default::SmartDefault;
 
 use crate::memsave::fp16::Fp16;
 use crate::memsave::nn::{conv2d, relu};
@@ -38,38 +39,30 @@ pub enum AddExtraConvs {
 }
 
 /// `[model.neck]`.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, SmartDefault)]
 #[serde(default, deny_unknown_fields)]
 pub struct FpnConfig {
     /// `"FPN"`.
     #[serde(rename = "type")]
+    #[default("FPN".to_string())]
     pub kind: String,
     /// Channels of each backbone feature map (C2..C5).
+    #[default(vec![256, 512, 1024, 2048])]
     pub in_channels: Vec<usize>,
     /// Channels of every output level.
+    #[default(256)]
     pub out_channels: usize,
     /// The first backbone level used (1: C3, for P3).
+    #[default(1)]
     pub start_level: usize,
     /// The extra levels' source.
+    #[default(AddExtraConvs::On(ExtraConvs::OnInput))]
     pub add_extra_convs: AddExtraConvs,
     /// Output levels in all (RetinaNet: 5, P3..P7).
+    #[default(5)]
     pub num_outs: usize,
     /// ReLU before each extra conv (RetinaNet: no).
     pub relu_before_extra_convs: bool,
-}
-
-impl Default for FpnConfig {
-    fn default() -> Self {
-        FpnConfig {
-            kind: "FPN".to_string(),
-            in_channels: vec![256, 512, 1024, 2048],
-            out_channels: 256,
-            start_level: 1,
-            add_extra_convs: AddExtraConvs::On(ExtraConvs::OnInput),
-            num_outs: 5,
-            relu_before_extra_convs: false,
-        }
-    }
 }
 
 fn conv<B: Backend>(

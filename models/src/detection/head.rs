@@ -7,6 +7,7 @@ use burn::nn::conv::{Conv2d, Conv2dConfig};
 use burn::nn::{Initializer, PaddingConfig2d};
 use burn::prelude::{Backend, Tensor};
 use serde::{Deserialize, Serialize};
+use smart_default::SmartDefault;
 
 use super::anchors::AnchorGeneratorConfig;
 use crate::memsave::fp16::Fp16;
@@ -14,91 +15,75 @@ use crate::memsave::nn::{conv2d, relu};
 use crate::memsave::{auto_fp16, Error, Result};
 
 /// `bbox_coder`.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, SmartDefault)]
 #[serde(default, deny_unknown_fields)]
 pub struct BBoxCoderConfig {
     /// `"DeltaXYWHBBoxCoder"`.
     #[serde(rename = "type")]
+    #[default("DeltaXYWHBBoxCoder".to_string())]
     pub kind: String,
     /// Subtracted from the deltas after encoding.
+    #[default([0.0; 4])]
     pub target_means: [f32; 4],
     /// The deltas are divided by these after encoding.
+    #[default([1.0; 4])]
     pub target_stds: [f32; 4],
 }
 
-impl Default for BBoxCoderConfig {
-    fn default() -> Self {
-        BBoxCoderConfig {
-            kind: "DeltaXYWHBBoxCoder".to_string(),
-            target_means: [0.0; 4],
-            target_stds: [1.0; 4],
-        }
-    }
-}
-
 /// `loss_cls`.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, SmartDefault)]
 #[serde(default, deny_unknown_fields)]
 pub struct FocalLossConfig {
     /// `"FocalLoss"`.
     #[serde(rename = "type")]
+    #[default("FocalLoss".to_string())]
     pub kind: String,
     /// Sigmoid per class (the only form RetinaNet uses).
+    #[default(true)]
     pub use_sigmoid: bool,
     /// The focusing exponent.
+    #[default(2.0)]
     pub gamma: f32,
     /// The weight of positives (negatives: `1 - alpha`).
+    #[default(0.25)]
     pub alpha: f32,
     /// Multiplies the loss.
+    #[default(1.0)]
     pub loss_weight: f32,
 }
 
-impl Default for FocalLossConfig {
-    fn default() -> Self {
-        FocalLossConfig {
-            kind: "FocalLoss".to_string(),
-            use_sigmoid: true,
-            gamma: 2.0,
-            alpha: 0.25,
-            loss_weight: 1.0,
-        }
-    }
-}
-
 /// `loss_bbox`.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, SmartDefault)]
 #[serde(default, deny_unknown_fields)]
 pub struct L1LossConfig {
     /// `"L1Loss"`.
     #[serde(rename = "type")]
+    #[default("L1Loss".to_string())]
     pub kind: String,
     /// Multiplies the loss.
+    #[default(1.0)]
     pub loss_weight: f32,
 }
 
-impl Default for L1LossConfig {
-    fn default() -> Self {
-        L1LossConfig {
-            kind: "L1Loss".to_string(),
-            loss_weight: 1.0,
-        }
-    }
-}
-
 /// `[model.bbox_head]`.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, SmartDefault)]
 #[serde(default, deny_unknown_fields)]
 pub struct RetinaHeadConfig {
     /// `"RetinaHead"`.
     #[serde(rename = "type")]
+    #[default("RetinaHead".to_string())]
     pub kind: String,
     /// Object classes (VOC: 20), without a background class (sigmoid scores).
+    #[default(20)]
     pub num_classes: usize,
     /// Channels of each pyramid level.
+    #[default(256)]
     pub in_channels: usize,
     /// 3x3 conv + ReLU layers per branch.
+    #[default(4)]
     pub stacked_convs: usize,
     /// Their channels.
+    #[default(256)]
     pub feat_channels: usize,
     /// The anchors.
     pub anchor_generator: AnchorGeneratorConfig,
@@ -108,22 +93,6 @@ pub struct RetinaHeadConfig {
     pub loss_cls: FocalLossConfig,
     /// The box loss.
     pub loss_bbox: L1LossConfig,
-}
-
-impl Default for RetinaHeadConfig {
-    fn default() -> Self {
-        RetinaHeadConfig {
-            kind: "RetinaHead".to_string(),
-            num_classes: 20,
-            in_channels: 256,
-            stacked_convs: 4,
-            feat_channels: 256,
-            anchor_generator: AnchorGeneratorConfig::default(),
-            bbox_coder: BBoxCoderConfig::default(),
-            loss_cls: FocalLossConfig::default(),
-            loss_bbox: L1LossConfig::default(),
-        }
-    }
 }
 
 /// A 3x3 conv of `channels`, weights from N(0, 0.01), bias `bias`.

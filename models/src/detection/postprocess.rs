@@ -8,57 +8,42 @@ use burn::backend::Flex;
 use burn::prelude::{Tensor, TensorData};
 use burn_vision::{Nms, NmsOptions};
 use serde::{Deserialize, Serialize};
+use smart_default::SmartDefault;
 
 use super::boxes::BBox;
 use super::Detection;
 use crate::memsave::{Error, Result};
 
 /// `test_cfg.nms`.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, SmartDefault)]
 #[serde(default, deny_unknown_fields)]
 pub struct NmsConfig {
     /// `"nms"`.
     #[serde(rename = "type")]
+    #[default("nms".to_string())]
     pub kind: String,
     /// A box is suppressed by a better one of its class overlapping it more than this.
+    #[default(0.5)]
     pub iou_threshold: f32,
 }
 
-impl Default for NmsConfig {
-    fn default() -> Self {
-        NmsConfig {
-            kind: "nms".to_string(),
-            iou_threshold: 0.5,
-        }
-    }
-}
-
 /// `[model.test_cfg]`.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, SmartDefault)]
 #[serde(default, deny_unknown_fields)]
 pub struct TestCfg {
     /// Candidates kept per level before NMS.
+    #[default(1000)]
     pub nms_pre: usize,
     /// Boxes narrower or shorter than this are dropped (0: none).
     pub min_bbox_size: f32,
     /// The least score a detection needs.
+    #[default(0.05)]
     pub score_thr: f32,
     /// The suppression.
     pub nms: NmsConfig,
     /// Detections per image.
+    #[default(100)]
     pub max_per_img: usize,
-}
-
-impl Default for TestCfg {
-    fn default() -> Self {
-        TestCfg {
-            nms_pre: 1000,
-            min_bbox_size: 0.0,
-            score_thr: 0.05,
-            nms: NmsConfig::default(),
-            max_per_img: 100,
-        }
-    }
 }
 
 impl TestCfg {

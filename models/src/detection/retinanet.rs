@@ -5,6 +5,7 @@ use burn::module::Module;
 use burn::prelude::{Backend, Tensor, TensorData};
 use burn::tensor::backend::AutodiffBackend;
 use serde::{Deserialize, Serialize};
+use smart_default::SmartDefault;
 
 use super::anchors::AnchorGeneratorConfig;
 use super::assigner::{Assignment, MaxIoUAssignerConfig};
@@ -21,29 +22,20 @@ use crate::memsave::{auto_fp16, force_fp32, Error, Result};
 use crate::resnet::{ResNet, ResNetConfig};
 
 /// `[model.train_cfg]`.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, SmartDefault)]
 #[serde(default, deny_unknown_fields)]
 pub struct TrainCfg {
     /// Which anchors learn what.
     pub assigner: MaxIoUAssignerConfig,
     /// Anchors may stick out of the image by this much (-1: any amount; the only supported
     /// value, as RetinaNet's).
+    #[default(-1)]
     pub allowed_border: i64,
     /// Weight of positives (-1: 1).
+    #[default(-1.0)]
     pub pos_weight: f32,
     /// MMDetection's debug switch (no effect).
     pub debug: bool,
-}
-
-impl Default for TrainCfg {
-    fn default() -> Self {
-        TrainCfg {
-            assigner: MaxIoUAssignerConfig::default(),
-            allowed_border: -1,
-            pos_weight: -1.0,
-            debug: false,
-        }
-    }
 }
 
 /// Everything that makes a RetinaNet.

@@ -4,30 +4,36 @@
 use std::path::PathBuf;
 
 use serde::{Deserialize, Serialize};
+use smart_default::SmartDefault;
 
 use crate::memsave;
 use memsave::planner::WithCp;
 
-/// Configuration of a [`ResNet`]: MMDetection's `backbone = dict(type='ResNet', depth=50,
-/// ...)`, read straight from a config's `[model.backbone]`; unset keys take the values of
-/// `ResNetConfig::default()` (a ResNet-50).
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+/// Configuration of a [`super::ResNet`]: MMDetection's `backbone = dict(type='ResNet',
+/// depth=50, ...)`, read straight from a config's `[model.backbone]`; unset keys take the
+/// defaults stated on the fields (a ResNet-50), as burn-nn's configs do.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, SmartDefault)]
 #[serde(default, deny_unknown_fields)]
 pub struct ResNetConfig {
     /// `"ResNet"`.
     #[serde(rename = "type")]
     pub kind: BackboneType,
     /// 18, 34 (basic blocks), 50, 101 or 152 (bottlenecks).
+    #[default(50)]
     pub depth: usize,
     /// Channels of the input image.
+    #[default(3)]
     pub in_channels: usize,
     /// Channels of the stem, and the width of the first stage (64 in torchvision's ResNets;
     /// narrower for small models and test fixtures). Stage `i` is `base_channels << i` wide.
+    #[default(64)]
     pub base_channels: usize,
     /// The stages whose feature maps `forward` returns, from 0 (C2) to 3 (C5).
+    #[default(vec![0, 1, 2, 3])]
     pub out_indices: Vec<usize>,
     /// `-1`: train everything; `0`: freeze the stem; `k`: the stem and stages 1..=k
     /// (parameters take no gradient and no optimizer state, their BNs run in eval mode).
+    #[default(-1)]
     pub frozen_stages: i64,
     /// Every BN in eval mode during training (running statistics used and kept as they are;
     /// their weights still train unless frozen). MMDetection's detectors set it.
@@ -46,24 +52,6 @@ pub struct ResNetConfig {
     /// Where the weights come from: `{ type = "Pretrained", checkpoint = "PATH" }` loads a
     /// torchvision ResNet state dict (`.pth` or `.safetensors`); absent, random.
     pub init_cfg: Option<InitCfg>,
-}
-
-impl Default for ResNetConfig {
-    fn default() -> Self {
-        ResNetConfig {
-            kind: BackboneType::ResNet,
-            depth: 50,
-            in_channels: 3,
-            base_channels: 64,
-            out_indices: vec![0, 1, 2, 3],
-            frozen_stages: -1,
-            norm_eval: false,
-            style: Style::Pytorch,
-            zero_init_residual: false,
-            with_cp: WithCp::Off,
-            init_cfg: None,
-        }
-    }
 }
 
 /// Where a bottleneck's stride goes.
