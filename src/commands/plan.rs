@@ -210,6 +210,8 @@ pub fn plan(args: PlanArgs) -> Result<()> {
         return Err(Error::invalid("--iters", "at least one step is measured"));
     }
     let batch = memsave::models::registry::batch_size(&args.config, &args.set)?;
+    // The model's own settings, where its registry entry says they are.
+    let keys = memsave::models::registry::entry(&args.config, &args.set)?.keys;
     let setting: Setting = {
         let config =
             Config::<memsave::models::config::ModelKind, memsave::models::config::AnyData>::load(
@@ -223,7 +225,7 @@ pub fn plan(args: PlanArgs) -> Result<()> {
             eprintln!("{line}");
         }
     };
-    let unplanned_sets = vec!["model.backbone.with_cp=false".to_string()];
+    let unplanned_sets = vec![format!("{}=false", keys.with_cp)];
     say("memsave plan: measuring the config without checkpointing ...");
     let unplanned = run_worker(
         &args,
@@ -281,7 +283,7 @@ pub fn plan(args: PlanArgs) -> Result<()> {
         if setting.micro_batch >= 2 && setting.micro_batch % 2 == 0 {
             say("memsave plan: profiling half the batch ...");
             let half = setting.micro_batch / 2;
-            let sets = vec![format!("data.samples_per_gpu={half}")];
+            let sets = vec![format!("{}={half}", keys.batch)];
             let measurement = run_worker(&args, ("the config at half the batch", &sets), 0, true)?;
             measured.push(Measured {
                 setting: Setting {
@@ -298,7 +300,6 @@ pub fn plan(args: PlanArgs) -> Result<()> {
         report.segments = base.profile.segments.clone();
         report.floor = base.profile.floor();
         let started = Instant::now();
-        let keys = memsave::models::registry::entry(&args.config, &args.set)?.keys;
         report.candidates = advise::advise(&setting, &measured, budget_bytes, &keys);
         report.advice_ms = started.elapsed().as_secs_f64() * 1e3;
         report.chosen = report.candidates.first().filter(|c| c.fits).cloned();
