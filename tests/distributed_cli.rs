@@ -337,6 +337,7 @@ fn an_unreachable_orchestrator_and_bad_flags_are_errors_naming_them() {
             ],
             "--node-rank",
         ),
+        (vec!["--nodes", "1", "--node-rank", "1"], "--node-rank"),
         (vec!["--devices", "0"], "--devices"),
         (
             vec!["--devices", "2", "--peer-timeout", "0"],

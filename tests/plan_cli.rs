@@ -103,6 +103,29 @@ fn plan_says_nothing_is_needed_above_the_unplanned_peak() {
 }
 
 #[test]
+fn plan_with_a_budget_nothing_fits_prints_the_report_and_exits_1() {
+    let dir = common::fresh_dir("plan_cli", "unfit");
+    let config = tiny_config(&dir);
+    let output = memsave(&[
+        "plan",
+        config.to_str().unwrap(),
+        "--budget",
+        "1MiB",
+        "--json",
+    ]);
+    assert_eq!(output.status.code(), Some(1), "{}", stderr(&output));
+    let report: serde_json::Value = serde_json::from_str(&stdout(&output)).unwrap();
+    assert!(report["chosen"].is_null());
+    assert_eq!(report["nothing_needed"], false);
+    let text = stderr(&output);
+    assert!(
+        text.contains("--budget") && text.contains("nothing memsave can switch on fits 1.0 MiB"),
+        "{text}"
+    );
+    assert!(!text.contains("panicked"), "{text}");
+}
+
+#[test]
 fn auto_needs_a_budget_and_a_budget_needs_auto() {
     let dir = common::fresh_dir("plan_cli", "auto_config");
     let config = tiny_config(&dir);

@@ -133,6 +133,77 @@ fn malformed_or_inconsistent_files_are_errors_naming_them() {
 }
 
 #[test]
+fn hostile_annotations_and_split_lists_are_errors_naming_the_file_never_an_abort() {
+    let dir = tempfile::tempdir().unwrap();
+    let root = synth(dir.path(), 8, 1);
+    let list = root.join("ImageSets/Main/trainval.txt");
+    let xml = root.join("Annotations/000001.xml");
+    let original = std::fs::read_to_string(&xml).unwrap();
+    // Nested far deeper than the XML parser's recursion can take (it overflowed the stack).
+    let levels = 200_000;
+    let nested = format!(
+        "{}{}{}",
+        "<a>".repeat(levels),
+        original,
+        "</a>".repeat(levels)
+    );
+    std::fs::write(&xml, &nested).unwrap();
+    let started = std::time::Instant::now();
+    let error = watchdog(60, {
+        let (list, root) = (list.clone(), root.clone());
+        move || read_split(&list, &root).unwrap_err().to_string()
+    });
+    assert!(
+        error.contains("000001.xml") && error.contains("nested"),
+        "{error}"
+    );
+    assert!(
+        started.elapsed() < Duration::from_secs(1),
+        "{:?}",
+        started.elapsed()
+    );
+    // Deep but within the bound still parses (and is then not a VOC annotation).
+    let shallow = format!("{}{}{}", "<a>".repeat(10), original, "</a>".repeat(10));
+    std::fs::write(&xml, &shallow).unwrap();
+    let error = read_split(&list, &root).unwrap_err().to_string();
+    assert!(error.contains("not <annotation>"), "{error}");
+    // Larger than any annotation.
+    let padding = " ".repeat(5 << 20);
+    std::fs::write(&xml, format!("{original}<!--{padding}-->")).unwrap();
+    let error = read_split(&list, &root).unwrap_err().to_string();
+    assert!(
+        error.contains("000001.xml") && error.contains("bytes"),
+        "{error}"
+    );
+    // An empty <difficult> is malformed (an absent one is 0, as in the devkit).
+    let empty = original.replacen("<difficult>0</difficult>", "<difficult></difficult>", 1);
+    assert_ne!(empty, original, "the fixture has a <difficult>");
+    std::fs::write(&xml, &empty).unwrap();
+    let error = read_split(&list, &root).unwrap_err().to_string();
+    assert!(
+        error.contains("000001.xml") && error.contains("<difficult> is empty"),
+        "{error}"
+    );
+    std::fs::write(&xml, &original).unwrap();
+
+    // A byte-order mark is not part of the first id.
+    let ids = std::fs::read_to_string(&list).unwrap();
+    let first = ids.split_whitespace().next().unwrap().to_string();
+    let expected = read_split(&list, &root).unwrap();
+    std::fs::write(&list, format!("\u{feff}{ids}")).unwrap();
+    let with_bom = read_split(&list, &root).unwrap();
+    assert_eq!(with_bom, expected);
+    assert_eq!(with_bom[0].id, first);
+    // An image listed twice is an error naming the list, the line and the id.
+    std::fs::write(&list, format!("{ids}{first}\n")).unwrap();
+    let error = read_split(&list, &root).unwrap_err().to_string();
+    assert!(
+        error.contains("trainval.txt") && error.contains(&format!("`{first}` is listed twice")),
+        "{error}"
+    );
+}
+
+#[test]
 fn the_pipeline_resizes_keeping_the_ratio_flips_normalises_and_pads() {
     let p = Pipeline::train([1000, 600]);
     assert_eq!(p.resized_shape([375, 500]), ([600, 800], [1.6, 1.6]));

@@ -364,6 +364,19 @@ pub fn plan(args: PlanArgs) -> Result<()> {
     } else {
         print_report(&report, &setting);
     }
+    if report.chosen.is_none() && !report.nothing_needed {
+        // The report is printed; the exit code says, for scripts, that nothing fits.
+        return Err(Error::invalid(
+            "--budget",
+            format!(
+                "nothing memsave can switch on fits {} ({}); checkpointing every segment \
+                 needs {}",
+                human(budget_bytes),
+                args.budget,
+                human(report.floor)
+            ),
+        ));
+    }
     Ok(())
 }
 

@@ -151,6 +151,8 @@ pub struct Measurement {
 }
 
 pub fn run_job(args: &TrainArgs, job: &Job) -> memsave::Result<()> {
+    // The flags are checked even for one process: `--nodes 1 --node-rank 1` is no rank 0.
+    args.dist.topology()?;
     if args.dist.is_parallel() {
         if !matches!(job, Job::Train) {
             return Err(memsave::Error::invalid(

@@ -61,6 +61,13 @@ impl Budget {
                 format!("`{text}`: a memory budget is at least one byte"),
             ));
         }
+        // Never clamped: a budget past the largest byte count is a typo, not a wish.
+        if bytes >= u64::MAX as f64 {
+            return Err(Error::invalid(
+                field,
+                format!("`{text}`: more bytes than a byte count can hold (2^64)"),
+            ));
+        }
         Ok(Budget::Bytes(bytes.round() as u64))
     }
 
@@ -194,6 +201,15 @@ mod tests {
         );
         assert_eq!(Budget::parse("60%", "b").unwrap(), Budget::Fraction(0.6));
         assert_eq!(Budget::Fraction(0.5).bytes(1000), 500);
+        let huge = Budget::parse("20000000TiB", "--budget")
+            .unwrap_err()
+            .to_string();
+        assert!(huge.contains("--budget") && huge.contains("2^64"), "{huge}");
+        assert_eq!(
+            Budget::parse("16000000TiB", "b").unwrap(),
+            Budget::Bytes(16_000_000 << 40),
+            "below 2^64 bytes is read exactly"
+        );
         for bad in ["abc", "", "0", "3 parsecs", "150%", "-1GiB", "0%"] {
             let error = Budget::parse(bad, "memory.memory_budget").unwrap_err();
             assert!(

@@ -75,10 +75,87 @@ fn data_error(path: &Path, message: impl std::fmt::Display) -> Error {
     Error::Data(format!("{}: {message}", path.display()))
 }
 
-/// Parses one annotation file; `image` is where its JPEG should be.
+/// The largest annotation file read (a VOC annotation is a few KiB).
+pub const MAX_ANNOTATION_BYTES: u64 = 4 << 20;
+/// The deepest nesting of elements read (a VOC annotation's is 4: annotation, object, bndbox,
+/// xmin); deeper files are refused before the XML parser, which recurses per level, sees them.
+pub const MAX_ANNOTATION_DEPTH: usize = 64;
+/// The most XML nodes read from one annotation file.
+pub const MAX_ANNOTATION_NODES: u32 = 1 << 20;
+
+/// The deepest nesting of elements in `text`, counted without parsing (tags, comments,
+/// declarations and CDATA told apart by their first characters); stops counting past `limit`.
+fn nesting_depth(text: &str, limit: usize) -> usize {
+    let bytes = text.as_bytes();
+    let (mut depth, mut deepest, mut at) = (0usize, 0usize, 0usize);
+    while let Some(offset) = bytes[at..].iter().position(|&b| b == b'<') {
+        let start = at + offset;
+        let rest = &bytes[start..];
+        if rest.starts_with(b"<!--") {
+            at = find(bytes, start, b"-->");
+        } else if rest.starts_with(b"<![CDATA[") {
+            at = find(bytes, start, b"]]>");
+        } else if rest.starts_with(b"<?") || rest.starts_with(b"<!") {
+            at = find(bytes, start, b">");
+        } else if rest.starts_with(b"</") {
+            depth = depth.saturating_sub(1);
+            at = find(bytes, start, b">");
+        } else {
+            let end = find(bytes, start, b">");
+            if !(end >= 2 && bytes[end - 2] == b'/') {
+                depth += 1;
+                deepest = deepest.max(depth);
+                if deepest > limit {
+                    return deepest;
+                }
+            }
+            at = end;
+        }
+        if at >= bytes.len() {
+            break;
+        }
+    }
+    deepest
+}
+
+/// The position just after the first `pattern` at or after `from` (the end if none).
+fn find(bytes: &[u8], from: usize, pattern: &[u8]) -> usize {
+    bytes[from..]
+        .windows(pattern.len())
+        .position(|w| w == pattern)
+        .map_or(bytes.len(), |i| from + i + pattern.len())
+}
+
+/// Parses one annotation file; `image` is where its JPEG should be. A file larger, deeper or
+/// with more nodes than the bounds above is an error naming it, never handed to the parser.
 pub fn parse_annotation(xml_path: &Path, id: &str, image: PathBuf) -> Result<VocImage> {
+    let size = std::fs::metadata(xml_path)
+        .map_err(|e| data_error(xml_path, e))?
+        .len();
+    if size > MAX_ANNOTATION_BYTES {
+        return Err(data_error(
+            xml_path,
+            format!(
+                "{size} bytes: larger than any VOC annotation (at most {MAX_ANNOTATION_BYTES} are read)"
+            ),
+        ));
+    }
     let text = std::fs::read_to_string(xml_path).map_err(|e| data_error(xml_path, e))?;
-    let doc = roxmltree::Document::parse(&text)
+    let depth = nesting_depth(&text, MAX_ANNOTATION_DEPTH);
+    if depth > MAX_ANNOTATION_DEPTH {
+        return Err(data_error(
+            xml_path,
+            format!(
+                "elements nested more than {MAX_ANNOTATION_DEPTH} levels deep: not a VOC \
+                 annotation (its nesting is 4)"
+            ),
+        ));
+    }
+    let options = roxmltree::ParsingOptions {
+        nodes_limit: MAX_ANNOTATION_NODES,
+        ..Default::default()
+    };
+    let doc = roxmltree::Document::parse_with_options(&text, options)
         .map_err(|e| data_error(xml_path, format!("malformed XML: {e}")))?;
     let root = doc.root_element();
     if root.tag_name().name() != "annotation" {
@@ -138,12 +215,16 @@ pub fn parse_annotation(xml_path: &Path, id: &str, image: PathBuf) -> Result<Voc
                 ),
             )
         })?;
-        let difficult = match child(object, "difficult")
-            .and_then(|n| n.text())
-            .map(str::trim)
-        {
+        // Absent is 0, as in the devkit; present, it must say 0 or 1.
+        let difficult = match child(object, "difficult").map(|n| n.text().unwrap_or("").trim()) {
             None | Some("0") => false,
             Some("1") => true,
+            Some("") => {
+                return Err(data_error(
+                    xml_path,
+                    format!("{what} ({name}): <difficult> is empty, not 0 or 1"),
+                ));
+            }
             Some(other) => {
                 return Err(data_error(
                     xml_path,
@@ -213,11 +294,21 @@ impl OneOrMany {
 pub fn read_split(ann_file: &Path, img_prefix: &Path) -> Result<Vec<VocImage>> {
     let list = std::fs::read_to_string(ann_file)
         .map_err(|e| data_error(ann_file, format!("cannot read the split list: {e}")))?;
+    // A byte-order mark is not part of the first id (Python's `utf-8-sig`).
+    let list = list.strip_prefix('\u{feff}').unwrap_or(&list);
     let mut images = Vec::new();
-    for line in list.lines() {
+    let mut seen = std::collections::HashSet::new();
+    for (number, line) in list.lines().enumerate() {
         let id = line.split_whitespace().next().unwrap_or_default();
         if id.is_empty() {
             continue;
+        }
+        // Listed twice, an image would train twice and its objects count twice in the mAP.
+        if !seen.insert(id) {
+            return Err(data_error(
+                ann_file,
+                format!("line {}: image `{id}` is listed twice", number + 1),
+            ));
         }
         let xml = img_prefix.join("Annotations").join(format!("{id}.xml"));
         let jpeg = img_prefix.join("JPEGImages").join(format!("{id}.jpg"));
