@@ -424,6 +424,32 @@ fn map_on_hand_computed_cases() {
 }
 
 #[test]
+fn impossible_detections_are_errors_naming_the_entry_not_misses() {
+    let images = vec![image("a", &[(11, [10.0, 10.0, 40.0, 40.0], false)])];
+    let fine = [det("a", "dog", 0.9, [0.0, 0.0, 100.0, 100.0])];
+    assert!(voc_map(&images, &fine, 0.5, ApMode::Area).is_ok());
+    for (bbox, words) in [
+        ([40.0, 10.0, 10.0, 40.0], "inverted"),
+        ([10.0, 40.0, 40.0, 10.0], "inverted"),
+        ([200.0, 200.0, 300.0, 300.0], "wholly outside"),
+        ([-50.0, -50.0, -10.0, -10.0], "wholly outside"),
+        ([0.0, 0.0, 1e9, 50.0], "farther outside"),
+    ] {
+        let dets = [fine[0].clone(), det("a", "dog", 0.5, bbox)];
+        let error = voc_map(&images, &dets, 0.5, ApMode::Area)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            error.contains("detection 1")
+                && error.contains("image `a`")
+                && error.contains("class `dog`")
+                && error.contains(words),
+            "{bbox:?}: {error}"
+        );
+    }
+}
+
+#[test]
 fn detections_files_are_checked() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("dets.json");

@@ -96,6 +96,31 @@ pub struct ClassAp {
     pub ap: f32,
 }
 
+/// A detection's box must be one the devkit could score: `x1 <= x2`, `y1 <= y2`, touching the
+/// image, and no farther outside it than its own size (a detector clips to the image; anything
+/// else is a bug in whatever wrote the file, which the devkit would silently count as a miss).
+/// The error names the entry, its image and its class.
+fn check_box(k: usize, d: &DetectionRecord, image: &VocImage) -> Result<()> {
+    let [x1, y1, x2, y2] = d.bbox;
+    let (w, h) = (image.width as f32, image.height as f32);
+    let fault = if x2 < x1 || y2 < y1 {
+        Some("is inverted (x2 < x1 or y2 < y1)")
+    } else if x2 < 0.0 || y2 < 0.0 || x1 > w + 1.0 || y1 > h + 1.0 {
+        Some("lies wholly outside the image")
+    } else if x1 < -w || y1 < -h || x2 > 2.0 * w + 1.0 || y2 > 2.0 * h + 1.0 {
+        Some("reaches farther outside the image than the image's own size")
+    } else {
+        None
+    };
+    match fault {
+        Some(fault) => Err(Error::Data(format!(
+            "detection {k} (image `{}`, class `{}`): box {:?} {fault} ({} x {})",
+            d.image, d.class, d.bbox, image.width, image.height
+        ))),
+        None => Ok(()),
+    }
+}
+
 /// The scores of every class and their mean.
 #[derive(Clone, Debug, PartialEq)]
 pub struct MapResult {
@@ -194,6 +219,7 @@ pub fn voc_map(
         })?;
         let label = class_index(&d.class)
             .ok_or_else(|| Error::Data(format!("detection {k}: unknown class `{}`", d.class)))?;
+        check_box(k, d, &images[image])?;
         per_class[label].push((image, d.score, d.bbox));
     }
     let mut classes = Vec::with_capacity(VOC_CLASSES.len());
