@@ -204,6 +204,41 @@ fn hostile_annotations_and_split_lists_are_errors_naming_the_file_never_an_abort
 }
 
 #[test]
+fn a_truncated_jpeg_or_one_claiming_more_pixels_is_an_error_naming_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let root = synth(dir.path(), 4, 3);
+    let image = split(&root, "trainval")[0].clone();
+    let p = Pipeline::train([160, 120]);
+    let whole = std::fs::read(&image.path).unwrap();
+    p.apply(&image, false).expect("the whole file decodes");
+    // Cut to a half and to a third: the decoder alone would fill the rest without a word.
+    for keep in [whole.len() / 2, whole.len() / 3] {
+        std::fs::write(&image.path, &whole[..keep]).unwrap();
+        let error = p.apply(&image, false).unwrap_err().to_string();
+        assert!(
+            error.contains(&image.path.display().to_string()) && error.contains("truncated"),
+            "{keep} bytes: {error}"
+        );
+    }
+    // A header claiming 8000 x 8000 (the start-of-frame's height and width) in the same bytes.
+    let mut claiming = whole.clone();
+    let sof = claiming
+        .windows(2)
+        .position(|w| w[0] == 0xFF && (0xC0..=0xC2).contains(&w[1]))
+        .expect("a start-of-frame marker");
+    claiming[sof + 5..sof + 9].copy_from_slice(&[0x1F, 0x40, 0x1F, 0x40]);
+    std::fs::write(&image.path, &claiming).unwrap();
+    let error = p.apply(&image, false).unwrap_err().to_string();
+    assert!(
+        error.contains(&image.path.display().to_string()) && error.contains("claims more pixels"),
+        "{error}"
+    );
+    std::fs::write(&image.path, &whole).unwrap();
+    p.apply(&image, false)
+        .expect("the whole file decodes again");
+}
+
+#[test]
 fn the_pipeline_resizes_keeping_the_ratio_flips_normalises_and_pads() {
     let p = Pipeline::train([1000, 600]);
     assert_eq!(p.resized_shape([375, 500]), ([600, 800], [1.6, 1.6]));

@@ -286,14 +286,7 @@ impl Pipeline {
         image: &VocImage,
         flip: bool,
     ) -> Result<(Vec<f32>, ImageMeta, Vec<BBox>, Vec<usize>)> {
-        let decoded = image::open(&image.path)
-            .map_err(|e| {
-                Error::Data(format!(
-                    "{}: cannot decode the image: {e}",
-                    image.path.display()
-                ))
-            })?
-            .to_rgb8();
+        let decoded = decode(image)?.to_rgb8();
         let (width, height) = decoded.dimensions();
         if (width as usize, height as usize) != (image.width, image.height) {
             return Err(Error::Data(format!(
@@ -344,4 +337,54 @@ impl Pipeline {
         };
         Ok((pixels, meta, boxes, labels))
     }
+}
+
+/// Decodes `image`'s file, refusing what would decode without a word but wrongly: a JPEG that
+/// stops before its end-of-image marker (cut short: the decoder would fill the rest, as PIL
+/// reports "image file is truncated"), and a header claiming more pixels than the annotation
+/// says (refused before the decoder allocates them). Errors name the file.
+fn decode(image: &VocImage) -> Result<image::DynamicImage> {
+    let path = &image.path;
+    let bad = |what: String| Error::Data(format!("{}: {what}", path.display()));
+    let mut reader = image::ImageReader::open(path)
+        .and_then(|reader| reader.with_guessed_format())
+        .map_err(|e| bad(format!("cannot read the image: {e}")))?;
+    if reader.format() == Some(image::ImageFormat::Jpeg) {
+        let (tail, size) =
+            file_tail(path).map_err(|e| bad(format!("cannot read the image: {e}")))?;
+        if !ends_with_eoi(&tail) {
+            return Err(bad(format!(
+                "the JPEG is truncated ({size} bytes, no end-of-image marker): the file is damaged"
+            )));
+        }
+    }
+    let mut limits = image::Limits::default();
+    limits.max_image_width = u32::try_from(image.width).ok();
+    limits.max_image_height = u32::try_from(image.height).ok();
+    reader.limits(limits);
+    reader.decode().map_err(|e| match e {
+        image::ImageError::Limits(_) => bad(format!(
+            "the image's header claims more pixels than its annotation's {} x {}",
+            image.width, image.height
+        )),
+        other => bad(format!("cannot decode the image: {other}")),
+    })
+}
+
+/// The last bytes of a file (up to 64) and its size, read without reading the rest.
+fn file_tail(path: &std::path::Path) -> std::io::Result<(Vec<u8>, u64)> {
+    use std::io::{Read, Seek, SeekFrom};
+    let mut file = std::fs::File::open(path)?;
+    let size = file.metadata()?.len();
+    let from = size.saturating_sub(64);
+    file.seek(SeekFrom::Start(from))?;
+    let mut tail = Vec::with_capacity(64);
+    file.read_to_end(&mut tail)?;
+    Ok((tail, size))
+}
+
+/// Whether a JPEG's bytes end with its end-of-image marker (`FF D9`), trailing zero bytes aside.
+fn ends_with_eoi(bytes: &[u8]) -> bool {
+    let end = bytes.iter().rposition(|&b| b != 0).map_or(0, |i| i + 1);
+    end >= 2 && bytes[end - 2..end] == [0xFF, 0xD9]
 }
