@@ -277,6 +277,57 @@ fn the_pipeline_resizes_keeping_the_ratio_flips_normalises_and_pads() {
 }
 
 #[test]
+fn skip_bad_images_leaves_the_damaged_ones_out_and_is_off_by_default() {
+    use memsave::train::DataSource;
+    let dir = tempfile::tempdir().unwrap();
+    let root = synth(dir.path(), 16, 5);
+    let images = split(&root, "trainval");
+    let damaged = &images[1].path;
+    let whole = std::fs::read(damaged).unwrap();
+    std::fs::write(damaged, &whole[..whole.len() / 2]).unwrap();
+    let config = |skip: bool| VocDatasetConfig {
+        kind: DatasetType::VOCDataset,
+        ann_file: OneOrMany::One(root.join("ImageSets/Main/trainval.txt")),
+        img_prefix: OneOrMany::One(root.clone()),
+        pipeline: None,
+        skip_bad_images: skip,
+    };
+    let skipping = VocDetection::<Flex>::new(
+        &config(true),
+        "data.train",
+        false,
+        1,
+        0,
+        0,
+        Default::default(),
+    )
+    .unwrap();
+    assert_eq!(skipping.batches_per_epoch(), images.len() - 1);
+    for index in 0..skipping.batches_per_epoch() {
+        skipping
+            .batch(0, index)
+            .expect("only whole images are left");
+    }
+    // Off (the default): the damaged image is an error naming it when its batch is made.
+    let strict = VocDetection::<Flex>::new(
+        &config(false),
+        "data.train",
+        false,
+        1,
+        0,
+        0,
+        Default::default(),
+    )
+    .unwrap();
+    assert_eq!(strict.batches_per_epoch(), images.len());
+    let errors: Vec<String> = (0..strict.batches_per_epoch())
+        .filter_map(|index| strict.batch(0, index).err().map(|e| e.to_string()))
+        .collect();
+    assert_eq!(errors.len(), 1, "{errors:?}");
+    assert!(errors[0].contains(&damaged.display().to_string()) && errors[0].contains("truncated"));
+}
+
+#[test]
 fn background_workers_give_the_batches_made_in_place_without_hanging() {
     let dir = tempfile::tempdir().unwrap();
     let root = synth(dir.path(), 16, 5);
@@ -285,6 +336,7 @@ fn background_workers_give_the_batches_made_in_place_without_hanging() {
         ann_file: OneOrMany::One(root.join("ImageSets/Main/trainval.txt")),
         img_prefix: OneOrMany::One(root.clone()),
         pipeline: None,
+        skip_bad_images: false,
     };
     watchdog(120, move || {
         use memsave::train::DataSource;

@@ -224,6 +224,7 @@ where
         ann_file: OneOrMany::One(args.data.join("ImageSets/Main/trainval.txt")),
         img_prefix: OneOrMany::One(args.data.clone()),
         pipeline: Some(pipeline(args.width, args.height)),
+        skip_bad_images: false,
     };
     let per_step = config.data.samples_per_gpu * micro;
     let loader = VocDetection::<B>::new(

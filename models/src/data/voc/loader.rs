@@ -45,6 +45,11 @@ pub struct VocDatasetConfig {
     /// The steps; absent, MMDetection's VOC pipeline at (1000, 600) (training: flip 0.5).
     #[serde(default)]
     pub pipeline: Option<Vec<Step>>,
+    /// A damaged image (a truncated JPEG, a header that disagrees with its annotation) is an
+    /// error naming it (`false`, the default), or, `true`, every image is checked when the set
+    /// is read and the damaged ones are left out with one warning that counts and names them.
+    #[serde(default)]
+    pub skip_bad_images: bool,
 }
 
 /// `[data]` of a detector: MMDetection's `data = dict(samples_per_gpu=2, workers_per_gpu=2,
@@ -244,7 +249,10 @@ impl<B: Backend> VocDetection<B> {
             return Err(Error::invalid("data.samples_per_gpu", "must be at least 1"));
         }
         let pipeline = config.pipeline(field, training)?;
-        let images = read_splits(&config.ann_file, &config.img_prefix)?;
+        let mut images = read_splits(&config.ann_file, &config.img_prefix)?;
+        if config.skip_bad_images {
+            images = skip_bad_images(images, field)?;
+        }
         let plan = Arc::new(Plan {
             images,
             pipeline,
@@ -407,4 +415,34 @@ pub fn describe(config: &VocDatasetConfig) -> String {
         .map(|p| p.display().to_string())
         .collect::<Vec<_>>()
         .join(", ")
+}
+
+/// `images` without the damaged ones ([`super::pipeline::check_image`]), with one warning on
+/// stderr counting and naming them; an error when none is left.
+fn skip_bad_images(images: Vec<VocImage>, field: &str) -> Result<Vec<VocImage>> {
+    let total = images.len();
+    let mut bad = Vec::new();
+    let good: Vec<VocImage> = images
+        .into_iter()
+        .filter(|image| match super::pipeline::check_image(image) {
+            Ok(()) => true,
+            Err(error) => {
+                bad.push(error.to_string());
+                false
+            }
+        })
+        .collect();
+    if !bad.is_empty() {
+        eprintln!(
+            "memsave: warning: {field}: skipped {} of {total} images (`skip_bad_images`): {}",
+            bad.len(),
+            bad.join("; ")
+        );
+    }
+    if good.is_empty() {
+        return Err(Error::Data(format!(
+            "{field}: every one of its {total} images is damaged"
+        )));
+    }
+    Ok(good)
 }

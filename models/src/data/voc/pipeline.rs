@@ -344,9 +344,59 @@ impl Pipeline {
 /// reports "image file is truncated"), and a header claiming more pixels than the annotation
 /// says (refused before the decoder allocates them). Errors name the file.
 fn decode(image: &VocImage) -> Result<image::DynamicImage> {
+    let mut reader = open_checked(image)?;
+    let mut limits = image::Limits::default();
+    limits.max_image_width = u32::try_from(image.width).ok();
+    limits.max_image_height = u32::try_from(image.height).ok();
+    reader.limits(limits);
+    reader.decode().map_err(|e| match e {
+        image::ImageError::Limits(_) => claims_more(image),
+        other => Error::Data(format!(
+            "{}: cannot decode the image: {other}",
+            image.path.display()
+        )),
+    })
+}
+
+/// Whether `image`'s file would decode as its annotation says, read from its header and its
+/// last bytes only (no pixel is decoded): the check `skip_bad_images` runs on every image.
+pub fn check_image(image: &VocImage) -> Result<()> {
+    let reader = open_checked(image)?;
+    let (width, height) = reader.into_dimensions().map_err(|e| {
+        Error::Data(format!(
+            "{}: cannot read the image's header: {e}",
+            image.path.display()
+        ))
+    })?;
+    if width as usize > image.width || height as usize > image.height {
+        return Err(claims_more(image));
+    }
+    if (width as usize, height as usize) != (image.width, image.height) {
+        return Err(Error::Data(format!(
+            "{}: the image is {width} x {height}, its annotation says {} x {}",
+            image.path.display(),
+            image.width,
+            image.height
+        )));
+    }
+    Ok(())
+}
+
+fn claims_more(image: &VocImage) -> Error {
+    Error::Data(format!(
+        "{}: the image's header claims more pixels than its annotation's {} x {}",
+        image.path.display(),
+        image.width,
+        image.height
+    ))
+}
+
+/// The image's reader, its format read from its first bytes; a JPEG without its end-of-image
+/// marker is refused here.
+fn open_checked(image: &VocImage) -> Result<image::ImageReader<std::io::BufReader<std::fs::File>>> {
     let path = &image.path;
     let bad = |what: String| Error::Data(format!("{}: {what}", path.display()));
-    let mut reader = image::ImageReader::open(path)
+    let reader = image::ImageReader::open(path)
         .and_then(|reader| reader.with_guessed_format())
         .map_err(|e| bad(format!("cannot read the image: {e}")))?;
     if reader.format() == Some(image::ImageFormat::Jpeg) {
@@ -358,17 +408,7 @@ fn decode(image: &VocImage) -> Result<image::DynamicImage> {
             )));
         }
     }
-    let mut limits = image::Limits::default();
-    limits.max_image_width = u32::try_from(image.width).ok();
-    limits.max_image_height = u32::try_from(image.height).ok();
-    reader.limits(limits);
-    reader.decode().map_err(|e| match e {
-        image::ImageError::Limits(_) => bad(format!(
-            "the image's header claims more pixels than its annotation's {} x {}",
-            image.width, image.height
-        )),
-        other => bad(format!("cannot decode the image: {other}")),
-    })
+    Ok(reader)
 }
 
 /// The last bytes of a file (up to 64) and its size, read without reading the rest.
