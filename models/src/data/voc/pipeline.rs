@@ -288,14 +288,7 @@ impl Pipeline {
     ) -> Result<(Vec<f32>, ImageMeta, Vec<BBox>, Vec<usize>)> {
         let decoded = decode(image)?.to_rgb8();
         let (width, height) = decoded.dimensions();
-        if (width as usize, height as usize) != (image.width, image.height) {
-            return Err(Error::Data(format!(
-                "{}: the image is {width} x {height}, its annotation says {} x {}",
-                image.path.display(),
-                image.width,
-                image.height
-            )));
-        }
+        same_size(image, width, height)?;
         let ([new_h, new_w], [ws, hs]) = self.resized_shape([height as usize, width as usize]);
         let mut resized =
             image::imageops::resize(&decoded, new_w as u32, new_h as u32, FilterType::Triangle);
@@ -371,6 +364,11 @@ pub fn check_image(image: &VocImage) -> Result<()> {
     if width as usize > image.width || height as usize > image.height {
         return Err(claims_more(image));
     }
+    same_size(image, width, height)
+}
+
+/// An error unless the decoded `width` x `height` are the annotation's.
+fn same_size(image: &VocImage, width: u32, height: u32) -> Result<()> {
     if (width as usize, height as usize) != (image.width, image.height) {
         return Err(Error::Data(format!(
             "{}: the image is {width} x {height}, its annotation says {} x {}",
