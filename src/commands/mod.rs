@@ -11,19 +11,103 @@ pub mod worker;
 use clap::ValueEnum;
 
 /// Where to run.
-#[derive(Clone, Copy, Debug, ValueEnum)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 pub enum Device {
     /// Flex, on the CPU.
     Cpu,
     /// CubeCL's CUDA backend (built with `--features cuda`).
     Cuda,
+    /// Burn's wgpu backend: Vulkan, Metal or DX12 (built with `--features wgpu`, or `vulkan`
+    /// for the SPIR-V compiler).
+    #[value(alias = "vulkan", alias = "metal")]
+    Wgpu,
 }
 
-/// The error for `--device cuda` in a build without CUDA.
-#[cfg(not(feature = "cuda"))]
-pub fn no_cuda() -> memsave::Error {
+impl Device {
+    /// The flag's value, for a worker's command line.
+    pub fn as_arg(self) -> &'static str {
+        match self {
+            Device::Cpu => "cpu",
+            Device::Cuda => "cuda",
+            Device::Wgpu => "wgpu",
+        }
+    }
+
+    /// The device in words for a report, after checking that its runtime can start: an error
+    /// naming the device and the runtime's words where it cannot (no driver, no adapter).
+    pub fn describe(self) -> memsave::Result<String> {
+        match self {
+            Device::Cpu => {
+                let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+                Ok(format!("CPU, {threads} threads (Flex)"))
+            }
+            #[cfg(feature = "cuda")]
+            Device::Cuda => {
+                memsave::memory::cuda::probe(&Default::default()).map_err(|message| {
+                    memsave::Error::invalid(
+                        "--device",
+                        format!("CUDA is not usable here (no NVIDIA driver or device?): {message}"),
+                    )
+                })?;
+                Ok("CUDA device 0 (CubeCL)".to_string())
+            }
+            #[cfg(feature = "wgpu")]
+            Device::Wgpu => {
+                let device = Default::default();
+                memsave::memory::wgpu::probe(&device).map_err(|message| {
+                    memsave::Error::invalid(
+                        "--device",
+                        format!(
+                            "wgpu is not usable here (no Vulkan, Metal or DX12 driver? on \
+                             Debian, `apt-get install mesa-vulkan-drivers` gives a software \
+                             one): {message}"
+                        ),
+                    )
+                })?;
+                Ok("wgpu default device (CubeCL)".to_string())
+            }
+            #[cfg(not(all(feature = "cuda", feature = "wgpu")))]
+            other => Err(not_built(other)),
+        }
+    }
+}
+
+/// The error for a device whose feature this build lacks.
+#[allow(dead_code)]
+pub fn not_built(device: Device) -> memsave::Error {
+    let (name, feature) = match device {
+        Device::Cpu => ("the CPU", "default"),
+        Device::Cuda => ("CUDA", "cuda"),
+        Device::Wgpu => ("wgpu", "wgpu` (or `vulkan"),
+    };
     memsave::Error::invalid(
         "--device",
-        "this memsave was built without CUDA: rebuild with `--features cuda`",
+        format!("this memsave was built without {name}: rebuild with `--features {feature}`"),
     )
+}
+
+/// Runs `$body` with `$inner` the inner backend of `$device` (Flex, Cuda, Wgpu): the one place
+/// a command turns `--device` into a backend type.
+#[macro_export]
+macro_rules! on_backend {
+    ($device:expr, $inner:ident => $body:expr) => {
+        match $device {
+            $crate::commands::Device::Cpu => {
+                type $inner = burn::backend::Flex;
+                $body
+            }
+            #[cfg(feature = "cuda")]
+            $crate::commands::Device::Cuda => {
+                type $inner = burn::backend::Cuda;
+                $body
+            }
+            #[cfg(feature = "wgpu")]
+            $crate::commands::Device::Wgpu => {
+                type $inner = burn::backend::Wgpu;
+                $body
+            }
+            #[allow(unreachable_patterns)]
+            other => Err($crate::commands::not_built(other).into()),
+        }
+    };
 }

@@ -143,10 +143,7 @@ fn run_worker(
     for set in args.set.iter().chain(extra) {
         command.arg("--set").arg(set);
     }
-    let device = match args.device {
-        Device::Cpu => "cpu",
-        Device::Cuda => "cuda",
-    };
+    let device = args.device.as_arg();
     command
         .args(["--device", device, "--warmup", "1", "--iters"])
         .arg(iters.to_string());

@@ -3,7 +3,6 @@
 
 use std::path::PathBuf;
 
-use burn::backend::Flex;
 use memsave::config::Config;
 use memsave::models::config::{DetectionDataSection, RetinaNetSection};
 use memsave::models::data::voc::loader::VocDetection;
@@ -34,13 +33,7 @@ pub struct TestArgs {
 }
 
 pub fn test(args: TestArgs) -> memsave::Result<()> {
-    match args.device {
-        Device::Cpu => test_on::<Flex>(&args, Default::default()),
-        #[cfg(feature = "cuda")]
-        Device::Cuda => test_on::<burn::backend::Cuda>(&args, Default::default()),
-        #[cfg(not(feature = "cuda"))]
-        Device::Cuda => Err(super::no_cuda()),
-    }
+    crate::on_backend!(args.device, K => test_on::<K>(&args, Default::default()))
 }
 
 fn test_on<B: memsave::Backend>(args: &TestArgs, device: B::Device) -> memsave::Result<()> {

@@ -4,7 +4,7 @@
 use std::path::PathBuf;
 use std::sync::Arc;
 
-use burn::backend::{Autodiff, Flex};
+use burn::backend::Autodiff;
 use burn::tensor::backend::AutodiffBackend;
 use memsave::checkpoint::{set_with_cp_paths, CheckpointModule};
 use memsave::config::Config;
@@ -164,12 +164,6 @@ pub fn run_job(args: &TrainArgs, job: &Job) -> memsave::Result<()> {
         // A config error is the config's, said once, before any peer starts.
         registry::entry(&args.config, &args.set)?;
         return match args.device {
-            // N peers sharing the CPU.
-            Device::Cpu => train_parallel::<Autodiff<Flex>>(
-                args,
-                &topology,
-                vec![(Default::default(), Default::default()); topology.devices],
-            ),
             #[cfg(feature = "cuda")]
             Device::Cuda => {
                 // CUDA devices 0..N (an index past the last is the peer's error).
@@ -181,25 +175,22 @@ pub fn run_job(args: &TrainArgs, job: &Job) -> memsave::Result<()> {
                     .collect();
                 train_parallel::<Autodiff<burn::backend::Cuda>>(args, &topology, devices)
             }
-            #[cfg(not(feature = "cuda"))]
-            Device::Cuda => Err(super::no_cuda()),
+            // N peers sharing the CPU, or wgpu's default device (its runtime numbers adapters
+            // by kind, not by index: one device, as the CPU).
+            device => crate::on_backend!(device, K => train_parallel::<Autodiff<K>>(
+                args,
+                &topology,
+                vec![(Default::default(), Default::default()); topology.devices],
+            )),
         };
     }
-    match args.device {
-        Device::Cpu => {
-            train_on::<Autodiff<Flex>>(args, job, Default::default(), Default::default(), None)
-        }
-        #[cfg(feature = "cuda")]
-        Device::Cuda => train_on::<Autodiff<burn::backend::Cuda>>(
-            args,
-            job,
-            Default::default(),
-            Default::default(),
-            None,
-        ),
-        #[cfg(not(feature = "cuda"))]
-        Device::Cuda => Err(super::no_cuda()),
-    }
+    crate::on_backend!(args.device, K => train_on::<Autodiff<K>>(
+        args,
+        job,
+        Default::default(),
+        Default::default(),
+        None,
+    ))
 }
 
 /// Inner-backend device of an autodiff backend's.

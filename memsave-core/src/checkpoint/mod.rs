@@ -46,7 +46,7 @@ pub mod __private {
     label = "a `#[with_cp]` method needs a checkpointing backend",
     note = "in generic code, bound the backend with `{Self}: memsave::Backend` (Burn's `Backend` \
             plus checkpointing) instead of `{Self}: Backend`",
-    note = "memsave supports `Flex`, `Cuda` (feature `cuda`) and `Autodiff` over either"
+    note = "memsave supports `Flex`, the CubeCL backends (`Cuda`, `Wgpu`: features `cuda`, `wgpu`) and `Autodiff` over any of them"
 )]
 pub trait CheckpointBackend: Backend {
     /// Whether `tensor` is recorded in an autodiff graph: a leaf that requires grad or a result
@@ -245,8 +245,8 @@ fn short_name(name: &str) -> String {
 
 /// Without autodiff there is nothing to keep: the segment just runs.
 macro_rules! plain_backend {
-    ($($backend:ty),* $(,)?) => {$(
-        impl CheckpointBackend for $backend {
+    ([$($generics:tt)*] $backend:ty) => {
+        impl<$($generics)*> CheckpointBackend for $backend {
             fn is_tracked(_tensor: &FloatTensor<Self>) -> bool {
                 false
             }
@@ -267,12 +267,17 @@ macro_rules! plain_backend {
                 segment(module, input)
             }
         }
-    )*};
+    };
 }
 
-plain_backend!(Flex);
-#[cfg(feature = "cuda")]
-plain_backend!(burn::backend::Cuda);
+plain_backend!([] Flex);
+#[cfg(feature = "cubecl")]
+plain_backend!(
+    [R: burn_cubecl::CubeRuntime, FE: burn_cubecl::FloatElement, IE: burn_cubecl::IntElement, BE: burn_cubecl::BoolElement]
+    burn_cubecl::CubeBackend<R, FE, IE, BE>
+);
+#[cfg(feature = "fusion")]
+plain_backend!([FB: burn_fusion::FusionBackend] burn_fusion::Fusion<FB>);
 
 /// A module with a `with_cp` flag, read by `#[with_cp]` methods.
 ///

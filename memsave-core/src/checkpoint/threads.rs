@@ -6,7 +6,7 @@
 //! backward waits only for the gradients, which the helper sends as soon as they exist. The
 //! helper then finishes its clean-up once the outer backward has released its lock.
 //!
-//! ## On CUDA (CubeCL 0.10)
+//! ## On CubeCL devices (CUDA, wgpu; CubeCL 0.10)
 //!
 //! CubeCL gives every thread a stream of its own: `StreamId::current()` is a thread-local id,
 //! and each id maps to a CUDA stream of the device's pool. A buffer made on one stream and read
@@ -59,7 +59,7 @@ pub fn recomputations() -> u64 {
 /// handle.
 pub(crate) fn spawn(work: impl FnOnce() + Send + 'static) -> std::io::Result<()> {
     RECOMPUTATIONS.with(|count| count.set(count.get() + 1));
-    #[cfg(feature = "cuda")]
+    #[cfg(feature = "cubecl")]
     let work = {
         let stream = cubecl::stream_id::StreamId::current();
         move || stream.executes(work)
@@ -78,7 +78,7 @@ pub(crate) fn spawn(work: impl FnOnce() + Send + 'static) -> std::io::Result<()>
 /// Runs `work` on a scoped helper thread, on the caller's device stream, and returns its result
 /// (a panic in `work` is resumed on the caller).
 pub(crate) fn run_on_helper<R: Send>(work: impl FnOnce() -> R + Send) -> R {
-    #[cfg(feature = "cuda")]
+    #[cfg(feature = "cubecl")]
     let work = {
         let stream = cubecl::stream_id::StreamId::current();
         move || stream.executes(work)

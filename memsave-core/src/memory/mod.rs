@@ -138,46 +138,100 @@ pub fn device_available_bytes<D: 'static>(device: &D) -> (String, Option<u64>) {
     if (device as &dyn std::any::Any).is::<cubecl::cuda::CudaDevice>() {
         return ("the GPU".to_string(), None);
     }
+    #[cfg(feature = "wgpu")]
+    if (device as &dyn std::any::Any).is::<cubecl::wgpu::WgpuDevice>() {
+        return ("the GPU".to_string(), None);
+    }
     let _ = device;
     ("this machine".to_string(), available_bytes())
+}
+
+/// The memory pools of any CubeCL runtime (CUDA, wgpu, ROCm).
+#[cfg(feature = "cubecl")]
+pub mod cube {
+    use cubecl::stream_id::StreamId;
+    use cubecl::Runtime;
+
+    /// Bytes in use and bytes reserved by the pools of the calling thread's stream on `device`
+    /// (CubeCL keeps pools per stream: a thread's own, which memsave's recompute helpers
+    /// share), or `None` if the runtime could not say.
+    pub fn pool_usage<R: Runtime>(device: &R::Device) -> Option<(u64, u64)> {
+        let usage = R::client(device).memory_usage().ok()?;
+        Some((usage.bytes_in_use, usage.bytes_reserved))
+    }
+
+    /// The meter of `device`'s pools, those of the stream of the thread that makes it (read on
+    /// that stream from any thread); see [`crate::memory::Meter`] for what each reading means.
+    pub fn pool_meter<R: Runtime>(
+        device: R::Device,
+    ) -> crate::memory::PoolReadings<impl Fn() -> Option<(u64, u64)> + Send + Sync + 'static> {
+        let stream = StreamId::current();
+        crate::memory::PoolReadings::new(move || stream.executes(|| pool_usage::<R>(&device)))
+    }
+
+    /// Whether the runtime and `device` can be opened: `Err` with the runtime's words where
+    /// not (CubeCL panics when the driver library or an adapter is missing; that panic is
+    /// caught here).
+    pub fn probe<R: Runtime>(device: &R::Device) -> Result<(), String> {
+        let report = std::panic::take_hook();
+        std::panic::set_hook(Box::new(|_| {}));
+        let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            R::client(device).memory_usage().map(|_| ())
+        }));
+        std::panic::set_hook(report);
+        match outcome {
+            Ok(Ok(())) => Ok(()),
+            Ok(Err(error)) => Err(format!("{error:?}")),
+            Err(payload) => Err(crate::panic_text(payload.as_ref())
+                .unwrap_or("the GPU runtime could not start")
+                .to_string()),
+        }
+    }
 }
 
 /// CUDA: the memory pools of CubeCL, Burn's CUDA runtime.
 #[cfg(feature = "cuda")]
 pub mod cuda {
     use cubecl::cuda::{CudaDevice, CudaRuntime};
-    use cubecl::Runtime;
 
-    /// Bytes in use and bytes reserved by the pools on `device`, or `None` if the runtime
-    /// could not say. Reserved bytes are the pools' high-water mark until
-    /// `Backend::memory_cleanup` returns unused pages: the CUDA analogue of a peak.
+    /// Bytes in use and bytes reserved by the pools on `device` ([`super::cube::pool_usage`]).
     pub fn pool_usage(device: &CudaDevice) -> Option<(u64, u64)> {
-        let usage = CudaRuntime::client(device).memory_usage().ok()?;
-        Some((usage.bytes_in_use, usage.bytes_reserved))
+        super::cube::pool_usage::<CudaRuntime>(device)
     }
 
-    /// The meter of `device`'s pools (see [`crate::memory::Meter`] for what each reading
-    /// means there).
+    /// The meter of `device`'s pools ([`super::cube::pool_meter`]).
     pub fn pool_meter(
         device: CudaDevice,
-    ) -> crate::memory::PoolReadings<impl Fn() -> Option<(u64, u64)> + Send + Sync> {
-        crate::memory::PoolReadings::new(move || pool_usage(&device))
+    ) -> crate::memory::PoolReadings<impl Fn() -> Option<(u64, u64)> + Send + Sync + 'static> {
+        super::cube::pool_meter::<CudaRuntime>(device)
     }
 
-    /// Whether a CUDA driver and `device` can be opened: `Err` with the runtime's words where
-    /// not (CubeCL panics when the driver library is missing; that panic is caught here).
+    /// Whether a CUDA driver and `device` can be opened ([`super::cube::probe`]).
     pub fn probe(device: &CudaDevice) -> Result<(), String> {
-        let report = std::panic::take_hook();
-        std::panic::set_hook(Box::new(|_| {}));
-        let outcome =
-            std::panic::catch_unwind(|| CudaRuntime::client(device).memory_usage().map(|_| ()));
-        std::panic::set_hook(report);
-        match outcome {
-            Ok(Ok(())) => Ok(()),
-            Ok(Err(error)) => Err(format!("{error:?}")),
-            Err(payload) => Err(crate::panic_text(payload.as_ref())
-                .unwrap_or("the CUDA runtime could not start")
-                .to_string()),
-        }
+        super::cube::probe::<CudaRuntime>(device)
+    }
+}
+
+/// wgpu (Vulkan, Metal, DX12): the memory pools of CubeCL, Burn's wgpu runtime.
+#[cfg(feature = "wgpu")]
+pub mod wgpu {
+    use cubecl::wgpu::{WgpuDevice, WgpuRuntime};
+
+    /// Bytes in use and bytes reserved by the pools on `device` ([`super::cube::pool_usage`]).
+    pub fn pool_usage(device: &WgpuDevice) -> Option<(u64, u64)> {
+        super::cube::pool_usage::<WgpuRuntime>(device)
+    }
+
+    /// The meter of `device`'s pools ([`super::cube::pool_meter`]).
+    pub fn pool_meter(
+        device: WgpuDevice,
+    ) -> crate::memory::PoolReadings<impl Fn() -> Option<(u64, u64)> + Send + Sync + 'static> {
+        super::cube::pool_meter::<WgpuRuntime>(device)
+    }
+
+    /// Whether a wgpu adapter (a Vulkan, Metal or DX12 driver) can be opened
+    /// ([`super::cube::probe`]).
+    pub fn probe(device: &WgpuDevice) -> Result<(), String> {
+        super::cube::probe::<WgpuRuntime>(device)
     }
 }

@@ -8,6 +8,12 @@
 //! keeps its output instead of its input. [`BatchNorm`], [`Dropout`] and [`GaussianNoise`] also
 //! behave under gradient checkpointing: statistics updated once per step, masks and noise reused
 //! by the recomputation.
+//!
+//! The lean ops run on every backend whose inner backend implements
+//! [`kernels::LeanBackend`] (Flex; every CubeCL runtime: CUDA, wgpu, ROCm), under any autodiff
+//! checkpoint strategy; [`is_lean`] tells whether a backend has them. Elsewhere the same
+//! arithmetic runs as Burn's composed ops (more memory), and the backend is named once on
+//! stderr.
 
 mod batch_norm;
 mod conv;
@@ -26,5 +32,6 @@ pub use dropout::{Dropout, DropoutConfig};
 pub use group_norm::{GroupNorm, GroupNormConfig};
 pub use layer_norm::{LayerNorm, LayerNormConfig};
 pub use noise::{GaussianNoise, GaussianNoiseConfig};
+pub use ops::{is_lean, lean_backends, register_backend};
 pub use pool::max_pool2d;
-pub use relu::{relu, Relu};
+pub use relu::{add, relu, Relu};

@@ -31,6 +31,17 @@ pub fn relu<B: Backend, const D: usize>(x: Tensor<B, D>) -> Tensor<B, D> {
     )))
 }
 
+/// `a + b` for tensors of one shape (a residual add), keeping nothing for backward under any
+/// autodiff checkpoint strategy: Burn's `BalancedCheckpointing` keeps both inputs of its own
+/// (memory-bound) add until backward starts, one activation more per residual block.
+/// Tensors of different shapes are added by Burn (broadcasting).
+pub fn add<B: Backend, const D: usize>(a: Tensor<B, D>, b: Tensor<B, D>) -> Tensor<B, D> {
+    Tensor::from_primitive(TensorPrimitive::Float(ops::add::<B>(
+        a.into_primitive().tensor(),
+        b.into_primitive().tensor(),
+    )))
+}
+
 impl Fp16Module for Relu {
     fn wrap_fp16(self, _precision: Precision) -> Self {
         self

@@ -11,7 +11,7 @@ use burn::backend::autodiff::checkpoint::strategy::NoCheckpointing;
 use burn::backend::autodiff::grads::Gradients;
 use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
 use burn::backend::autodiff::NodeId;
-use burn::backend::{Autodiff, Flex};
+use burn::backend::Autodiff;
 use burn::module::{AutodiffModule, ModuleVisitor, Param};
 use burn::optim::GradientsParams;
 use burn::prelude::Backend;
@@ -85,8 +85,8 @@ pub(crate) fn scalar<B: Backend>(value: &Tensor<B, 1>) -> f64 {
 /// every recompute thread of the step has ended. When `accumulated` holds gradients of earlier
 /// micro-batches (for the same parameters), they are handed to the backward pass as the
 /// starting values of the parameters' gradients: each new gradient is added to its sum as it is
-/// produced, so that no second full set of gradients ever exists (on `Autodiff<Flex>` and
-/// `Autodiff<Cuda>`; elsewhere the two sets are added after the pass).
+/// produced, so that no second full set of gradients ever exists (on Burn's `Autodiff` over any
+/// backend, under any checkpoint strategy; elsewhere the two sets are added after the pass).
 pub fn backward<B: AutodiffBackend, M: AutodiffModule<B>>(
     loss: Tensor<B, 1>,
     model: &M,
@@ -147,16 +147,11 @@ fn seed_with<B: AutodiffBackend, M: AutodiffModule<B>>(
     model: &M,
     sums: GradientsParams,
 ) -> (Tensor<B, 1>, Option<GradientsParams>) {
-    macro_rules! on {
-        ($inner:ty) => {
-            if TypeId::of::<FloatTensor<B>>() == TypeId::of::<FloatTensor<Autodiff<$inner>>>() {
-                return (seeded::<B, M, $inner>(loss, model, sums), None);
-            }
-        };
+    // Burn's autodiff (any checkpoint strategy) over whatever inner backend: its nodes can be
+    // seeded.
+    if TypeId::of::<FloatTensor<B>>() == TypeId::of::<FloatTensor<Autodiff<B::InnerBackend>>>() {
+        return (seeded::<B, M, B::InnerBackend>(loss, model, sums), None);
     }
-    on!(Flex);
-    #[cfg(feature = "cuda")]
-    on!(burn::backend::Cuda);
     (loss, Some(sums))
 }
 

@@ -166,7 +166,7 @@ impl<B: memsave::Backend> BasicBlock<B> {
         let y = self
             .bn1
             .forward_relu_conv(conv2d(&self.conv1, x), &self.conv2);
-        self.bn2.forward(y) + identity
+        memsave::nn::add(self.bn2.forward(y), identity)
     }
 }
 
@@ -252,7 +252,7 @@ impl<B: memsave::Backend> Bottleneck<B> {
             .bn1
             .forward_relu_conv(conv2d(&self.conv1, x), &self.conv2);
         let y = self.bn2.forward_relu_conv(y, &self.conv3);
-        self.bn3.forward(y) + identity
+        memsave::nn::add(self.bn3.forward(y), identity)
     }
 }
 

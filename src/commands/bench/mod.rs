@@ -298,21 +298,7 @@ fn model_words(args: &BenchArgs) -> String {
 }
 
 fn device_words(device: Device) -> Result<String> {
-    match device {
-        Device::Cpu => {
-            let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
-            Ok(format!("CPU, {threads} threads (Flex)"))
-        }
-        #[cfg(feature = "cuda")]
-        Device::Cuda => {
-            memsave::memory::cuda::probe(&Default::default()).map_err(|message| {
-                Error::invalid("--device", format!("CUDA is not usable here: {message}"))
-            })?;
-            Ok("CUDA device 0 (CubeCL)".to_string())
-        }
-        #[cfg(not(feature = "cuda"))]
-        Device::Cuda => Err(super::no_cuda()),
-    }
+    device.describe()
 }
 
 /// One configuration's process and its progress bar.
@@ -346,13 +332,7 @@ fn start(
         .args(["--iters", &args.iters.to_string()])
         .args(["--warmup", &args.warmup.to_string()])
         .arg("--paced")
-        .args([
-            "--device",
-            match args.device {
-                Device::Cpu => "cpu",
-                Device::Cuda => "cuda",
-            },
-        ]);
+        .args(["--device", args.device.as_arg()]);
     if let Some(depth) = args.depth {
         command.args(["--depth", &depth.to_string()]);
     }

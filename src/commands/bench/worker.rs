@@ -20,7 +20,7 @@ use std::cell::RefCell;
 use std::path::PathBuf;
 use std::rc::Rc;
 
-use burn::backend::{Autodiff, Flex};
+use burn::backend::Autodiff;
 use burn::tensor::backend::AutodiffBackend;
 use memsave::config::Config;
 use memsave::hooks::LrUpdaterHook;
@@ -87,19 +87,16 @@ pub struct WorkerArgs {
 
 pub fn worker(args: WorkerArgs) -> Result<()> {
     super::super::worker::serve(|| {
-        let result = match args.device {
-            Device::Cpu => {
-                run::<Autodiff<Flex>>(&args, Default::default(), Rc::new(memory::AllocatorMeter))?
-            }
-            #[cfg(feature = "cuda")]
-            Device::Cuda => {
-                let device = burn::backend::cuda::CudaDevice::default();
-                let meter = Rc::new(memory::cuda::pool_meter(device.clone()));
-                run::<Autodiff<burn::backend::Cuda>>(&args, device, meter)?
-            }
-            #[cfg(not(feature = "cuda"))]
-            Device::Cuda => return Err(super::super::no_cuda()),
-        };
+        let result = crate::on_backend!(args.device, K => {
+            let device: burn::tensor::Device<K> = Default::default();
+            let meter: Rc<dyn memory::Meter> = match args.device {
+                Device::Cpu => Rc::new(memory::AllocatorMeter),
+                _ => Rc::from(memory::meter_for(&device).ok_or_else(|| {
+                    Error::invalid("--device", "this device's memory cannot be read")
+                })?),
+            };
+            run::<Autodiff<K>>(&args, device, meter)
+        })?;
         super::super::worker::send(&Report::Done(result))
     })
 }
@@ -426,7 +423,7 @@ mod tests {
 
     #[test]
     fn split_keeps_images_in_order() {
-        type B = Flex;
+        type B = burn::backend::Flex;
         let device = Default::default();
         let values: Vec<f32> = (0..12).map(|v| v as f32).collect();
         let images = Tensor::<B, 1>::from_floats(values.as_slice(), &device).reshape([4, 3, 1, 1]);

@@ -192,8 +192,8 @@ impl NormKernels for burn::backend::Flex {
 /// Backends whose kernels are the tensor-op versions of [`generic`].
 #[allow(unused_macros)]
 macro_rules! generic_kernels {
-    ($($backend:ty),*) => {$(
-        impl NormKernels for $backend {
+    ([$($generics:tt)*] $backend:ty) => {
+        impl<$($generics)*> NormKernels for $backend {
             fn norm_stats(
                 x: &FloatTensor<Self>,
                 view: View,
@@ -236,11 +236,22 @@ macro_rules! generic_kernels {
                 )
             }
         }
-    )*};
+
+        impl<$($generics)*> ConvKernels for $backend {}
+
+        impl<$($generics)*> LeanBackend for $backend {}
+    };
 }
 
-#[cfg(feature = "cuda")]
-generic_kernels!(burn::backend::Cuda);
+// Every CubeCL runtime (CUDA, wgpu: Vulkan, Metal, DX12, WebGPU; ROCm/HIP) through one
+// implementation, with and without Burn's fusion.
+#[cfg(feature = "cubecl")]
+generic_kernels!(
+    [R: burn_cubecl::CubeRuntime, F: burn_cubecl::FloatElement, I: burn_cubecl::IntElement, BT: burn_cubecl::BoolElement]
+    burn_cubecl::CubeBackend<R, F, I, BT>
+);
+#[cfg(feature = "fusion")]
+generic_kernels!([B: burn_fusion::FusionBackend] burn_fusion::Fusion<B>);
 
 /// The convolution kernels memsave replaces where the backend's default is slow.
 pub trait ConvKernels: Backend {
@@ -299,6 +310,49 @@ pub trait ConvKernels: Backend {
         linear_weight_grad_ops::<Self>(x, dy, onto)
     }
 }
+
+/// A backend memsave's lean autodiff ops run on (the norms and their fused forms, the ReLU
+/// keeping its output, the convolution and linear layer adding their weight gradient in place,
+/// the max pool keeping only its indices): the device extension point. Implemented for Flex
+/// (fused loops) and, once, for every CubeCL backend (`CubeBackend<R, ..>`, and
+/// `Fusion<CubeBackend<R, ..>>` with the `fusion` feature): CUDA, wgpu (Vulkan, Metal, DX12,
+/// WebGPU) and ROCm/HIP share the tensor-op implementation of [`generic`].
+///
+/// Layers stay generic over any `B: Backend`: they find a backend's lean ops at run time
+/// (`memsave::nn::lean_backends`); Burn's own backends are registered when their feature is
+/// on, and another backend that implements this trait is registered with
+/// `memsave::nn::register_backend`.
+pub trait LeanBackend: NormKernels + ConvKernels {
+    /// The gradient of `max_pool2d_with_indices(x)` with respect to `x`, from the maxima's
+    /// indices and `x`'s shape and dtype alone. Default: the backend's own backward with a
+    /// broadcast zero standing in for `x` (Flex and CubeCL read only its shape).
+    #[allow(clippy::too_many_arguments)]
+    fn max_pool2d_input_grad(
+        shape: burn::tensor::Shape,
+        dtype: DType,
+        kernel: [usize; 2],
+        stride: [usize; 2],
+        padding: [usize; 2],
+        dilation: [usize; 2],
+        ceil_mode: bool,
+        grad: FloatTensor<Self>,
+        indices: burn::tensor::ops::IntTensor<Self>,
+    ) -> FloatTensor<Self> {
+        let device = Self::float_device(&grad);
+        let zero = Self::float_zeros(
+            burn::tensor::Shape::new([1, 1, 1, 1]),
+            &device,
+            dtype.into(),
+        );
+        let stand_in = Self::float_expand(zero, shape);
+        Self::max_pool2d_with_indices_backward(
+            stand_in, kernel, stride, padding, dilation, ceil_mode, grad, indices,
+        )
+        .x_grad
+    }
+}
+
+impl LeanBackend for burn::backend::Flex {}
 
 /// `onto + x^T * dy` as tensor ops (see [`ConvKernels::linear_weight_grad_onto`]).
 fn linear_weight_grad_ops<B: Backend>(
@@ -393,6 +447,3 @@ impl ConvKernels for burn::backend::Flex {
         }
     }
 }
-
-#[cfg(feature = "cuda")]
-impl ConvKernels for burn::backend::Cuda {}

@@ -12,14 +12,13 @@
 //! output is the next convolution's input. So a conv-norm-ReLU keeps two activation-sized
 //! tensors, as PyTorch's (whose ReLU runs in place), where Burn's composition keeps five.
 //!
-//! The ops run on `Autodiff<Flex>` (fused loops, [`super::kernels`]) and `Autodiff<Cuda>`
-//! (tensor ops), found at run time from the tensor's type so that layers stay generic over any
-//! `B: Backend`; on any other backend the same arithmetic runs as tensor ops that Burn's autodiff
-//! differentiates.
+//! The ops run on `Autodiff<K, C>` for any [`LeanBackend`](super::kernels::LeanBackend) `K`
+//! (Flex: fused loops, [`super::kernels`]; every CubeCL runtime: tensor ops) and any checkpoint
+//! strategy `C`, found at run time from the tensor's type ([`dispatch`]) so that layers stay
+//! generic over any `B: Backend`; on any other backend the same arithmetic runs as tensor ops
+//! that Burn's autodiff differentiates.
 
-use std::any::{Any, TypeId};
-
-use burn::backend::{Autodiff, Flex};
+use burn::backend::Autodiff;
 use burn::prelude::Backend;
 use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::ops::{ConvOptions, FloatTensor};
@@ -64,45 +63,54 @@ pub(crate) fn normalise<B: Backend>(
     act: Act,
     epsilon: f64,
 ) -> Normalised<B> {
-    macro_rules! on {
-        ($backend:ty, $run:ident, $kernels:ty) => {
-            if same::<B, $backend>() {
-                let out = $run::<$kernels>(
-                    retype(x),
-                    retype(gamma),
-                    retype(beta),
-                    statistics.retype(),
-                    view,
-                    grouping,
-                    act,
-                    epsilon,
-                );
-                return out.retype();
-            }
-        };
+    let norm = NormSpec {
+        gamma,
+        beta,
+        statistics,
+        view,
+        grouping,
+        act,
+        epsilon,
+    };
+    let device = B::float_device(&x);
+    let args = (x, norm.into_parts());
+    match dispatch::run::<B, _, dispatch::OutParts<_>>(&device, <dyn Lean>::normalise, args) {
+        Ok(out) => Normalised::from_parts(out),
+        Err((x, norm)) => {
+            let n = NormSpec::<B>::from_parts(norm);
+            // Any other backend: tensor ops, differentiated by Burn if it is an autodiff one.
+            composed::<B>(
+                x,
+                n.gamma,
+                n.beta,
+                n.statistics,
+                n.view,
+                n.grouping,
+                n.act,
+                n.epsilon,
+            )
+        }
     }
-    on!(Autodiff<Flex>, tracked, Flex);
-    on!(Flex, untracked, Flex);
-    #[cfg(feature = "cuda")]
-    {
-        on!(Autodiff<burn::backend::Cuda>, tracked, burn::backend::Cuda);
-        on!(burn::backend::Cuda, untracked, burn::backend::Cuda);
-    }
-    // Any other backend: tensor ops, differentiated by Burn if it is an autodiff backend.
-    composed::<B>(x, gamma, beta, statistics, view, grouping, act, epsilon)
 }
 
 /// A ReLU that keeps its output for backward (Burn's keeps its input): the output is what the
 /// next layer keeps anyway, so the ReLU itself costs no memory.
 pub(crate) fn relu<B: Backend>(x: FloatTensor<B>) -> FloatTensor<B> {
-    if same::<B, Autodiff<Flex>>() {
-        return retype(relu_keeping_output::<Flex>(retype(x)));
+    dispatch::run::<B, _, _>(&B::float_device(&x), <dyn Lean>::relu, x).unwrap_or_else(B::relu)
+}
+
+/// `a + b` of equal shapes keeping nothing for backward under any checkpoint strategy (Burn's
+/// `BalancedCheckpointing` would keep both inputs of its memory-bound add until backward).
+pub(crate) fn add<B: Backend>(a: FloatTensor<B>, b: FloatTensor<B>) -> FloatTensor<B> {
+    use burn::tensor::TensorMetadata;
+    if a.shape() != b.shape() {
+        return B::float_add(a, b);
     }
-    #[cfg(feature = "cuda")]
-    if same::<B, Autodiff<burn::backend::Cuda>>() {
-        return retype(relu_keeping_output::<burn::backend::Cuda>(retype(x)));
+    let device = B::float_device(&a);
+    match dispatch::run::<B, _, _>(&device, <dyn Lean>::add, (a, b)) {
+        Ok(out) => out,
+        Err((a, b)) => B::float_add(a, b),
     }
-    B::relu(x)
 }
 
 /// `conv2d(x, weight, bias)` whose backward computes the weight gradient with
@@ -114,24 +122,20 @@ pub(crate) fn conv2d<B: Backend>(
     bias: Option<FloatTensor<B>>,
     options: ConvOptions<2>,
 ) -> FloatTensor<B> {
-    if same::<B, Autodiff<Flex>>() {
-        return retype(tracked_conv2d::<Flex>(
-            retype(x),
-            retype(weight),
-            bias.map(retype),
-            options,
-        ));
+    let conv = ConvSpec::<B> {
+        weight,
+        bias,
+        options,
+    };
+    let device = B::float_device(&x);
+    let args = (x, conv.into_parts());
+    match dispatch::run::<B, _, _>(&device, <dyn Lean>::conv2d, args) {
+        Ok(out) => out,
+        Err((x, conv)) => {
+            let c = ConvSpec::<B>::from_parts(conv);
+            B::conv2d(x, c.weight, c.bias, c.options)
+        }
     }
-    #[cfg(feature = "cuda")]
-    if same::<B, Autodiff<burn::backend::Cuda>>() {
-        return retype(tracked_conv2d::<burn::backend::Cuda>(
-            retype(x),
-            retype(weight),
-            bias.map(retype),
-            options,
-        ));
-    }
-    B::conv2d(x, weight, bias, options)
 }
 
 /// `x * weight + bias` for `x` `[N, in]`, whose weight gradient is added into the gradient the
@@ -142,21 +146,11 @@ pub(crate) fn linear<B: Backend>(
     weight: FloatTensor<B>,
     bias: Option<FloatTensor<B>>,
 ) -> FloatTensor<B> {
-    macro_rules! on {
-        ($inner:ty) => {
-            if same::<B, Autodiff<$inner>>() {
-                return retype(tracked_linear::<$inner>(
-                    retype(x),
-                    retype(weight),
-                    bias.map(retype),
-                ));
-            }
-        };
+    let device = B::float_device(&x);
+    match dispatch::run::<B, _, _>(&device, <dyn Lean>::linear, (x, weight, bias)) {
+        Ok(out) => out,
+        Err((x, weight, bias)) => B::linear(x, weight, bias),
     }
-    on!(Flex);
-    #[cfg(feature = "cuda")]
-    on!(burn::backend::Cuda);
-    B::linear(x, weight, bias)
 }
 
 /// `max_pool2d(x)` that keeps only the maxima's indices and the input's shape for backward (on
@@ -169,20 +163,22 @@ pub(crate) fn max_pool2d<B: Backend>(
     dilation: [usize; 2],
     ceil_mode: bool,
 ) -> FloatTensor<B> {
-    if same::<B, Autodiff<Flex>>() {
-        let options = PoolOptions {
-            kernel,
-            stride,
-            padding,
-            dilation,
-            ceil_mode,
-        };
-        return retype(tracked_max_pool2d(retype(x), options));
+    let pool = PoolSpec {
+        kernel,
+        stride,
+        padding,
+        dilation,
+        ceil_mode,
+    };
+    let device = B::float_device(&x);
+    match dispatch::run::<B, _, _>(&device, <dyn Lean>::max_pool2d, (x, pool)) {
+        Ok(out) => out,
+        Err((x, p)) => B::max_pool2d(x, p.kernel, p.stride, p.padding, p.dilation, p.ceil_mode),
     }
-    B::max_pool2d(x, kernel, stride, padding, dilation, ceil_mode)
 }
 
 mod conv;
+mod dispatch;
 mod fused;
 mod linear;
 mod norm;
@@ -193,13 +189,10 @@ mod shared;
 pub(crate) use fused::{ConvSpec, NormSpec};
 pub(crate) use shared::PoolSpec;
 
-use conv::tracked_conv2d;
-use fused::tracked_norm_act_conv;
-use linear::tracked_linear;
-use norm::{composed, tracked, untracked};
-use pool::{tracked_max_pool2d, PoolOptions};
-use relu::relu_keeping_output;
-use shared::{tracked_conv_norm, tracked_norm_act_pool};
+pub use dispatch::{is_lean, lean_backends, register_backend};
+
+use dispatch::Lean;
+use norm::composed;
 
 /// `conv2d(act(normalise(x)))` keeping only `x` (and the statistics) for backward: see
 /// [`fused`]. On a backend without the fused op, the two ops as they are.
@@ -208,10 +201,16 @@ pub(crate) fn norm_act_conv<B: Backend>(
     norm: NormSpec<B>,
     conv: ConvSpec<B>,
 ) -> Normalised<B> {
-    if same::<B, Autodiff<Flex>>() {
-        let out = tracked_norm_act_conv::<Flex>(retype(x), norm.retype(), conv.retype());
-        return out.retype();
-    }
+    let device = B::float_device(&x);
+    let args = (x, norm.into_parts(), conv.into_parts());
+    let (x, norm, conv) = match dispatch::run::<B, _, _>(&device, <dyn Lean>::norm_act_conv, args) {
+        Ok(out) => return Normalised::from_parts(out),
+        Err((x, norm, conv)) => (
+            x,
+            NormSpec::<B>::from_parts(norm),
+            ConvSpec::<B>::from_parts(conv),
+        ),
+    };
     let normalised = norm.normalise(x);
     Normalised {
         output: conv2d::<B>(normalised.output, conv.weight, conv.bias, conv.options),
@@ -227,17 +226,16 @@ pub(crate) fn conv_norm<B: Backend>(
     conv: ConvSpec<B>,
     norm: NormSpec<B>,
 ) -> Normalised<B> {
-    macro_rules! on {
-        ($inner:ty) => {
-            if same::<B, Autodiff<$inner>>() {
-                let out = tracked_conv_norm::<$inner>(retype(x), conv.retype(), norm.retype());
-                return out.retype();
-            }
-        };
-    }
-    on!(Flex);
-    #[cfg(feature = "cuda")]
-    on!(burn::backend::Cuda);
+    let device = B::float_device(&x);
+    let args = (x, conv.into_parts(), norm.into_parts());
+    let (x, conv, norm) = match dispatch::run::<B, _, _>(&device, <dyn Lean>::conv_norm, args) {
+        Ok(out) => return Normalised::from_parts(out),
+        Err((x, conv, norm)) => (
+            x,
+            ConvSpec::<B>::from_parts(conv),
+            NormSpec::<B>::from_parts(norm),
+        ),
+    };
     let y = conv2d::<B>(x, conv.weight, conv.bias, conv.options);
     norm.normalise(y)
 }
@@ -250,17 +248,12 @@ pub(crate) fn norm_act_pool<B: Backend>(
     norm: NormSpec<B>,
     pool: PoolSpec,
 ) -> Normalised<B> {
-    macro_rules! on {
-        ($inner:ty) => {
-            if same::<B, Autodiff<$inner>>() {
-                let out = tracked_norm_act_pool::<$inner>(retype(x), norm.retype(), pool);
-                return out.retype();
-            }
-        };
-    }
-    on!(Flex);
-    #[cfg(feature = "cuda")]
-    on!(burn::backend::Cuda);
+    let device = B::float_device(&x);
+    let args = (x, norm.into_parts(), pool);
+    let (x, norm, pool) = match dispatch::run::<B, _, _>(&device, <dyn Lean>::norm_act_pool, args) {
+        Ok(out) => return Normalised::from_parts(out),
+        Err((x, norm, pool)) => (x, NormSpec::<B>::from_parts(norm), pool),
+    };
     let normalised = norm.normalise(x);
     Normalised {
         output: max_pool2d::<B>(
@@ -272,23 +265,6 @@ pub(crate) fn norm_act_pool<B: Backend>(
             pool.ceil_mode,
         ),
         batch_stats: normalised.batch_stats,
-    }
-}
-
-impl<B: Backend> Statistics<B> {
-    /// The same statistics as tensors of `T` (after [`same`] said the types are one).
-    fn retype<T: Backend>(self) -> Statistics<T> {
-        match self {
-            Statistics::Batch => Statistics::Batch,
-            Statistics::Recorded { mean, var } => Statistics::Recorded {
-                mean: retype(mean),
-                var: retype(var),
-            },
-            Statistics::Running { mean, var } => Statistics::Running {
-                mean: retype(mean),
-                var: retype(var),
-            },
-        }
     }
 }
 
@@ -344,53 +320,4 @@ impl<B: Backend> NormSpec<B> {
             self.epsilon,
         )
     }
-
-    fn retype<T: Backend>(self) -> NormSpec<T> {
-        NormSpec {
-            gamma: retype(self.gamma),
-            beta: retype(self.beta),
-            statistics: self.statistics.retype(),
-            view: self.view,
-            grouping: self.grouping,
-            act: self.act,
-            epsilon: self.epsilon,
-        }
-    }
-}
-
-impl<B: Backend> ConvSpec<B> {
-    fn retype<T: Backend>(self) -> ConvSpec<T> {
-        ConvSpec {
-            weight: retype(self.weight),
-            bias: self.bias.map(retype),
-            options: self.options,
-        }
-    }
-}
-
-impl<B: Backend> Normalised<B> {
-    fn retype<T: Backend>(self) -> Normalised<T> {
-        Normalised {
-            output: retype(self.output),
-            batch_stats: self.batch_stats.map(|(m, v)| (retype(m), retype(v))),
-        }
-    }
-}
-
-// ---------------------------------------------------------------------------------------------
-// Dispatch on the backend's type.
-
-/// Whether `B` and `T` have the same float tensors (`Autodiff<K, C>` for any strategy `C` is
-/// `Autodiff<K>` here: the strategy only matters to memory-bound ops, and these are not).
-fn same<B: Backend, T: Backend>() -> bool {
-    TypeId::of::<FloatTensor<B>>() == TypeId::of::<FloatTensor<T>>()
-}
-
-/// A tensor of `F` as one of `T`, after [`same`] said they are one type.
-fn retype<F: 'static, T: 'static>(value: F) -> T {
-    let boxed: Box<dyn Any> = Box::new(value);
-    *boxed
-        .downcast::<T>()
-        .ok()
-        .expect("`same` checked that the types are equal")
 }

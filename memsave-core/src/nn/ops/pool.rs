@@ -7,9 +7,11 @@ use burn::backend::autodiff::checkpoint::strategy::NoCheckpointing;
 use burn::backend::autodiff::grads::Gradients;
 use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
 use burn::backend::Autodiff;
-use burn::backend::Flex;
+use burn::prelude::Backend;
 use burn::tensor::backend::AutodiffBackend;
-use burn::tensor::ops::{FloatTensor, FloatTensorOps, ModuleOps};
+use burn::tensor::ops::FloatTensor;
+
+use super::super::kernels::LeanBackend;
 use burn::tensor::TensorMetadata;
 
 #[derive(Clone, Debug)]
@@ -21,14 +23,14 @@ pub(super) struct PoolOptions {
     pub(super) ceil_mode: bool,
 }
 
-pub(super) fn tracked_max_pool2d(
-    x: FloatTensor<Autodiff<Flex>>,
+pub(super) fn tracked_max_pool2d<K: LeanBackend>(
+    x: FloatTensor<Autodiff<K>>,
     o: PoolOptions,
-) -> FloatTensor<Autodiff<Flex>> {
-    let xi = Autodiff::<Flex>::inner(x.clone());
+) -> FloatTensor<Autodiff<K>> {
+    let xi = Autodiff::<K>::inner(x.clone());
     let (shape, dtype) = (xi.shape(), xi.dtype());
     let pooled =
-        Flex::max_pool2d_with_indices(xi, o.kernel, o.stride, o.padding, o.dilation, o.ceil_mode);
+        K::max_pool2d_with_indices(xi, o.kernel, o.stride, o.padding, o.dilation, o.ceil_mode);
     match MaxPoolBackward
         .prepare::<NoCheckpointing>([x.node.clone()])
         .compute_bound()
@@ -48,14 +50,14 @@ pub(super) fn tracked_max_pool2d(
 }
 
 #[derive(Clone)]
-pub(super) struct PoolState {
-    indices: burn::tensor::ops::IntTensor<Flex>,
+pub(super) struct PoolState<K: Backend> {
+    indices: burn::tensor::ops::IntTensor<K>,
     shape: burn::tensor::Shape,
     dtype: burn::tensor::DType,
     options: PoolOptions,
 }
 
-impl fmt::Debug for PoolState {
+impl<K: Backend> fmt::Debug for PoolState<K> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "PoolState({:?})", self.options)
     }
@@ -64,24 +66,18 @@ impl fmt::Debug for PoolState {
 #[derive(Debug)]
 pub(super) struct MaxPoolBackward;
 
-impl Backward<Flex, 1> for MaxPoolBackward {
-    type State = PoolState;
+impl<K: LeanBackend> Backward<K, 1> for MaxPoolBackward {
+    type State = PoolState<K>;
 
     fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _: &mut Checkpointer) {
         let [parent] = ops.parents;
-        let grad = grads.consume::<Flex>(&ops.node);
+        let grad = grads.consume::<K>(&ops.node);
         let Some(parent) = parent else { return };
         let s = ops.state;
-        // Flex reads only the input's shape (and type): a broadcast zero stands in for it.
-        let zero = Flex::float_zeros(
-            burn::tensor::Shape::new([1, 1, 1, 1]),
-            &Default::default(),
-            s.dtype.into(),
-        );
-        let stand_in = Flex::float_expand(zero, s.shape);
         let o = s.options;
-        let dx = Flex::max_pool2d_with_indices_backward(
-            stand_in,
+        let dx = K::max_pool2d_input_grad(
+            s.shape,
+            s.dtype,
             o.kernel,
             o.stride,
             o.padding,
@@ -90,6 +86,6 @@ impl Backward<Flex, 1> for MaxPoolBackward {
             grad,
             s.indices,
         );
-        grads.register::<Flex>(parent.id, dx.x_grad);
+        grads.register::<K>(parent.id, dx);
     }
 }

@@ -49,3 +49,46 @@ impl<K: Backend> Backward<K, 1> for ReluBackward {
         }
     }
 }
+
+/// `a + b` (same shapes) as one node that keeps nothing and marks itself compute-bound, so that
+/// no checkpoint strategy (Burn's `BalancedCheckpointing` backs up a memory-bound op's inputs
+/// until backward) keeps its inputs: a residual add's inputs are a norm's output, which nothing
+/// else keeps, and the skip.
+pub(super) fn add_keeping_nothing<K: Backend>(
+    a: FloatTensor<Autodiff<K>>,
+    b: FloatTensor<Autodiff<K>>,
+) -> FloatTensor<Autodiff<K>> {
+    let output = K::float_add(
+        Autodiff::<K>::inner(a.clone()),
+        Autodiff::<K>::inner(b.clone()),
+    );
+    match AddBackward
+        .prepare::<NoCheckpointing>([a.node.clone(), b.node.clone()])
+        .compute_bound()
+        .stateful()
+    {
+        OpsKind::Tracked(prep) => prep.finish((), output),
+        OpsKind::UnTracked(prep) => prep.finish(output),
+    }
+}
+
+#[derive(Debug)]
+pub(super) struct AddBackward;
+
+impl<K: Backend> Backward<K, 2> for AddBackward {
+    type State = ();
+
+    fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let [a, b] = ops.parents;
+        let grad = grads.consume::<K>(&ops.node);
+        match (a, b) {
+            (Some(a), Some(b)) => {
+                grads.register::<K>(a.id, grad.clone());
+                grads.register::<K>(b.id, grad);
+            }
+            (Some(a), None) => grads.register::<K>(a.id, grad),
+            (None, Some(b)) => grads.register::<K>(b.id, grad),
+            (None, None) => {}
+        }
+    }
+}

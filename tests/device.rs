@@ -1,0 +1,803 @@
+//! The device suite: memsave's strategies on a GPU runtime, through the same code a user's run
+//! takes. It runs on Burn's wgpu backend when built with `--features wgpu` (CI: lavapipe, a
+//! software Vulkan device), on CUDA with `--features cuda` (`scripts/device_check.sh`), and on
+//! the CPU (Flex) otherwise, so that the suite itself is checked on every build.
+//!
+//! ```text
+//! cargo test --features vulkan --test device -- --nocapture   # Vulkan (lavapipe or a GPU)
+//! cargo test --features cuda --test device -- --nocapture     # an NVIDIA GPU
+//! ```
+//!
+//! Every figure is printed (`device suite:` lines); on lavapipe, times mean nothing and none is
+//! taken. Tests share one device: they run one at a time (a lock), each under a watchdog.
+
+mod common;
+
+use std::collections::HashMap;
+use std::sync::Mutex;
+
+use burn::backend::Autodiff;
+use burn::module::{Module, ModuleMapper, ModuleVisitor, Param, ParamId};
+use burn::nn::conv::Conv2dConfig;
+use burn::nn::loss::CrossEntropyLossConfig;
+use burn::nn::pool::MaxPool2dConfig;
+use burn::nn::{Linear, LinearConfig, PaddingConfig2d};
+use burn::prelude::*;
+use burn::tensor::backend::AutodiffBackend;
+use burn::tensor::{DType, Distribution};
+use common::tiny::TinyNet;
+use memsave::checkpoint::set_with_cp;
+use memsave::fp16::Precision;
+use memsave::hooks::{LrSchedule, LrUpdaterHook, OptimizerHook};
+use memsave::memory::{self, CountingAllocator};
+use memsave::models::data::{SyntheticClassification, SyntheticClassificationConfig};
+use memsave::models::resnet::{ResNet, ResNetConfig};
+use memsave::nn::{Dropout, DropoutConfig, LayerNorm, LayerNormConfig};
+use memsave::scaler::{LossScaler, ScaleMode};
+use memsave::train::{Hook, IterLog, OptimizerKind, RunLength, Runner, TrainState};
+use memsave::with_cp;
+
+#[global_allocator]
+static ALLOCATOR: CountingAllocator = CountingAllocator;
+
+#[cfg(feature = "cuda")]
+type K = burn::backend::Cuda;
+#[cfg(all(feature = "wgpu", not(feature = "cuda")))]
+type K = burn::backend::Wgpu;
+#[cfg(not(any(feature = "wgpu", feature = "cuda")))]
+type K = burn::backend::Flex;
+
+type D = Autodiff<K>;
+
+/// The device's name in the suite's lines.
+fn device_name() -> &'static str {
+    if cfg!(feature = "cuda") {
+        "cuda"
+    } else if cfg!(feature = "wgpu") {
+        "wgpu"
+    } else {
+        "cpu"
+    }
+}
+
+/// One test at a time on the device, under a watchdog (a hang in a device queue fails).
+fn on_device<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> T {
+    static DEVICE: Mutex<()> = Mutex::new(());
+    let _turn = DEVICE.lock().unwrap_or_else(|e| e.into_inner());
+    common::watchdog(600, f)
+}
+
+struct Materialise;
+impl<B: Backend> ModuleMapper<B> for Materialise {}
+
+/// Every parameter's gradient as fp32, by id.
+fn grads_of<M: Module<D>>(
+    model: &M,
+    grads: &<D as AutodiffBackend>::Gradients,
+) -> HashMap<ParamId, Vec<f32>> {
+    struct Collect<'a>(
+        &'a <D as AutodiffBackend>::Gradients,
+        HashMap<ParamId, Vec<f32>>,
+    );
+    impl ModuleVisitor<D> for Collect<'_> {
+        fn visit_float<const N: usize>(&mut self, param: &Param<Tensor<D, N>>) {
+            if let Some(grad) = param.val().grad(self.0) {
+                let values = grad.cast(DType::F32).into_data().to_vec::<f32>().unwrap();
+                self.1.insert(param.id, values);
+            }
+        }
+    }
+    let mut collect = Collect(grads, HashMap::new());
+    model.visit(&mut collect);
+    collect.1
+}
+
+/// The worst relative difference over every parameter's gradient (same parameters required).
+fn worst(a: &HashMap<ParamId, Vec<f32>>, b: &HashMap<ParamId, Vec<f32>>) -> f32 {
+    assert!(!b.is_empty(), "no gradients");
+    assert_eq!(a.len(), b.len(), "different parameters got gradients");
+    b.iter()
+        .map(|(id, reference)| common::max_relative_difference(&a[id], reference))
+        .fold(0.0, f32::max)
+}
+
+fn values<B: Backend, const N: usize>(t: Tensor<B, N>) -> Vec<f32> {
+    t.cast(DType::F32).into_data().to_vec::<f32>().unwrap()
+}
+
+/// `x`'s gradient as fp32.
+fn grad_of<const N: usize>(
+    x: &Tensor<D, N>,
+    grads: &<D as AutodiffBackend>::Gradients,
+) -> Vec<f32> {
+    values(x.grad(grads).expect("the input has a gradient"))
+}
+
+// --- Checkpointed gradients ------------------------------------------------------------------
+
+#[memsave::model]
+#[derive(Module, Debug)]
+struct Classifier<B: Backend> {
+    #[with_cp]
+    backbone: ResNet<B>,
+    fc: Linear<B>,
+}
+
+impl<B: memsave::Backend> Classifier<B> {
+    fn loss(&self, images: Tensor<B, 4>, labels: Tensor<B, 1, Int>) -> Tensor<B, 1> {
+        let last = self.backbone.forward(images).pop().expect("four maps");
+        let logits = self.fc.forward(last.mean_dim(3).mean_dim(2).flatten(1, 3));
+        CrossEntropyLossConfig::new()
+            .init(&logits.device())
+            .forward(logits, labels)
+    }
+}
+
+fn narrow_resnet(depth: usize, base: usize, device: &burn::tensor::Device<D>) -> Classifier<D> {
+    Classifier {
+        backbone: ResNetConfig {
+            depth,
+            base_channels: base,
+            ..ResNetConfig::default()
+        }
+        .init::<D>(device)
+        .expect("a ResNet"),
+        fc: LinearConfig::new(base * 8 * if depth >= 50 { 4 } else { 1 }, 4).init(device),
+    }
+    .map(&mut Materialise)
+}
+
+/// A transformer block as the transformer example's: pre-norm attention-free mixer and MLP with
+/// dropout, checkpointed as one segment.
+#[memsave::model]
+#[derive(Module, Debug)]
+struct Block<B: Backend> {
+    norm1: LayerNorm<B>,
+    mix: Linear<B>,
+    norm2: LayerNorm<B>,
+    up: Linear<B>,
+    down: Linear<B>,
+    dropout: Dropout,
+    with_cp: bool,
+}
+
+impl<B: memsave::Backend> Block<B> {
+    #[with_cp]
+    fn forward(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
+        let h = x.clone()
+            + self
+                .dropout
+                .forward(self.mix.forward(self.norm1.forward(x)));
+        let m = burn::tensor::activation::gelu(self.up.forward(self.norm2.forward(h.clone())));
+        h + self.dropout.forward(self.down.forward(m))
+    }
+}
+
+fn block(width: usize, device: &burn::tensor::Device<D>) -> Block<D> {
+    Block {
+        norm1: LayerNormConfig::new(width).init(device),
+        mix: LinearConfig::new(width, width).init(device),
+        norm2: LayerNormConfig::new(width).init(device),
+        up: LinearConfig::new(width, 4 * width).init(device),
+        down: LinearConfig::new(4 * width, width).init(device),
+        dropout: DropoutConfig::new(0.1).init(),
+        with_cp: false,
+    }
+    .map(&mut Materialise)
+}
+
+#[test]
+fn checkpointed_gradients_equal_plain_ones_with_batch_norm_moved_once_and_dropout_replayed() {
+    on_device(|| {
+        let device = Default::default();
+        D::seed(&device, 11);
+        // ResNet-18, narrow: every block checkpointed.
+        let model = narrow_resnet(18, 8, &device);
+        let images =
+            Tensor::<D, 4>::random([2, 3, 32, 32], Distribution::Normal(0.0, 1.0), &device);
+        let labels = Tensor::<D, 1, Int>::from_data(TensorData::new(vec![1i64, 2], [2]), &device);
+        let checkpointed = set_with_cp(model.clone(), true);
+        let plain_grads = model.loss(images.clone(), labels.clone()).backward();
+        let cp_grads = checkpointed.loss(images, labels).backward();
+        memsave::checkpoint::join_helpers();
+        let resnet = worst(
+            &grads_of(&checkpointed, &cp_grads),
+            &grads_of(&model, &plain_grads),
+        );
+        // BatchNorm's running statistics moved once per step, as without checkpointing.
+        // (memsave's BatchNorm keeps them in `RunningState`s: visited as untracked tensors.)
+        let stats = |m: &Classifier<D>| {
+            struct Running(Vec<f32>);
+            impl ModuleVisitor<D> for Running {
+                fn visit_float<const N: usize>(&mut self, param: &Param<Tensor<D, N>>) {
+                    let value = param.val();
+                    if !value.is_require_grad() {
+                        self.0.extend(values(value));
+                    }
+                }
+            }
+            let mut running = Running(Vec::new());
+            m.visit(&mut running);
+            running.0
+        };
+        let (plain_stats, cp_stats) = (stats(&model), stats(&checkpointed));
+        assert!(!plain_stats.is_empty(), "the ResNet has running statistics");
+        let moved = common::max_relative_difference(&cp_stats, &plain_stats);
+
+        // The transformer block, with dropout: masks replayed by the recomputation.
+        let plain_block = block(32, &device);
+        let cp_block = set_with_cp(plain_block.clone(), true);
+        let x = Tensor::<D, 3>::random([2, 16, 32], Distribution::Normal(0.0, 1.0), &device)
+            .require_grad();
+        D::seed(&device, 5);
+        let g_plain = plain_block.forward(x.clone()).sum().backward();
+        D::seed(&device, 5);
+        let g_cp = cp_block.forward(x.clone()).sum().backward();
+        memsave::checkpoint::join_helpers();
+        let transformer = worst(
+            &grads_of(&cp_block, &g_cp),
+            &grads_of(&plain_block, &g_plain),
+        );
+        let dx = common::max_relative_difference(&grad_of(&x, &g_cp), &grad_of(&x, &g_plain));
+
+        // RetinaNet, narrow, backbone checkpointed.
+        let detector = retinanet(&device);
+        let cp_detector = set_with_cp(detector.clone(), true);
+        let batch = detection_batch(&device);
+        use memsave::train::TrainModel;
+        let g_plain = detector.loss(batch.clone()).backward();
+        let g_cp = cp_detector.loss(batch).backward();
+        memsave::checkpoint::join_helpers();
+        let retina = worst(
+            &grads_of(&cp_detector, &g_cp),
+            &grads_of(&detector, &g_plain),
+        );
+
+        println!(
+            "device suite: {}: with_cp vs plain, worst relative gradient difference: ResNet-18 \
+             {resnet:e}, transformer block {transformer:e} (input {dx:e}), RetinaNet {retina:e}; \
+             BatchNorm running statistics {moved:e}",
+            device_name()
+        );
+        // The recomputation runs the same kernels on the same inputs: bit-identical where the
+        // device's kernels are deterministic (Flex, and lavapipe's in our runs); 1e-5 allows a
+        // device whose reductions are not.
+        for (what, diff) in [
+            ("ResNet-18", resnet),
+            ("transformer block", transformer),
+            ("transformer input", dx),
+            ("RetinaNet", retina),
+            ("running statistics", moved),
+        ] {
+            assert!(diff <= 1e-5, "{what}: {diff:e}");
+        }
+        assert!(memsave::checkpoint::recomputations() > 0);
+    });
+}
+
+fn retinanet(
+    device: &burn::tensor::Device<D>,
+) -> memsave::models::detection::retinanet::RetinaNet<D> {
+    use memsave::models::detection::fpn::FpnConfig;
+    use memsave::models::detection::retinanet::RetinaNetConfig;
+    let mut config = RetinaNetConfig::r50_fpn(4);
+    config.backbone = ResNetConfig {
+        depth: 18,
+        base_channels: 8,
+        frozen_stages: 1,
+        norm_eval: true,
+        ..ResNetConfig::default()
+    };
+    config.neck = FpnConfig {
+        in_channels: vec![8, 16, 32, 64],
+        out_channels: 16,
+        ..FpnConfig::default()
+    };
+    config.bbox_head.in_channels = 16;
+    config.bbox_head.feat_channels = 16;
+    config.bbox_head.stacked_convs = 1;
+    config.init::<D>(device).unwrap().map(&mut Materialise)
+}
+
+fn detection_batch(
+    device: &burn::tensor::Device<D>,
+) -> memsave::models::detection::DetectionBatch<D> {
+    use memsave::models::detection::ImageMeta;
+    let meta = |id: &str, pad: [usize; 2]| ImageMeta {
+        id: id.into(),
+        ori_shape: pad,
+        img_shape: pad,
+        pad_shape: pad,
+        scale_factor: [1.0, 1.0],
+        flip: false,
+    };
+    memsave::models::detection::DetectionBatch {
+        images: Tensor::random([2, 3, 64, 96], Distribution::Normal(0.0, 1.0), device),
+        metas: vec![meta("a", [64, 96]), meta("b", [48, 64])],
+        gt_bboxes: vec![vec![[10.0, 12.0, 40.0, 50.0]], vec![[4.0, 4.0, 30.0, 20.0]]],
+        gt_labels: vec![vec![3], vec![0]],
+    }
+}
+
+// --- memsave's ops against Burn's ------------------------------------------------------------
+
+#[test]
+fn lean_ops_give_burns_outputs_and_gradients_on_the_device() {
+    on_device(|| {
+        let device = Default::default();
+        D::seed(&device, 3);
+        assert!(
+            memsave::nn::is_lean::<D>(),
+            "the device's backend has memsave's lean ops: {:?}",
+            memsave::nn::lean_backends()
+        );
+        let (n, c, s) = (2, 8, 12);
+        let x = || Tensor::<D, 4>::random([n, c, s, s], Distribution::Normal(0.5, 1.0), &device);
+        let conv = Conv2dConfig::new([c, c], [3, 3])
+            .with_padding(PaddingConfig2d::Same)
+            .init::<D>(&device)
+            .map(&mut Materialise);
+        let bn = memsave::nn::BatchNormConfig::new(c).init::<D>(&device);
+        let burn_bn = burn::nn::BatchNormConfig::new(c).init::<D>(&device);
+        let gn = memsave::nn::GroupNormConfig::new(2, c).init::<D>(&device);
+        let burn_gn = burn::nn::GroupNormConfig::new(2, c).init::<D>(&device);
+        let ln = LayerNormConfig::new(s).init::<D>(&device);
+        let burn_ln = burn::nn::LayerNormConfig::new(s).init::<D>(&device);
+        let fc = LinearConfig::new(s, 5)
+            .init::<D>(&device)
+            .map(&mut Materialise);
+        let pool = MaxPool2dConfig::new([3, 3])
+            .with_strides([2, 2])
+            .with_padding(PaddingConfig2d::Explicit(1, 1, 1, 1))
+            .init();
+        type Op<'a> = Box<dyn Fn(Tensor<D, 4>) -> Tensor<D, 4> + 'a>;
+        let pairs: Vec<(&str, Op, Op)> = vec![
+            (
+                "batch norm + relu",
+                Box::new(|x| bn.forward_relu(x)),
+                Box::new(|x| burn::tensor::activation::relu(burn_bn.forward(x))),
+            ),
+            (
+                "batch norm + relu + conv",
+                Box::new(|x| bn.forward_relu_conv(x, &conv)),
+                Box::new(|x| conv.forward(burn::tensor::activation::relu(burn_bn.forward(x)))),
+            ),
+            (
+                "conv + batch norm",
+                Box::new(|x| bn.forward_after_conv(&conv, x)),
+                Box::new(|x| burn_bn.forward(conv.forward(x))),
+            ),
+            (
+                "batch norm + relu + max pool",
+                Box::new(|x| bn.forward_relu_max_pool(x, &pool)),
+                Box::new(|x| pool.forward(burn::tensor::activation::relu(burn_bn.forward(x)))),
+            ),
+            (
+                "group norm",
+                Box::new(|x| gn.forward(x)),
+                Box::new(|x| burn_gn.forward(x)),
+            ),
+            (
+                "layer norm",
+                Box::new(|x| ln.forward(x)),
+                Box::new(|x| burn_ln.forward(x)),
+            ),
+            (
+                "relu",
+                Box::new(memsave::nn::relu),
+                Box::new(burn::tensor::activation::relu),
+            ),
+            (
+                "conv",
+                Box::new(|x| memsave::nn::conv2d(&conv, x)),
+                Box::new(|x| conv.forward(x)),
+            ),
+            (
+                "linear",
+                Box::new(|x| memsave::nn::linear(&fc, x)),
+                Box::new(|x| fc.forward(x)),
+            ),
+            (
+                "max pool",
+                Box::new(|x| memsave::nn::max_pool2d(&pool, x)),
+                Box::new(|x| pool.forward(x)),
+            ),
+        ];
+        let mut lines = Vec::new();
+        for (name, ours, burns) in &pairs {
+            let input = x();
+            let weights = Tensor::<D, 4>::random(
+                ours(input.clone()).dims(),
+                Distribution::Normal(0.0, 1.0),
+                &device,
+            );
+            let run = |op: &Op| {
+                let x = input.clone().detach().require_grad();
+                let y = op(x.clone());
+                let grads = (y.clone() * weights.clone()).sum().backward();
+                memsave::checkpoint::join_helpers();
+                let dx = grad_of(&x, &grads);
+                let params: Vec<f32> = [grads_of(&conv, &grads), grads_of(&fc, &grads)]
+                    .into_iter()
+                    .flat_map(|g| {
+                        let mut g: Vec<_> = g.into_iter().collect();
+                        g.sort_by_key(|(id, _)| id.to_string());
+                        g.into_iter().flat_map(|(_, v)| v)
+                    })
+                    .collect();
+                (values(y), dx, params)
+            };
+            let (y1, dx1, p1) = run(ours);
+            let (y2, dx2, p2) = run(burns);
+            let forward = common::max_relative_difference(&y1, &y2);
+            let input_grad = common::max_relative_difference(&dx1, &dx2);
+            let param_grad = if p2.is_empty() {
+                0.0
+            } else {
+                common::max_relative_difference(&p1, &p2)
+            };
+            lines.push(format!(
+                "{name} {forward:.1e}/{input_grad:.1e}/{param_grad:.1e}"
+            ));
+            for (what, diff) in [
+                ("output", forward),
+                ("input gradient", input_grad),
+                ("weight gradient", param_grad),
+            ] {
+                assert!(diff <= 1e-4, "{name}: {what} differs by {diff:e}");
+            }
+        }
+        println!(
+            "device suite: {}: memsave's ops vs Burn's, relative difference output/input \
+             gradient/weight gradient: {}",
+            device_name(),
+            lines.join(", ")
+        );
+    });
+}
+
+// --- Mixed precision -------------------------------------------------------------------------
+
+struct Recorder(std::sync::Arc<Mutex<Vec<(IterLog, DType)>>>);
+
+impl Hook<D, TinyNet<D>> for Recorder {
+    fn name(&self) -> &'static str {
+        "recorder"
+    }
+
+    fn after_iter(&mut self, state: &mut TrainState<D, TinyNet<D>>) -> memsave::Result<()> {
+        let dtype = state.model.fc.weight.val().dtype();
+        self.0.lock().unwrap().push((state.log.clone(), dtype));
+        Ok(())
+    }
+}
+
+/// Losses, steps taken and the weights' dtype of a short run at `precision` (None: fp32).
+fn short_run(precision: Option<Precision>, init_scale: f64) -> (Vec<(IterLog, DType)>, Vec<f32>) {
+    let device: burn::tensor::Device<D> = Default::default();
+    let model = TinyNet::<D>::new(4, false, &device).map(&mut common::tiny::Seeded(7));
+    let mut config = SyntheticClassificationConfig::new(8, 64, 8);
+    config.seed = 3;
+    let data = SyntheticClassification::<D>::new(config, 4, device).unwrap();
+    let hook = match precision {
+        None => OptimizerHook::new(),
+        Some(precision) => OptimizerHook::new().with_mixed_precision(
+            LossScaler::new(init_scale, ScaleMode::Dynamic, 2.0, 2000).unwrap(),
+            precision,
+        ),
+    };
+    let dir = std::env::temp_dir().join(format!(
+        "memsave-device-{}-{precision:?}",
+        std::process::id()
+    ));
+    let _ = std::fs::remove_dir_all(&dir);
+    let mut runner: Runner<D, TinyNet<D>, SyntheticClassification<D>> = Runner::new(
+        model,
+        &OptimizerKind::Sgd {
+            momentum: 0.9,
+            weight_decay: 0.0,
+            nesterov: false,
+        },
+        Box::new(hook),
+        data,
+        RunLength::Iters(24),
+        &dir,
+        Default::default(),
+    )
+    .unwrap();
+    runner.register_hook(Box::new(LrUpdaterHook {
+        schedule: LrSchedule::constant(0.2),
+    }));
+    let log = std::sync::Arc::new(Mutex::new(Vec::new()));
+    runner.register_hook(Box::new(Recorder(log.clone())));
+    runner.run().unwrap();
+    let weights = runner
+        .state()
+        .model
+        .fc
+        .weight
+        .val()
+        .cast(DType::F32)
+        .into_data()
+        .to_vec::<f32>()
+        .unwrap();
+    let _ = std::fs::remove_dir_all(&dir);
+    let log = log.lock().unwrap().clone();
+    (log, weights)
+}
+
+#[test]
+fn half_precision_training_with_dynamic_loss_scaling_skips_an_overflow_and_learns() {
+    on_device(|| {
+        let device: burn::tensor::Device<D> = Default::default();
+        let (fp32, _) = short_run(None, 1.0);
+        let mean = |log: &[(IterLog, DType)], range: std::ops::Range<usize>| {
+            let n = range.len() as f64;
+            log[range].iter().map(|(l, _)| l.loss.unwrap()).sum::<f64>() / n
+        };
+        let fp32_tail = mean(&fp32, 16..24);
+        let mut lines = vec![format!(
+            "fp32 loss {:.4} -> {fp32_tail:.4}",
+            mean(&fp32, 0..4)
+        )];
+        for precision in [Precision::F16, Precision::Bf16] {
+            if !K::supports_dtype(&device, precision.dtype()) {
+                lines.push(format!("{precision:?}: not supported by this device"));
+                continue;
+            }
+            // 2^20 overflows f16 on the first steps (as MMCV's 2^32 does): skipped, halved,
+            // then training proceeds.
+            let (log, weights) = short_run(Some(precision), (1u64 << 20) as f64);
+            let skipped = log.iter().take_while(|(l, _)| !l.stepped).count();
+            let tail = mean(&log, 16..24);
+            lines.push(format!(
+                "{precision:?}: {skipped} steps skipped at the start (scale {} -> {}), loss \
+                 {tail:.4} at steps 17-24, weights {:?} in the model",
+                log[0].0.loss_scale.unwrap(),
+                log.last().unwrap().0.loss_scale.unwrap(),
+                log[0].1
+            ));
+            assert!(weights.iter().all(|w| w.is_finite()));
+            if precision == Precision::F16 {
+                assert!(skipped >= 1, "2^20 overflows f16: {skipped} skipped");
+                assert!(
+                    log[skipped].0.loss_scale.unwrap() < (1u64 << 20) as f64,
+                    "the scale backed off"
+                );
+            }
+            assert!(
+                log.iter().any(|(l, _)| l.stepped),
+                "{precision:?} never stepped"
+            );
+            assert!(
+                (tail - fp32_tail).abs() <= 0.1 * fp32_tail.max(0.1),
+                "{precision:?} loss {tail} vs fp32 {fp32_tail}"
+            );
+        }
+        println!("device suite: {}: {}", device_name(), lines.join("; "));
+    });
+}
+
+// --- The pool meter --------------------------------------------------------------------------
+
+#[test]
+fn the_device_meter_sees_checkpointing_lower_the_peak_and_accumulation_keep_one_gradient_set() {
+    on_device(|| {
+        let device: burn::tensor::Device<D> = Default::default();
+        D::seed(&device, 1);
+        let meter = memory::meter_for(&device).expect("the device's memory can be read");
+        let model = narrow_resnet(18, 8, &device);
+        let images =
+            Tensor::<D, 4>::random([4, 3, 160, 160], Distribution::Normal(0.0, 1.0), &device);
+        let labels =
+            Tensor::<D, 1, Int>::from_data(TensorData::new(vec![0i64, 1, 2, 3], [4]), &device);
+        let peak = |model: &Classifier<D>| {
+            let mut peak = 0;
+            let mut kept = 0;
+            for _ in 0..2 {
+                let base = meter.reset_peak();
+                let loss = model.loss(images.clone(), labels.clone());
+                kept = meter.live() - base;
+                let grads = loss.backward();
+                memsave::checkpoint::join_helpers();
+                peak = meter.peak() - base;
+                drop(grads);
+            }
+            (kept, peak)
+        };
+        let (plain_kept, plain) = peak(&model);
+        let (cp_kept, checkpointed) = peak(&set_with_cp(model.clone(), true));
+
+        // Accumulation: the sums seed the backward pass; its peak is one gradient set's.
+        // Read while the gradients are held: what a step keeps, one set or two.
+        let fc: Linear<D> = LinearConfig::new(1024, 1024)
+            .init(&device)
+            .map(&mut Materialise);
+        let input = Tensor::<D, 2>::random([4, 1024], Distribution::Normal(0.0, 1.0), &device);
+        let step =
+            |sums| memsave::train::grads::backward(fc.forward(input.clone()).sum(), &fc, sums);
+        let start = meter.live();
+        let sums = step(None);
+        let alone = meter.live() - start;
+        // The second micro-batch's backward adds onto the sums: one set held, not two.
+        let summed = step(Some(sums));
+        let seeded = meter.live() - start;
+        drop(summed);
+        let mib = |b: u64| b as f64 / (1024.0 * 1024.0);
+        println!(
+            "device suite: {}: step peak above its start (pool high-water mark), ResNet-18 \
+             width 16, 4 x 64 x 64: plain {:.2} MiB, every block checkpointed {:.2} MiB \
+             ({:.2}x); a linear 1024x1024's gradients held {:.2} MiB alone, {:.2} MiB onto the sums \
+             (reserved now {:?} B)",
+            device_name(),
+            mib(plain),
+            mib(checkpointed),
+            checkpointed as f64 / plain as f64,
+            mib(alone),
+            mib(seeded),
+            meter.reserved(),
+        );
+        assert!(plain > 0, "the meter read the step");
+        println!(
+            "device suite: {}: kept for backward after the forward: plain {:.2} MiB, \
+             checkpointed {:.2} MiB",
+            device_name(),
+            mib(plain_kept),
+            mib(cp_kept)
+        );
+        assert!(
+            cp_kept < plain_kept,
+            "checkpointing keeps less for backward: {cp_kept} vs {plain_kept}"
+        );
+        assert!(
+            checkpointed < plain + plain / 2,
+            "the checkpointed peak stays near the plain one: {checkpointed} vs {plain}"
+        );
+        let weights = 1024 * 1024 * 4;
+        assert!(
+            seeded <= alone + weights / 4,
+            "no second gradient set: {seeded} vs {alone}"
+        );
+    });
+}
+
+// --- Recomputation on helper threads ---------------------------------------------------------
+
+#[memsave::model]
+#[derive(Module, Debug)]
+struct Deep<B: Backend> {
+    #[with_cp]
+    layers: Vec<Segment<B>>,
+}
+
+#[memsave::model]
+#[derive(Module, Debug)]
+struct Segment<B: Backend> {
+    a: Linear<B>,
+    b: Linear<B>,
+    with_cp: bool,
+}
+
+impl<B: memsave::Backend> Segment<B> {
+    #[with_cp]
+    fn forward(&self, x: Tensor<B, 2>) -> Tensor<B, 2> {
+        x.clone()
+            + self
+                .b
+                .forward(burn::tensor::activation::relu(self.a.forward(x)))
+    }
+}
+
+#[test]
+fn recomputed_tensors_are_written_before_they_are_read_on_the_consuming_stream() {
+    on_device(|| {
+        let device: burn::tensor::Device<D> = Default::default();
+        D::seed(&device, 2);
+        let width = 256;
+        let plain = Deep {
+            layers: (0..12)
+                .map(|_| Segment {
+                    a: LinearConfig::new(width, width).init(&device),
+                    b: LinearConfig::new(width, width).init(&device),
+                    with_cp: false,
+                })
+                .collect(),
+        }
+        .map(&mut Materialise);
+        let checkpointed = set_with_cp(plain.clone(), true);
+        let x = Tensor::<D, 2>::random([128, width], Distribution::Normal(0.0, 1.0), &device);
+        let run = |model: &Deep<D>| {
+            let y = model.layers.iter().fold(x.clone(), |h, l| l.forward(h));
+            let grads = y.square().mean().backward();
+            memsave::checkpoint::join_helpers();
+            grads_of(model, &grads)
+        };
+        let reference = run(&plain);
+        let mut worst_seen = 0.0f32;
+        for _ in 0..50 {
+            worst_seen = worst_seen.max(worst(&run(&checkpointed), &reference));
+        }
+        println!(
+            "device suite: {}: 12 checkpointed segments of 256-wide layers, 50 repetitions: \
+             worst relative gradient difference {worst_seen:e}",
+            device_name()
+        );
+        assert!(worst_seen <= 1e-5, "{worst_seen:e}");
+    });
+}
+
+// --- The command line on the device ----------------------------------------------------------
+
+fn memsave_cmd() -> std::process::Command {
+    let mut command = std::process::Command::new(env!("CARGO_BIN_EXE_memsave"));
+    command.env("XDG_RUNTIME_DIR", std::env::temp_dir());
+    command
+}
+
+#[test]
+fn train_and_bench_run_on_the_device_and_end_cleanly() {
+    on_device(|| {
+        let dir = std::env::temp_dir().join(format!("memsave-device-cli-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let config = concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/configs/resnet18_synthetic.toml"
+        );
+        let out = memsave_cmd()
+            .args(["train", config, "--device", device_name(), "--work-dir"])
+            .arg(&dir)
+            .args([
+                "--set",
+                "runner.max_epochs=1",
+                "--set",
+                "data.num_samples=16",
+                "--set",
+                "data.samples_per_gpu=4",
+                "--set",
+                "model.backbone.with_cp=true",
+            ])
+            .output()
+            .unwrap();
+        let text = format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert!(out.status.success(), "train on {}: {text}", device_name());
+        assert!(text.contains("loss"), "{text}");
+        let out = memsave_cmd()
+            .args([
+                "bench",
+                "--device",
+                device_name(),
+                "--iters",
+                "1",
+                "--warmup",
+                "1",
+            ])
+            .args([
+                "--image-size",
+                "64",
+                "--depth",
+                "18",
+                "--only",
+                "base,checkpoint",
+                "--out",
+            ])
+            .arg(dir.join("bench"))
+            .output()
+            .unwrap();
+        let bench = format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert!(out.status.success(), "bench on {}: {bench}", device_name());
+        println!(
+            "device suite: {}: `memsave train` (1 epoch, 4 iterations, checkpointed) and \
+             `memsave bench` (64 x 64, base and checkpoint) ended cleanly",
+            device_name()
+        );
+        let _ = std::fs::remove_dir_all(&dir);
+    });
+}
