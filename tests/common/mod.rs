@@ -46,24 +46,25 @@ pub fn splitmix64(state: &mut u64) -> u64 {
 pub struct Materialise;
 impl<B: Backend> ModuleMapper<B> for Materialise {}
 
-/// Every parameter's gradient, flattened to fp32, by parameter id (absent: no gradient).
-pub fn param_grads<M: Module<AB>>(
+/// Every parameter's gradient, flattened to fp32, by parameter id (absent: no gradient), on any
+/// autodiff backend.
+pub fn param_grads<B: burn::tensor::backend::AutodiffBackend, M: Module<B>>(
     model: &M,
-    grads: &<AB as burn::tensor::backend::AutodiffBackend>::Gradients,
+    grads: &B::Gradients,
 ) -> HashMap<ParamId, Vec<f32>> {
-    struct Collect<'a> {
-        grads: &'a <AB as burn::tensor::backend::AutodiffBackend>::Gradients,
+    struct Collect<'a, B: burn::tensor::backend::AutodiffBackend> {
+        grads: &'a B::Gradients,
         out: HashMap<ParamId, Vec<f32>>,
     }
-    impl ModuleVisitor<AB> for Collect<'_> {
-        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<AB, D>>) {
+    impl<B: burn::tensor::backend::AutodiffBackend> ModuleVisitor<B> for Collect<'_, B> {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
             if let Some(grad) = param.val().grad(self.grads) {
                 let values = grad.cast(DType::F32).into_data().to_vec::<f32>().unwrap();
                 self.out.insert(param.id, values);
             }
         }
     }
-    let mut collect = Collect {
+    let mut collect = Collect::<B> {
         grads,
         out: HashMap::new(),
     };
@@ -121,7 +122,7 @@ pub fn assert_same_grads(
 }
 
 /// A tensor's values, flattened, as fp32.
-pub fn values<const D: usize>(tensor: Tensor<Flex, D>) -> Vec<f32> {
+pub fn values<B: Backend, const D: usize>(tensor: Tensor<B, D>) -> Vec<f32> {
     tensor.cast(DType::F32).into_data().to_vec::<f32>().unwrap()
 }
 

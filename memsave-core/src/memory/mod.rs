@@ -189,49 +189,43 @@ pub mod cube {
     }
 }
 
-/// CUDA: the memory pools of CubeCL, Burn's CUDA runtime.
+/// One runtime's module of [`cube`]'s readings, by its device type.
+#[cfg(feature = "cubecl")]
+macro_rules! runtime_pools {
+    ($(#[$doc:meta])* $module:ident, $device:ident, $runtime:ident, $path:ident) => {
+        $(#[$doc])*
+        pub mod $module {
+            use cubecl::$path::{$device, $runtime};
+
+            /// Bytes in use and bytes reserved by the pools on `device`
+            /// ([`super::cube::pool_usage`]).
+            pub fn pool_usage(device: &$device) -> Option<(u64, u64)> {
+                super::cube::pool_usage::<$runtime>(device)
+            }
+
+            /// The meter of `device`'s pools ([`super::cube::pool_meter`]).
+            pub fn pool_meter(
+                device: $device,
+            ) -> crate::memory::PoolReadings<impl Fn() -> Option<(u64, u64)> + Send + Sync + 'static>
+            {
+                super::cube::pool_meter::<$runtime>(device)
+            }
+
+            /// Whether the runtime can open `device` ([`super::cube::probe`]).
+            pub fn probe(device: &$device) -> Result<(), String> {
+                super::cube::probe::<$runtime>(device)
+            }
+        }
+    };
+}
+
 #[cfg(feature = "cuda")]
-pub mod cuda {
-    use cubecl::cuda::{CudaDevice, CudaRuntime};
-
-    /// Bytes in use and bytes reserved by the pools on `device` ([`super::cube::pool_usage`]).
-    pub fn pool_usage(device: &CudaDevice) -> Option<(u64, u64)> {
-        super::cube::pool_usage::<CudaRuntime>(device)
-    }
-
-    /// The meter of `device`'s pools ([`super::cube::pool_meter`]).
-    pub fn pool_meter(
-        device: CudaDevice,
-    ) -> crate::memory::PoolReadings<impl Fn() -> Option<(u64, u64)> + Send + Sync + 'static> {
-        super::cube::pool_meter::<CudaRuntime>(device)
-    }
-
-    /// Whether a CUDA driver and `device` can be opened ([`super::cube::probe`]).
-    pub fn probe(device: &CudaDevice) -> Result<(), String> {
-        super::cube::probe::<CudaRuntime>(device)
-    }
-}
-
-/// wgpu (Vulkan, Metal, DX12): the memory pools of CubeCL, Burn's wgpu runtime.
+runtime_pools!(
+    /// CUDA: the memory pools of CubeCL, Burn's CUDA runtime.
+    cuda, CudaDevice, CudaRuntime, cuda
+);
 #[cfg(feature = "wgpu")]
-pub mod wgpu {
-    use cubecl::wgpu::{WgpuDevice, WgpuRuntime};
-
-    /// Bytes in use and bytes reserved by the pools on `device` ([`super::cube::pool_usage`]).
-    pub fn pool_usage(device: &WgpuDevice) -> Option<(u64, u64)> {
-        super::cube::pool_usage::<WgpuRuntime>(device)
-    }
-
-    /// The meter of `device`'s pools ([`super::cube::pool_meter`]).
-    pub fn pool_meter(
-        device: WgpuDevice,
-    ) -> crate::memory::PoolReadings<impl Fn() -> Option<(u64, u64)> + Send + Sync + 'static> {
-        super::cube::pool_meter::<WgpuRuntime>(device)
-    }
-
-    /// Whether a wgpu adapter (a Vulkan, Metal or DX12 driver) can be opened
-    /// ([`super::cube::probe`]).
-    pub fn probe(device: &WgpuDevice) -> Result<(), String> {
-        super::cube::probe::<WgpuRuntime>(device)
-    }
-}
+runtime_pools!(
+    /// wgpu (Vulkan, Metal, DX12): the memory pools of CubeCL, Burn's wgpu runtime.
+    wgpu, WgpuDevice, WgpuRuntime, wgpu
+);

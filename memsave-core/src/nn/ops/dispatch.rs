@@ -28,28 +28,45 @@ use super::{Normalised, PoolSpec, Statistics};
 pub(super) type Call = Box<dyn Any>;
 
 /// The lean ops of one backend, type-erased. Each op takes its arguments as the `*Parts` of
-/// the backend's tensor type and returns its result, or hands the arguments back.
+/// the backend's tensor type and returns its result, or hands the arguments back (the default:
+/// the caller runs the backend's own op).
 pub(super) trait Lean: Send + Sync {
     /// The backend, by its Rust type name.
     fn backend(&self) -> &'static str;
     /// `(T, NormParts<T>)` -> `OutParts<T>`.
     fn normalise(&self, call: Call) -> Result<Call, Call>;
     /// `T` -> `T`.
-    fn relu(&self, call: Call) -> Result<Call, Call>;
+    fn relu(&self, call: Call) -> Result<Call, Call> {
+        Err(call)
+    }
     /// `(T, T)` (same shapes) -> `T`.
-    fn add(&self, call: Call) -> Result<Call, Call>;
+    fn add(&self, call: Call) -> Result<Call, Call> {
+        Err(call)
+    }
     /// `(T, ConvParts<T>)` -> `T`.
-    fn conv2d(&self, call: Call) -> Result<Call, Call>;
+    fn conv2d(&self, call: Call) -> Result<Call, Call> {
+        Err(call)
+    }
     /// `(T, T, Option<T>)` -> `T`.
-    fn linear(&self, call: Call) -> Result<Call, Call>;
+    fn linear(&self, call: Call) -> Result<Call, Call> {
+        Err(call)
+    }
     /// `(T, PoolSpec)` -> `T`.
-    fn max_pool2d(&self, call: Call) -> Result<Call, Call>;
+    fn max_pool2d(&self, call: Call) -> Result<Call, Call> {
+        Err(call)
+    }
     /// `(T, NormParts<T>, ConvParts<T>)` -> `OutParts<T>`.
-    fn norm_act_conv(&self, call: Call) -> Result<Call, Call>;
+    fn norm_act_conv(&self, call: Call) -> Result<Call, Call> {
+        Err(call)
+    }
     /// `(T, ConvParts<T>, NormParts<T>)` -> `OutParts<T>`.
-    fn conv_norm(&self, call: Call) -> Result<Call, Call>;
+    fn conv_norm(&self, call: Call) -> Result<Call, Call> {
+        Err(call)
+    }
     /// `(T, NormParts<T>, PoolSpec)` -> `OutParts<T>`.
-    fn norm_act_pool(&self, call: Call) -> Result<Call, Call>;
+    fn norm_act_pool(&self, call: Call) -> Result<Call, Call> {
+        Err(call)
+    }
 }
 
 /// [`Statistics`] over a tensor type.
@@ -178,7 +195,8 @@ pub(super) fn result<R: 'static>(call: Call) -> R {
 /// `Autodiff<K, _>`'s lean ops: each one node of Burn's graph.
 struct Tracked<K>(PhantomData<fn() -> K>);
 
-/// `K`'s own: the normalisation's fused loops without a graph; the rest are `K`'s ops.
+/// `K`'s own: the normalisation's fused loops without a graph; the rest are `K`'s ops (without a
+/// graph there is nothing to keep).
 struct Untracked<K>(PhantomData<fn() -> K>);
 
 type T<K> = FloatTensor<Autodiff<K>>;
@@ -286,32 +304,6 @@ impl<K: LeanBackend> Lean for Untracked<K> {
             norm.epsilon,
         );
         Ok(Box::new(out.into_parts()))
-    }
-
-    // Without a graph there is nothing to keep: `K`'s own ops (the caller's fallback).
-    fn relu(&self, call: Call) -> Result<Call, Call> {
-        Err(call)
-    }
-    fn add(&self, call: Call) -> Result<Call, Call> {
-        Err(call)
-    }
-    fn conv2d(&self, call: Call) -> Result<Call, Call> {
-        Err(call)
-    }
-    fn linear(&self, call: Call) -> Result<Call, Call> {
-        Err(call)
-    }
-    fn max_pool2d(&self, call: Call) -> Result<Call, Call> {
-        Err(call)
-    }
-    fn norm_act_conv(&self, call: Call) -> Result<Call, Call> {
-        Err(call)
-    }
-    fn conv_norm(&self, call: Call) -> Result<Call, Call> {
-        Err(call)
-    }
-    fn norm_act_pool(&self, call: Call) -> Result<Call, Call> {
-        Err(call)
     }
 }
 
