@@ -3,8 +3,9 @@
 #
 #   scripts/device_check.sh [OUT_DIR]        (default: work_dirs/device_check)
 #
-# 1. checks for an NVIDIA driver (stops with a clear message where none is found);
-# 2. builds memsave with `--features cuda` (release) and the device suite;
+# 1. builds memsave with `--features cuda` (release) and the device suite (no CUDA toolkit is
+#    needed: the driver is loaded at run time);
+# 2. checks for an NVIDIA driver and GPU (stops with a clear message where none is found);
 # 3. runs the device suite on CUDA (tests/device.rs: with_cp gradients, memsave's ops vs
 #    Burn's, f16/bf16 with dynamic loss scaling, the pool meter, helper-thread recomputation,
 #    `memsave train` and `memsave bench` on the device);
@@ -23,20 +24,20 @@ START=$(date +%s)
 step() { printf '\n== [%4ss] %s\n' "$(( $(date +%s) - START ))" "$*"; }
 fail() { echo "device_check: $*" >&2; exit 1; }
 
-step "1/5 NVIDIA driver"
+step "1/5 build (cargo build --release --features cuda; the device suite)"
+cargo build --release --features cuda --bin memsave 2>&1 | tail -n 3
+cargo test --release --features cuda --test device --no-run 2>&1 | tail -n 3
+MEMSAVE=target/release/memsave
+
+step "2/5 NVIDIA driver and device"
 if ! command -v nvidia-smi >/dev/null 2>&1; then
-  fail "no NVIDIA driver found (nvidia-smi is not on PATH): this check needs a machine with an NVIDIA GPU and its driver; nothing was built or run"
+  fail "no NVIDIA driver found (nvidia-smi is not on PATH): this check needs a machine with an NVIDIA GPU and its driver; memsave was built, nothing was run"
 fi
 if ! nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader > "$OUT/gpu.txt" 2>"$OUT/gpu.err"; then
   fail "nvidia-smi found no usable GPU: $(cat "$OUT/gpu.err")"
 fi
 GPU=$(head -n1 "$OUT/gpu.txt")
 echo "GPU: $GPU"
-
-step "2/5 build (cargo build --release --features cuda; the device suite)"
-cargo build --release --features cuda --bin memsave 2>&1 | tail -n 3
-cargo test --release --features cuda --test device --no-run 2>&1 | tail -n 3
-MEMSAVE=target/release/memsave
 
 step "3/5 device suite on CUDA (cargo test --features cuda --test device)"
 set +e

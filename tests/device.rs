@@ -26,6 +26,7 @@ use burn::prelude::*;
 use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::{DType, Distribution};
 use common::tiny::TinyNet;
+use common::values;
 use memsave::checkpoint::set_with_cp;
 use memsave::fp16::Precision;
 use memsave::hooks::{LrSchedule, LrUpdaterHook, OptimizerHook};
@@ -70,28 +71,6 @@ fn on_device<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> T {
 struct Materialise;
 impl<B: Backend> ModuleMapper<B> for Materialise {}
 
-/// Every parameter's gradient as fp32, by id.
-fn grads_of<M: Module<D>>(
-    model: &M,
-    grads: &<D as AutodiffBackend>::Gradients,
-) -> HashMap<ParamId, Vec<f32>> {
-    struct Collect<'a>(
-        &'a <D as AutodiffBackend>::Gradients,
-        HashMap<ParamId, Vec<f32>>,
-    );
-    impl ModuleVisitor<D> for Collect<'_> {
-        fn visit_float<const N: usize>(&mut self, param: &Param<Tensor<D, N>>) {
-            if let Some(grad) = param.val().grad(self.0) {
-                let values = grad.cast(DType::F32).into_data().to_vec::<f32>().unwrap();
-                self.1.insert(param.id, values);
-            }
-        }
-    }
-    let mut collect = Collect(grads, HashMap::new());
-    model.visit(&mut collect);
-    collect.1
-}
-
 /// The worst relative difference over every parameter's gradient (same parameters required).
 fn worst(a: &HashMap<ParamId, Vec<f32>>, b: &HashMap<ParamId, Vec<f32>>) -> f32 {
     assert!(!b.is_empty(), "no gradients");
@@ -99,10 +78,6 @@ fn worst(a: &HashMap<ParamId, Vec<f32>>, b: &HashMap<ParamId, Vec<f32>>) -> f32 
     b.iter()
         .map(|(id, reference)| common::max_relative_difference(&a[id], reference))
         .fold(0.0, f32::max)
-}
-
-fn values<B: Backend, const N: usize>(t: Tensor<B, N>) -> Vec<f32> {
-    t.cast(DType::F32).into_data().to_vec::<f32>().unwrap()
 }
 
 /// `x`'s gradient as fp32.
@@ -201,8 +176,8 @@ fn checkpointed_gradients_equal_plain_ones_with_batch_norm_moved_once_and_dropou
         let cp_grads = checkpointed.loss(images, labels).backward();
         memsave::checkpoint::join_helpers();
         let resnet = worst(
-            &grads_of(&checkpointed, &cp_grads),
-            &grads_of(&model, &plain_grads),
+            &common::param_grads::<D, _>(&checkpointed, &cp_grads),
+            &common::param_grads::<D, _>(&model, &plain_grads),
         );
         // BatchNorm's running statistics moved once per step, as without checkpointing.
         // (memsave's BatchNorm keeps them in `RunningState`s: visited as untracked tensors.)
@@ -235,8 +210,8 @@ fn checkpointed_gradients_equal_plain_ones_with_batch_norm_moved_once_and_dropou
         let g_cp = cp_block.forward(x.clone()).sum().backward();
         memsave::checkpoint::join_helpers();
         let transformer = worst(
-            &grads_of(&cp_block, &g_cp),
-            &grads_of(&plain_block, &g_plain),
+            &common::param_grads::<D, _>(&cp_block, &g_cp),
+            &common::param_grads::<D, _>(&plain_block, &g_plain),
         );
         let dx = common::max_relative_difference(&grad_of(&x, &g_cp), &grad_of(&x, &g_plain));
 
@@ -249,8 +224,8 @@ fn checkpointed_gradients_equal_plain_ones_with_batch_norm_moved_once_and_dropou
         let g_cp = cp_detector.loss(batch).backward();
         memsave::checkpoint::join_helpers();
         let retina = worst(
-            &grads_of(&cp_detector, &g_cp),
-            &grads_of(&detector, &g_plain),
+            &common::param_grads::<D, _>(&cp_detector, &g_cp),
+            &common::param_grads::<D, _>(&detector, &g_plain),
         );
 
         println!(
@@ -417,14 +392,17 @@ fn lean_ops_give_burns_outputs_and_gradients_on_the_device() {
                 let grads = (y.clone() * weights.clone()).sum().backward();
                 memsave::checkpoint::join_helpers();
                 let dx = grad_of(&x, &grads);
-                let params: Vec<f32> = [grads_of(&conv, &grads), grads_of(&fc, &grads)]
-                    .into_iter()
-                    .flat_map(|g| {
-                        let mut g: Vec<_> = g.into_iter().collect();
-                        g.sort_by_key(|(id, _)| id.to_string());
-                        g.into_iter().flat_map(|(_, v)| v)
-                    })
-                    .collect();
+                let params: Vec<f32> = [
+                    common::param_grads::<D, _>(&conv, &grads),
+                    common::param_grads::<D, _>(&fc, &grads),
+                ]
+                .into_iter()
+                .flat_map(|g| {
+                    let mut g: Vec<_> = g.into_iter().collect();
+                    g.sort_by_key(|(id, _)| id.to_string());
+                    g.into_iter().flat_map(|(_, v)| v)
+                })
+                .collect();
                 (values(y), dx, params)
             };
             let (y1, dx1, p1) = run(ours);
@@ -458,7 +436,8 @@ fn lean_ops_give_burns_outputs_and_gradients_on_the_device() {
 
 // --- Mixed precision -------------------------------------------------------------------------
 
-struct Recorder(std::sync::Arc<Mutex<Vec<(IterLog, DType)>>>);
+/// Each iteration's log, and the dtypes of the weights the forward ran on and of the masters.
+struct Recorder(std::sync::Arc<Mutex<Vec<(IterLog, DType, DType)>>>);
 
 impl Hook<D, TinyNet<D>> for Recorder {
     fn name(&self) -> &'static str {
@@ -466,14 +445,21 @@ impl Hook<D, TinyNet<D>> for Recorder {
     }
 
     fn after_iter(&mut self, state: &mut TrainState<D, TinyNet<D>>) -> memsave::Result<()> {
-        let dtype = state.model.fc.weight.val().dtype();
-        self.0.lock().unwrap().push((state.log.clone(), dtype));
+        let forward = state.forward_model().fc.weight.val().dtype();
+        let master = state.model.fc.weight.val().dtype();
+        self.0
+            .lock()
+            .unwrap()
+            .push((state.log.clone(), forward, master));
         Ok(())
     }
 }
 
 /// Losses, steps taken and the weights' dtype of a short run at `precision` (None: fp32).
-fn short_run(precision: Option<Precision>, init_scale: f64) -> (Vec<(IterLog, DType)>, Vec<f32>) {
+fn short_run(
+    precision: Option<Precision>,
+    init_scale: f64,
+) -> (Vec<(IterLog, DType, DType)>, Vec<f32>) {
     let device: burn::tensor::Device<D> = Default::default();
     let model = TinyNet::<D>::new(4, false, &device).map(&mut common::tiny::Seeded(7));
     let mut config = SyntheticClassificationConfig::new(8, 64, 8);
@@ -531,9 +517,13 @@ fn half_precision_training_with_dynamic_loss_scaling_skips_an_overflow_and_learn
     on_device(|| {
         let device: burn::tensor::Device<D> = Default::default();
         let (fp32, _) = short_run(None, 1.0);
-        let mean = |log: &[(IterLog, DType)], range: std::ops::Range<usize>| {
+        let mean = |log: &[(IterLog, DType, DType)], range: std::ops::Range<usize>| {
             let n = range.len() as f64;
-            log[range].iter().map(|(l, _)| l.loss.unwrap()).sum::<f64>() / n
+            log[range]
+                .iter()
+                .map(|(l, _, _)| l.loss.unwrap())
+                .sum::<f64>()
+                / n
         };
         let fp32_tail = mean(&fp32, 16..24);
         let mut lines = vec![format!(
@@ -548,15 +538,22 @@ fn half_precision_training_with_dynamic_loss_scaling_skips_an_overflow_and_learn
             // 2^20 overflows f16 on the first steps (as MMCV's 2^32 does): skipped, halved,
             // then training proceeds.
             let (log, weights) = short_run(Some(precision), (1u64 << 20) as f64);
-            let skipped = log.iter().take_while(|(l, _)| !l.stepped).count();
+            let skipped = log.iter().take_while(|(l, _, _)| !l.stepped).count();
             let tail = mean(&log, 16..24);
             lines.push(format!(
                 "{precision:?}: {skipped} steps skipped at the start (scale {} -> {}), loss \
-                 {tail:.4} at steps 17-24, weights {:?} in the model",
+                 {tail:.4} at steps 17-24, forward weights {:?}, masters {:?}",
                 log[0].0.loss_scale.unwrap(),
                 log.last().unwrap().0.loss_scale.unwrap(),
-                log[0].1
+                log[0].1,
+                log[0].2
             ));
+            assert_eq!(
+                log[0].1,
+                precision.dtype(),
+                "the forward runs on half weights"
+            );
+            assert_eq!(log[0].2, DType::F32, "the masters stay fp32");
             assert!(weights.iter().all(|w| w.is_finite()));
             if precision == Precision::F16 {
                 assert!(skipped >= 1, "2^20 overflows f16: {skipped} skipped");
@@ -566,7 +563,7 @@ fn half_precision_training_with_dynamic_loss_scaling_skips_an_overflow_and_learn
                 );
             }
             assert!(
-                log.iter().any(|(l, _)| l.stepped),
+                log.iter().any(|(l, _, _)| l.stepped),
                 "{precision:?} never stepped"
             );
             assert!(
@@ -626,7 +623,7 @@ fn the_device_meter_sees_checkpointing_lower_the_peak_and_accumulation_keep_one_
         let mib = |b: u64| b as f64 / (1024.0 * 1024.0);
         println!(
             "device suite: {}: step peak above its start (pool high-water mark), ResNet-18 \
-             width 16, 4 x 64 x 64: plain {:.2} MiB, every block checkpointed {:.2} MiB \
+             width 8, 4 x 160 x 160: plain {:.2} MiB, every block checkpointed {:.2} MiB \
              ({:.2}x); a linear 1024x1024's gradients held {:.2} MiB alone, {:.2} MiB onto the sums \
              (reserved now {:?} B)",
             device_name(),
@@ -710,7 +707,7 @@ fn recomputed_tensors_are_written_before_they_are_read_on_the_consuming_stream()
             let y = model.layers.iter().fold(x.clone(), |h, l| l.forward(h));
             let grads = y.square().mean().backward();
             memsave::checkpoint::join_helpers();
-            grads_of(model, &grads)
+            common::param_grads::<D, _>(model, &grads)
         };
         let reference = run(&plain);
         let mut worst_seen = 0.0f32;
