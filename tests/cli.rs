@@ -169,3 +169,35 @@ fn a_step_that_cannot_fit_in_memory_is_an_error_before_anything_is_written() {
     );
     assert!(!work_dir.exists(), "nothing written");
 }
+
+/// A device whose feature this build lacks is an error naming the flag and the feature to
+/// build with, on every command that takes `--device`.
+#[test]
+fn a_device_not_built_in_is_an_error_naming_its_feature() {
+    let config = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/configs/resnet18_synthetic.toml"
+    );
+    let mut missing = Vec::new();
+    if !cfg!(feature = "wgpu") {
+        missing.push(("wgpu", "--features wgpu"));
+    }
+    if !cfg!(feature = "cuda") {
+        missing.push(("cuda", "--features cuda"));
+    }
+    for (device, feature) in missing {
+        for args in [
+            vec!["train", config, "--device", device],
+            vec!["plan", config, "--budget", "60%", "--device", device],
+            vec!["bench", "--iters", "1", "--device", device],
+        ] {
+            let out = memsave(&args);
+            let said = text(&out);
+            assert!(!out.status.success(), "{args:?}: {said}");
+            assert!(
+                said.contains("--device") && said.contains(feature),
+                "{args:?}: {said}"
+            );
+        }
+    }
+}

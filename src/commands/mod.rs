@@ -75,14 +75,14 @@ impl Device {
 /// The error for a device whose feature this build lacks.
 #[allow(dead_code)]
 pub fn not_built(device: Device) -> memsave::Error {
-    let (name, feature) = match device {
-        Device::Cpu => ("the CPU", "default"),
-        Device::Cuda => ("CUDA", "cuda"),
-        Device::Wgpu => ("wgpu", "wgpu` (or `vulkan"),
+    let (name, features) = match device {
+        Device::Cpu => ("the CPU", "`--features default`"),
+        Device::Cuda => ("CUDA", "`--features cuda`"),
+        Device::Wgpu => ("wgpu", "`--features wgpu` (or `vulkan`, `metal`)"),
     };
     memsave::Error::invalid(
         "--device",
-        format!("this memsave was built without {name}: rebuild with `--features {feature}`"),
+        format!("this memsave was built without {name}: rebuild with {features}"),
     )
 }
 
