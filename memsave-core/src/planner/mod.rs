@@ -25,14 +25,14 @@ use std::rc::Rc;
 use burn::tensor::backend::AutodiffBackend;
 
 pub use budget::{Budget, MemorySection, WithCp};
-pub use profile::{Profile, SegmentProfile, Window};
+pub use profile::{GradientEstimate, Profile, SegmentProfile, Window};
 pub use solve::{plan, BelowFloor, Plan};
 
 use crate::checkpoint::profile::{self as recorder, Boundary};
 use crate::checkpoint::{CheckpointModule, SegmentId};
 use crate::config::ModelKeys;
 use crate::memory::{meter_for, Meter};
-use crate::train::params::param_bytes;
+use crate::train::params::{param_bytes, trainable_layout};
 use crate::train::{Hook, TrainModel, TrainState};
 use crate::{Error, Result};
 
@@ -103,7 +103,9 @@ impl ProfileHook {
         recorder::boundary(Boundary::End);
         let events = recorder::stop();
         let (_, trainable) = param_bytes::<B, M>(&state.model);
-        Profile::from_events(&events, &self.ids, trainable as u64)
+        // The gradients are the forward model's (half under mixed precision).
+        let estimate = GradientEstimate::new(trainable_layout::<B, M>(state.forward_model()));
+        Profile::from_events(&events, &self.ids, trainable, &estimate)
     }
 }
 

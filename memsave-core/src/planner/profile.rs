@@ -87,17 +87,58 @@ pub struct Profile {
     pub unplannable: Vec<String>,
     /// The windows, in order.
     pub windows: Vec<Window>,
+    /// Whether the gradient bytes are estimated from the parameters (a device meter that
+    /// cannot tell gradients from other bytes: CubeCL's pools) rather than counted.
+    #[serde(default)]
+    pub gradients_estimated: bool,
+}
+
+/// Where the meter cannot tell gradients from other bytes, the gradient bytes live at each
+/// boundary of a step, from the trainable parameters in visiting order (`layout`: module path
+/// and gradient bytes, [`crate::train::params::trainable_layout`]). Backward makes the
+/// gradients in the reverse of the forward's order, which the visiting order follows in the
+/// models memsave knows: when a segment's recomputation starts, the parameters after its last
+/// one have their gradients; when backward ends, all of them.
+#[derive(Clone, Debug, Default)]
+pub struct GradientEstimate {
+    layout: Vec<(String, u64)>,
+}
+
+impl GradientEstimate {
+    /// The estimate over `layout`.
+    pub fn new(layout: Vec<(String, u64)>) -> Self {
+        GradientEstimate { layout }
+    }
+
+    /// Every gradient's bytes.
+    pub fn total(&self) -> u64 {
+        self.layout.iter().map(|(_, bytes)| bytes).sum()
+    }
+
+    /// The bytes of the gradients made before the recomputation of the segment at `path`
+    /// starts: those of the parameters after its last one; `None` for a segment without
+    /// trainable parameters of its own (it changes nothing).
+    pub fn before_recompute(&self, path: &str) -> Option<u64> {
+        let prefix = format!("{path}.");
+        let last = self
+            .layout
+            .iter()
+            .rposition(|(p, _)| p == path || p.starts_with(&prefix))?;
+        Some(self.layout[last + 1..].iter().map(|(_, bytes)| bytes).sum())
+    }
 }
 
 impl Profile {
     /// The profile of a step's `events` (from [`crate::checkpoint::profile`], recorded with every
     /// segment checkpointed), its segments named by `paths` (from
     /// [`crate::checkpoint::CheckpointModule::visit_segments`] on the model that ran the
-    /// forward). `trainable`: the bytes of the trainable parameters.
+    /// forward). `trainable`: the bytes of the trainable parameters. Where the events carry no
+    /// gradient bytes (an untagged meter), `estimate` gives them.
     pub(crate) fn from_events(
         events: &[Event],
         paths: &HashMap<SegmentId, String>,
         trainable: u64,
+        estimate: &GradientEstimate,
     ) -> Profile {
         let name = |id: &SegmentId| {
             paths
@@ -181,6 +222,7 @@ impl Profile {
         let mut helper_bytes = 0;
         let (mut resident, mut first_seconds, mut last_seconds) = (None, None, 0.0);
         let (mut end_live, mut backward_gradients) = (None, 0);
+        let mut estimated = false;
         for event in events {
             // The recomputations held in the window this event closes.
             let mut held = done.clone();
@@ -217,10 +259,14 @@ impl Profile {
                             resident = Some(*live);
                             continue;
                         }
-                        Boundary::ForwardEnd => (*window_peak, "backward".to_string(), *gradients),
+                        Boundary::ForwardEnd => {
+                            estimated |= gradients.is_none();
+                            (*window_peak, "backward".to_string(), gradients.or(Some(0)))
+                        }
                         Boundary::BackwardEnd => {
-                            backward_gradients = gradients.unwrap_or(0);
-                            (*window_peak, "step".to_string(), *gradients)
+                            let gradients = gradients.unwrap_or_else(|| estimate.total());
+                            backward_gradients = gradients;
+                            (*window_peak, "step".to_string(), Some(gradients))
                         }
                         Boundary::End => {
                             end_live = Some(*live);
@@ -239,7 +285,11 @@ impl Profile {
                         done.push((index, 0));
                     }
                     held = done[..done.len().saturating_sub(1)].to_vec();
-                    (*window_peak, format!("recompute {}", name(id)), *gradients)
+                    let path = name(id);
+                    let gradients = gradients
+                        .or_else(|| estimate.before_recompute(&path))
+                        .or(Some(window_gradients));
+                    (*window_peak, format!("recompute {path}"), gradients)
                 }
             };
             windows.push(Window {
@@ -275,6 +325,7 @@ impl Profile {
             segments,
             unplannable,
             windows,
+            gradients_estimated: estimated,
         }
     }
 
@@ -342,5 +393,111 @@ impl Profile {
             .iter()
             .map(|segment| paths.contains(&segment.path))
             .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn boundary(at: Boundary, window_peak: u64, gradients: Option<u64>) -> Event {
+        Event::Boundary {
+            at,
+            window_peak,
+            live: window_peak,
+            gradients,
+            seconds: 0.0,
+        }
+    }
+
+    /// Two checkpointed segments (`a` then `b`) and a head after them; the meter `tagged` or
+    /// not.
+    fn events(tagged: bool) -> (Vec<Event>, HashMap<SegmentId, String>) {
+        let (a, b) = (1u8, 2u16);
+        let (a, b) = (SegmentId::of(&a), SegmentId::of(&b));
+        let forward = |id| Event::Forward {
+            id,
+            before: 0,
+            after: 10,
+            seconds: 0.0,
+            checkpointed: true,
+        };
+        let recompute = |id, gradients| Event::Recompute {
+            id,
+            window_peak: 500,
+            before: 0,
+            after: 50,
+            gradients: tagged.then_some(gradients),
+            seconds: 0.0,
+        };
+        let events = vec![
+            boundary(Boundary::Start, 100, tagged.then_some(0)),
+            forward(a),
+            forward(b),
+            boundary(Boundary::ForwardEnd, 400, tagged.then_some(0)),
+            recompute(b, 7),
+            recompute(a, 27),
+            boundary(Boundary::BackwardEnd, 300, tagged.then_some(61)),
+            boundary(Boundary::End, 200, tagged.then_some(0)),
+        ];
+        let paths = HashMap::from([(a, "a".to_string()), (b, "b".to_string())]);
+        (events, paths)
+    }
+
+    fn estimate() -> GradientEstimate {
+        GradientEstimate::new(vec![
+            ("a.conv".into(), 4),
+            ("a.norm".into(), 1),
+            ("b.conv".into(), 16),
+            ("b.norm".into(), 4),
+            ("head".into(), 8),
+        ])
+    }
+
+    #[test]
+    fn an_untagged_meters_gradients_are_estimated_from_the_parameters_in_backward_order() {
+        let estimate = estimate();
+        assert_eq!(estimate.total(), 33);
+        assert_eq!(estimate.before_recompute("b"), Some(8), "the head's");
+        assert_eq!(
+            estimate.before_recompute("a"),
+            Some(28),
+            "b's and the head's"
+        );
+        assert_eq!(
+            estimate.before_recompute("c"),
+            None,
+            "no parameter of its own"
+        );
+
+        let (events, paths) = events(false);
+        let profile = Profile::from_events(&events, &paths, 33, &estimate);
+        assert!(profile.gradients_estimated);
+        let gradients: Vec<(&str, u64)> = profile
+            .windows
+            .iter()
+            .map(|w| (w.label.as_str(), w.gradients))
+            .collect();
+        assert_eq!(
+            gradients,
+            [
+                ("forward", 0),
+                ("backward", 0),
+                ("recompute b", 8),
+                ("recompute a", 28),
+                ("step", 33)
+            ]
+        );
+        assert_eq!(profile.gradients, 33);
+    }
+
+    #[test]
+    fn a_tagged_meters_counted_gradients_are_kept_as_they_are() {
+        let (events, paths) = events(true);
+        let profile = Profile::from_events(&events, &paths, 33, &estimate());
+        assert!(!profile.gradients_estimated);
+        let gradients: Vec<u64> = profile.windows.iter().map(|w| w.gradients).collect();
+        assert_eq!(gradients, [0, 0, 7, 27, 61]);
+        assert_eq!(profile.gradients, 61);
     }
 }

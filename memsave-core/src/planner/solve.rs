@@ -461,6 +461,7 @@ pub(crate) mod tests {
             segments,
             unplannable: Vec::new(),
             windows,
+            gradients_estimated: false,
         }
     }
 

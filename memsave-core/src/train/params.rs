@@ -23,6 +23,40 @@ pub fn param_bytes<B: AutodiffBackend, M: AutodiffModule<B>>(model: &M) -> (u64,
     (bytes.0, bytes.1)
 }
 
+/// The trainable float parameters of `model` in visiting order: each one's module path
+/// (`backbone.layer1.0.conv1`) and bytes (a gradient's: the parameter's own precision). Where
+/// a device's meter cannot tell gradients from other bytes, the planner estimates the gradients
+/// live at each moment of backward from it.
+pub fn trainable_layout<B: AutodiffBackend, M: AutodiffModule<B>>(model: &M) -> Vec<(String, u64)> {
+    struct Layout {
+        path: Vec<String>,
+        params: Vec<(String, u64)>,
+    }
+    impl<B: AutodiffBackend> ModuleVisitor<B> for Layout {
+        fn enter_module(&mut self, name: &str, _container_type: &str) {
+            self.path.push(name.to_string());
+        }
+
+        fn exit_module(&mut self, _name: &str, _container_type: &str) {
+            self.path.pop();
+        }
+
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+            let value = param.val();
+            if value.is_require_grad() {
+                let bytes = (value.shape().num_elements() * value.dtype().size()) as u64;
+                self.params.push((self.path.join("."), bytes));
+            }
+        }
+    }
+    let mut layout = Layout {
+        path: Vec::new(),
+        params: Vec::new(),
+    };
+    model.visit(&mut layout);
+    layout.params
+}
+
 /// Whether `model` contains a BatchNorm (memsave's or Burn's), found by its type name.
 pub(crate) fn has_batch_norm<B: AutodiffBackend, M: AutodiffModule<B>>(model: &M) -> bool {
     struct Find(bool);
