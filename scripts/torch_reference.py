@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """The PyTorch side of `memsave bench`: torchvision's RetinaNet R50-FPN trained for a few steps
-under the same five configurations (base, amp, accumulation, checkpoint, all), each in a
+under the same configurations (base, amp, accumulation, checkpoint, all, step_in_backward,
+int8_state, lean), each in a
 process of its own, measured the same way, printing the same table and writing the same
 `bench.json` schema, so that `memsave bench --compare torch.json` shows both side by side.
 
@@ -18,12 +19,21 @@ download. The configurations: `amp` is autocast (bf16 on the CPU, fp16 with a st
 scale of 512 on CUDA, as MMCV's `fp16 = dict(loss_scale=512.)`); `accumulation` two
 micro-batches of half the batch, the loss halved; `checkpoint` torch.utils.checkpoint
 (non-reentrant) on every Bottleneck whose input requires grad (MMCV's `with_cp` guard);
-`all` the three together.
+`all` the three together; `step_in_backward` PyTorch's optimizer hooks in backward (its
+tutorial's `register_post_accumulate_grad_hook`, one SGD per parameter, the gradient freed at
+once), which cannot clip (its tutorial and torchtune refuse global-norm clipping there: this
+configuration runs unclipped, and `all` keeps the ordinary step, since the hooks refuse
+accumulation and loss scaling too); `lean` checkpointing with the hooks in backward;
+`int8_state` needs bitsandbytes or torchao, not installed here: it is left absent (memsave's
+`lean` adds 8-bit state, PyTorch's does not).
 
 Memory: the peak of live bytes during one step above the step's start, from the profiler's
 allocator events (`profile_memory=True`: the running sum of every allocation and free in its
 event tree); on CUDA,
-`torch.cuda.max_memory_allocated` above the step's start. Where the memory goes at that peak
+`torch.cuda.max_memory_allocated` above the step's start. The whole-step peak
+(`whole_step_peak_bytes`: weights, optimizer state, gradients, activations) is
+`torch.cuda.max_memory_allocated` itself on CUDA, and the profiler's memory timeline's total at
+its peak on the CPU. Where the memory goes at that peak
 comes from the profiler's memory timeline (its categories: parameters, optimizer state,
 activations, gradients and autograd detail, the rest), and so does the timeline. Time: the
 median of the measured steps, run without the profiler; the memory comes from one more step
@@ -39,7 +49,11 @@ import sys
 import tempfile
 import time
 
-CONFIGS = ["base", "amp", "accumulation", "checkpoint", "all"]
+CONFIGS = [
+    "base", "amp", "accumulation", "checkpoint", "all", "step_in_backward", "int8_state", "lean",
+]
+# Configurations that need a library not installed here (bitsandbytes, torchao).
+ABSENT = {"int8_state": "8-bit optimizer state needs bitsandbytes or torchao, not installed"}
 
 
 def parse_size(text):
@@ -111,13 +125,26 @@ def worker(args):
     amp = name in ("amp", "all")
     micro = 2 if name in ("accumulation", "all") else 1
     height, width = args.image_size
-    model = build_model(height, width, 20, name in ("checkpoint", "all")).to(device)
+    in_backward = name in ("step_in_backward", "lean")
+    model = build_model(height, width, 20, name in ("checkpoint", "all", "lean")).to(device)
     model.train()
     for module in model.backbone.body.modules():
         if isinstance(module, torch.nn.BatchNorm2d):
             module.eval()  # norm_eval
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.SGD(params, lr=1e-5, momentum=0.9, weight_decay=1e-4)
+    if in_backward:
+        # PyTorch's tutorial: one optimizer per parameter, stepped by a hook as soon as the
+        # parameter's gradient is accumulated, the gradient freed at once.
+        per_param = {p: torch.optim.SGD([p], lr=1e-5, momentum=0.9, weight_decay=1e-4)
+                     for p in params}
+
+        def hook(p):
+            per_param[p].step()
+            per_param[p].zero_grad(set_to_none=True)
+
+        for p in params:
+            p.register_post_accumulate_grad_hook(hook)
     scaler = None
     if amp and device.type == "cuda":
         scaler = torch.amp.GradScaler("cuda", init_scale=512.0, growth_interval=10**9)
@@ -141,6 +168,8 @@ def worker(args):
                 loss.backward()
             total += float(loss.detach()) * micro
             del losses, loss
+        if in_backward:
+            return total / micro  # stepped in backward, unclipped
         if scaler is not None:
             scaler.unscale_(optimizer)
         torch.nn.utils.clip_grad_norm_(params, 35.0)
@@ -169,14 +198,15 @@ def worker(args):
         print(f"step {args.warmup + i + 1} {args.warmup + args.iters + 1}", flush=True)
 
     # One more step for memory, under the profiler.
-    breakdown, timeline, phases = {}, [], []
+    breakdown, timeline, phases, whole = {}, [], [], 0
     if device.type == "cuda":
         sync()
         start = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
         losses.append(step(args.warmup + args.iters))
         sync()
-        peak = torch.cuda.max_memory_allocated() - start
+        whole = torch.cuda.max_memory_allocated()
+        peak = whole - start
         breakdown["baseline"] = start
     else:
         from torch.profiler import ProfilerActivity, profile
@@ -219,6 +249,7 @@ def worker(args):
                 "total": totals[at],
                 "baseline": totals[0],
             }
+            whole = totals[at]
             # At most 1500 points, each the highest of its run (a peak is never smoothed away).
             t0 = times_us[0]
             run = max(1, -(-len(times_us) // 1500))
@@ -231,6 +262,7 @@ def worker(args):
     result = {
         "name": name,
         "peak_bytes": int(peak),
+        "whole_step_peak_bytes": int(whole),
         "median_iter_s": statistics.median(times),
         "final_loss": losses[-2] if len(losses) > 1 else losses[-1],
         "breakdown": {k: int(v) for k, v in breakdown.items()},
@@ -253,16 +285,19 @@ def table(report):
         f"{report['image_size'][1]}x{report['image_size'][0]} per step, {report['iters']} "
         f"measured steps, SGD on {report['device']}",
         "",
-        "| config | peak MiB | memory vs base | s/step | time vs base | final loss | parameters "
-        "| optimizer state | activations | gradients | other (MiB at the peak) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| config | peak MiB | memory vs base | whole-step peak MiB | s/step | time vs base "
+        "| final loss | parameters | optimizer state | activations | gradients "
+        "| other (MiB at the peak) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for c in report["configs"]:
         mem = f"{c['peak_bytes'] / base['peak_bytes']:.2f}x" if base and base["peak_bytes"] else "-"
         tim = f"{c['median_iter_s'] / base['median_iter_s']:.2f}x" if base else "-"
         part = lambda k: f"{mib(c['breakdown'][k]):.1f}" if k in c["breakdown"] else "-"
+        whole = f"{mib(c['whole_step_peak_bytes']):.1f}" if c.get("whole_step_peak_bytes") else "-"
         lines.append(
-            f"| {c['name']} | {mib(c['peak_bytes']):.1f} | {mem} | {c['median_iter_s']:.2f} | "
+            f"| {c['name']} | {mib(c['peak_bytes']):.1f} | {mem} | {whole} | "
+            f"{c['median_iter_s']:.2f} | "
             f"{tim} | {c['final_loss']:.4f} | {part('parameters')} | {part('optimizer_state')} "
             f"| {part('activations')} | {part('gradients')} | {part('other')} |"
         )
@@ -291,6 +326,9 @@ def main():
     configs = []
     with tempfile.TemporaryDirectory() as temp:
         for name in args.only.split(","):
+            if name in ABSENT:
+                print(f"{name}: absent ({ABSENT[name]})", file=sys.stderr, flush=True)
+                continue
             result = os.path.join(temp, f"{name}.json")
             h, w = args.image_size
             command = [

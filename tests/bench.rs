@@ -1,4 +1,4 @@
-//! `memsave bench`: the five configurations on a small RetinaNet (ResNet-18, 64 x 64 images),
+//! `memsave bench`: the eight configurations on a small RetinaNet (ResNet-18, 64 x 64 images),
 //! each in its own process; the report's schema, its breakdown adding up and measuring what it
 //! says (Adam's state is twice SGD's), the pictures, `--compare`, and bad input.
 
@@ -58,7 +58,7 @@ fn is_png(path: &Path) {
 }
 
 #[test]
-fn five_configurations_measured_reported_and_drawn() {
+fn every_configuration_measured_reported_and_drawn() {
     let out = fresh_dir("bench", "five");
     let output = small(&out, &[]);
     let (stdout, stderr) = text(&output);
@@ -74,7 +74,19 @@ fn five_configurations_measured_reported_and_drawn() {
         .iter()
         .map(|c| c["name"].as_str().unwrap())
         .collect();
-    assert_eq!(names, ["base", "amp", "accumulation", "checkpoint", "all"]);
+    assert_eq!(
+        names,
+        [
+            "base",
+            "amp",
+            "accumulation",
+            "checkpoint",
+            "all",
+            "step_in_backward",
+            "int8_state",
+            "lean"
+        ]
+    );
     for config in configs {
         let name = &config["name"];
         let peak = config["peak_bytes"].as_u64().unwrap();
@@ -86,6 +98,11 @@ fn five_configurations_measured_reported_and_drawn() {
         // The parts add up to the live bytes at the peak, which are the baseline plus the peak.
         let total = bytes(config, "total");
         assert_eq!(total, bytes(config, "baseline") + peak, "{name}");
+        assert_eq!(
+            config["whole_step_peak_bytes"].as_u64(),
+            Some(total),
+            "{name}"
+        );
         let parts: u64 = [
             "parameters",
             "optimizer_state",
@@ -101,7 +118,9 @@ fn five_configurations_measured_reported_and_drawn() {
             parts >= total && parts <= total + total / 50,
             "{name}: {parts} vs {total}"
         );
-        assert!(bytes(config, "gradients") > 0, "{name}");
+        if !name.as_str().unwrap().contains("step_in_backward") {
+            assert!(bytes(config, "gradients") > 0, "{name}");
+        }
         // A timeline of the last step, phases named.
         let timeline = config["timeline"].as_array().unwrap();
         assert!(timeline.len() > 10, "{name}: {} samples", timeline.len());
@@ -139,6 +158,32 @@ fn five_configurations_measured_reported_and_drawn() {
     let loss = |name: &str| config(name)["final_loss"].as_f64().unwrap();
     assert!((loss("accumulation") - loss("base")).abs() < 0.5);
     assert!((loss("checkpoint") - loss("base")).abs() < 1e-3);
+    // The step in backward is the same training (two passes: the config clips); its peak
+    // holds next to no gradient.
+    assert_eq!(loss("step_in_backward"), loss("base"));
+    let gradients = |name: &str| bytes(config(name), "gradients");
+    assert!(
+        gradients("step_in_backward") * 3 < gradients("base"),
+        "{} vs {}",
+        gradients("step_in_backward"),
+        gradients("base")
+    );
+    // 8-bit state: about a quarter of the momentum's bytes.
+    let state = |name: &str| bytes(config(name), "optimizer_state");
+    assert!(
+        state("int8_state") * 10 < state("base") * 4,
+        "{} vs {}",
+        state("int8_state"),
+        state("base")
+    );
+    // `lean` holds less over the whole step than `base`.
+    let whole = |name: &str| config(name)["whole_step_peak_bytes"].as_u64().unwrap();
+    assert!(
+        whole("lean") < whole("base"),
+        "{} vs {}",
+        whole("lean"),
+        whole("base")
+    );
 
     // The table on stdout, the pictures on disk.
     assert!(

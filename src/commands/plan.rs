@@ -183,7 +183,8 @@ fn peak_of(measurement: &Measurement) -> u64 {
 
 fn breakdown(measurement: &Measurement, cumulative: usize) -> Breakdown {
     let profile: &Profile = &measurement.profile;
-    let optimizer_state = measurement.trainable * measurement.optimizer_state_copies;
+    let optimizer_state =
+        (measurement.trainable as f64 * measurement.optimizer_state_per_weight) as u64;
     let peak = peak_of(measurement);
     let window = profile.windows.iter().max_by_key(|w| w.peak);
     let (window_peak, gradients) = window.map_or((peak, 0), |w| (w.peak, w.gradients));

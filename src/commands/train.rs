@@ -146,8 +146,8 @@ pub struct Measurement {
     pub parameters: u64,
     /// See `parameters`.
     pub trainable: u64,
-    /// Copies of the trainable weights the optimizer keeps.
-    pub optimizer_state_copies: u64,
+    /// Bytes of optimizer state per byte of trainable weights.
+    pub optimizer_state_per_weight: f64,
 }
 
 pub fn run_job(args: &TrainArgs, job: &Job) -> memsave::Result<()> {
@@ -350,6 +350,14 @@ where
             device,
         );
     }
+    if config.optimizer_config.step_in_backward && peer.is_some() {
+        return Err(memsave::Error::invalid(
+            "optimizer_config.step_in_backward",
+            "is not available with data parallelism (--devices or --nodes above 1): the \
+             gradients would have to be averaged over the peers as backward makes them; train \
+             on one device, or set it to false",
+        ));
+    }
     if budget.is_some() && args.dist.devices > 1 {
         return Err(memsave::Error::invalid(
             keys.with_cp,
@@ -377,7 +385,7 @@ where
     };
     let mut runner = Runner::new(
         model,
-        &config.optimizer_kind(),
+        config.optimizer(),
         optimizer_hook,
         data,
         config.run_length()?,
@@ -442,7 +450,7 @@ where
     let work_dir = std::env::temp_dir().join(format!("memsave-plan-{}", std::process::id()));
     let mut runner = Runner::new(
         model,
-        &config.optimizer_kind(),
+        config.optimizer(),
         config.optimizer_hook()?,
         data,
         memsave::train::RunLength::Iters(warmup + iters + 1),
@@ -456,7 +464,7 @@ where
     let profile = profiler.profile.clone();
     runner.register_hook(Box::new(meter));
     runner.register_hook(Box::new(profiler));
-    let copies = runner.state().optimizer_state_copies;
+    let copies = runner.state().optimizer_state_per_weight;
     runner.run()?;
     let _ = std::fs::remove_dir_all(&work_dir);
     let profile = profile
@@ -467,7 +475,7 @@ where
         profile,
         parameters,
         trainable,
-        optimizer_state_copies: copies,
+        optimizer_state_per_weight: copies,
     };
     super::worker::send(&super::worker::Report::Done(measurement))
 }

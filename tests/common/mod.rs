@@ -1,6 +1,7 @@
 //! Helpers shared by the integration tests.
 #![allow(dead_code)]
 
+pub mod mlp;
 pub mod tiny;
 
 use std::collections::HashMap;

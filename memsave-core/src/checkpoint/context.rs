@@ -1,6 +1,8 @@
 //! What a thread is doing with respect to checkpointing: running a segment's first forward
 //! (recording its random draws) or recomputing it (replaying them, and leaving running
-//! statistics alone).
+//! statistics alone). A whole forward is recorded and replayed the same way when a step runs
+//! its forward twice (the optimizer's step in backward under clipping or loss scaling: see
+//! [`crate::train::TrainState::forward_passes`]).
 //!
 //! Frames nest: a segment recomputed inside another segment's recomputation replays from the
 //! innermost replay frame and records for its own later recomputation.
@@ -16,22 +18,35 @@ enum Frame {
     Record(Draws),
     /// The recorded draws, and whether to draw again anyway (and discard): in a segment that
     /// runs under its own reseeded stream, so that the stream reaches Burn's layers where it
-    /// did in the first forward.
-    Replay(VecDeque<Box<dyn Any + Send>>, bool),
+    /// did in the first forward. The last flag: a segment's recomputation (its tensors live
+    /// only until its backward ends), not a whole step's second forward.
+    Replay(VecDeque<Box<dyn Any + Send>>, bool, bool),
 }
 
 thread_local! {
     static FRAMES: RefCell<Vec<Frame>> = const { RefCell::new(Vec::new()) };
 }
 
-/// Whether this thread is recomputing a segment in backward. Layers with running statistics
-/// (memsave's `BatchNorm`) leave them alone then, so that they are updated once per step.
+/// Whether this thread is running a forward a second time: recomputing a segment in backward,
+/// or a step's second forward. Layers with running statistics (memsave's `BatchNorm`) leave
+/// them alone then, so that they are updated once per step.
 pub fn is_recomputing() -> bool {
     FRAMES.with(|frames| {
         frames
             .borrow()
             .iter()
             .any(|frame| matches!(frame, Frame::Replay(..)))
+    })
+}
+
+/// Whether this thread is recomputing a checkpointed segment in backward (whose tensors live
+/// only until its backward is done), not running a step's second forward.
+pub(crate) fn is_recomputing_segment() -> bool {
+    FRAMES.with(|frames| {
+        frames
+            .borrow()
+            .iter()
+            .any(|frame| matches!(frame, Frame::Replay(_, _, true)))
     })
 }
 
@@ -45,7 +60,7 @@ pub fn random<T: Clone + Send + 'static>(draw: impl FnOnce() -> T) -> T {
             .rposition(|frame| matches!(frame, Frame::Replay(..)));
         let value = match replay {
             Some(index) => {
-                let Frame::Replay(queue, redraw) = &mut frames[index] else {
+                let Frame::Replay(queue, redraw, _) = &mut frames[index] else {
                     unreachable!("rposition found a replay frame")
                 };
                 if *redraw {
@@ -88,7 +103,7 @@ pub(crate) fn replayed<T: Send + 'static>() -> Option<T> {
         let index = frames
             .iter()
             .rposition(|frame| matches!(frame, Frame::Replay(..)))?;
-        let Frame::Replay(queue, _) = &mut frames[index] else {
+        let Frame::Replay(queue, _, _) = &mut frames[index] else {
             unreachable!("rposition found a replay frame")
         };
         let recorded = queue.pop_front().expect(
@@ -132,7 +147,19 @@ pub(crate) fn replaying<R>(draws: Draws, redraw: bool, f: impl FnOnce() -> R) ->
     FRAMES.with(|frames| {
         frames
             .borrow_mut()
-            .push(Frame::Replay(draws.into_iter().collect(), redraw))
+            .push(Frame::Replay(draws.into_iter().collect(), redraw, true))
+    });
+    let _pop = PopFrame;
+    f()
+}
+
+/// Runs `f`, a step's forward run a second time, replaying the `draws` its first run recorded
+/// ([`recording`]): the same dropout masks and batch statistics, running statistics left alone.
+pub(crate) fn repeating<R>(draws: Draws, f: impl FnOnce() -> R) -> R {
+    FRAMES.with(|frames| {
+        frames
+            .borrow_mut()
+            .push(Frame::Replay(draws.into_iter().collect(), false, false))
     });
     let _pop = PopFrame;
     f()

@@ -27,6 +27,7 @@ use burn::module::Module;
 use burn::prelude::Backend;
 use burn::tensor::ops::FloatTensor;
 
+pub(crate) use autodiff::{mark_ours, take_grad};
 pub use context::{is_recomputing, random};
 pub use segment::{floats, Segment};
 pub use stream::RandomDraws;

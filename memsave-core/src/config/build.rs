@@ -5,7 +5,7 @@ use burn::tensor::backend::AutodiffBackend;
 
 use super::{under, Config, ModelKeys};
 use crate::hooks::{LoggerHook, LrSchedule, LrUpdaterHook, OptimizerHook, SnapshotHook};
-use crate::train::{Hook, OptimizerKind, RunLength, TrainModel};
+use crate::train::{Hook, OptimizerKind, OptimizerSpec, RunLength, TrainModel};
 use crate::{Error, Result};
 
 use crate::planner::advise::Setting;
@@ -35,6 +35,9 @@ impl<M, D> Config<M, D> {
                 other => other,
             })?;
         }
+        self.optimizer()
+            .validate()
+            .map_err(|e| under("optimizer", e))?;
         self.lr_schedule().validate().map_err(|error| match error {
             Error::InvalidValue { field, message } if field == "lr" => {
                 Error::invalid("optimizer.lr", message)
@@ -88,6 +91,14 @@ impl<M, D> Config<M, D> {
         self.optimizer.kind.clone()
     }
 
+    /// The optimizer and how it keeps its state.
+    pub fn optimizer(&self) -> OptimizerSpec {
+        self.optimizer
+            .kind
+            .clone()
+            .with_state_dtype(self.optimizer.state_dtype)
+    }
+
     /// How long the run is.
     pub fn run_length(&self) -> Result<RunLength> {
         Ok(self.runner)
@@ -113,7 +124,8 @@ impl<M, D> Config<M, D> {
         let section = &self.optimizer_config;
         let mut hook = OptimizerHook::new()
             .with_grad_clip(section.grad_clip)
-            .with_detect_anomalous_params(section.detect_anomalous_params);
+            .with_detect_anomalous_params(section.detect_anomalous_params)
+            .with_step_in_backward(section.step_in_backward);
         let groups = section.groups().map_err(|e| under("optimizer_config", e))?;
         hook = hook.with_groups(groups);
         let fp16 = match (&self.fp16, section.kind.is_fp16()) {

@@ -10,14 +10,18 @@ use smart_default::SmartDefault;
 use crate::fp16::Precision;
 use crate::hooks::GradClip;
 use crate::scaler::{LossScaler, ScaleMode};
-use crate::train::OptimizerKind;
+use crate::train::{OptimizerKind, StateDtype};
 use crate::Result;
 
-/// `[optimizer]`: `type`, `lr` and the optimizer's parameters.
+/// `[optimizer]`: `type`, `lr`, how the state is kept, and the optimizer's parameters.
 #[derive(Clone, Debug, PartialEq, Deserialize)]
 pub struct OptimizerSection {
     /// The base learning rate (the schedule's).
     pub lr: f64,
+    /// `"fp32"` (default) or `"int8"`: the state in 8-bit blocks (bitsandbytes' and torchao's
+    /// 8-bit optimizers; approximate).
+    #[serde(default)]
+    pub state_dtype: StateDtype,
     /// The optimizer and its parameters.
     #[serde(flatten)]
     pub kind: OptimizerKind,
@@ -37,6 +41,10 @@ pub struct OptimizerHookSection {
     pub grad_clip: Option<GradClip>,
     /// Report trainable parameters without a gradient.
     pub detect_anomalous_params: bool,
+    /// Step each parameter in backward as soon as its gradient is final and free the gradient
+    /// (PyTorch's optimizer hooks in backward): the whole gradient set never exists. Exact;
+    /// with `grad_clip` or `[fp16]`, each step runs its forward and backward twice.
+    pub step_in_backward: bool,
 }
 
 impl OptimizerHookSection {

@@ -69,10 +69,18 @@ impl Meter for AllocatorMeter {
     fn gradients(&self) -> Option<u64> {
         let backward = super::phase::BACKWARD;
         let recompute = super::phase::RECOMPUTE;
+        // New weights made by a step in backward are not gradients.
+        let step = format!(".{}", super::phase::STEP);
+        let half = format!(".{}", super::phase::HALF_WEIGHTS);
         Some(
             super::live_by_tag()
                 .iter()
-                .filter(|t| t.tag.starts_with(backward) && !t.tag.contains(recompute))
+                .filter(|t| {
+                    t.tag.starts_with(backward)
+                        && !t.tag.contains(recompute)
+                        && !t.tag.contains(&step)
+                        && !t.tag.contains(&half)
+                })
                 .map(|t| t.live.max(0) as u64)
                 .sum(),
         )

@@ -138,8 +138,8 @@ impl<B: Backend> BatchNorm<B> {
     /// - input: `[batch, channels_in, height, width]`
     /// - output: `[batch, channels_out, height_out, width_out]`
     pub fn forward_after_conv(&self, conv: &Conv2d<B>, input: Tensor<B, 4>) -> Tensor<B, 4> {
-        let mismatch =
-            input.dtype() != conv.weight.val().dtype() || crate::checkpoint::is_recomputing();
+        let mismatch = input.dtype() != conv.weight.val().dtype()
+            || crate::checkpoint::context::is_recomputing_segment();
         let Some(options) = conv_options(conv, input.dims()).filter(|_| !mismatch) else {
             return self.forward(crate::nn::conv2d(conv, input));
         };

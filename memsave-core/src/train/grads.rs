@@ -121,16 +121,7 @@ pub fn accumulate<B: AutodiffBackend, M: AutodiffModule<B>>(
             let Some(grad) = self.more.remove::<B::InnerBackend, D>(param.id) else {
                 return;
             };
-            let total = match self.sum.remove::<B::InnerBackend, D>(param.id) {
-                // A half gradient is added to an fp32 sum as it is cast, one parameter at a
-                // time: no full fp32 copy of the half gradients is made.
-                Some(previous) if previous.dtype() != grad.dtype() => {
-                    let dtype = previous.dtype();
-                    previous + grad.cast(dtype)
-                }
-                Some(previous) => previous + grad,
-                None => grad,
-            };
+            let total = add_to_sum(self.sum.remove::<B::InnerBackend, D>(param.id), grad);
             self.sum.register::<B::InnerBackend, D>(param.id, total);
         }
     }
@@ -140,9 +131,50 @@ pub fn accumulate<B: AutodiffBackend, M: AutodiffModule<B>>(
     });
 }
 
+/// `previous + grad`, `grad` cast to the sum's precision where they differ (a half gradient is
+/// added to an fp32 sum as it is cast, one parameter at a time: no full fp32 copy of the half
+/// gradients is made); `grad` alone without a sum.
+pub(crate) fn add_to_sum<K: Backend, const D: usize>(
+    previous: Option<Tensor<K, D>>,
+    grad: Tensor<K, D>,
+) -> Tensor<K, D> {
+    match previous {
+        Some(previous) if previous.dtype() != grad.dtype() => {
+            let dtype = previous.dtype();
+            previous + grad.cast(dtype)
+        }
+        Some(previous) => previous + grad,
+        None => grad,
+    }
+}
+
+/// A copy of `grads` (the same tensors, shared), parameter by parameter.
+pub(crate) fn share<B: AutodiffBackend, M: AutodiffModule<B>>(
+    model: &M,
+    grads: &GradientsParams,
+) -> GradientsParams {
+    struct Share<'a> {
+        grads: &'a GradientsParams,
+        copy: GradientsParams,
+    }
+    impl<B: AutodiffBackend> ModuleVisitor<B> for Share<'_> {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+            if let Some(grad) = self.grads.get::<B::InnerBackend, D>(param.id) {
+                self.copy.register::<B::InnerBackend, D>(param.id, grad);
+            }
+        }
+    }
+    let mut share = Share {
+        grads,
+        copy: GradientsParams::new(),
+    };
+    model.visit(&mut share);
+    share.copy
+}
+
 /// `loss + 0` whose backward first registers `sums` on the parameters' nodes (see
 /// [`backward`]); on a backend without the node, `loss` and `sums` back.
-fn seed_with<B: AutodiffBackend, M: AutodiffModule<B>>(
+pub(crate) fn seed_with<B: AutodiffBackend, M: AutodiffModule<B>>(
     loss: Tensor<B, 1>,
     model: &M,
     sums: GradientsParams,
@@ -346,39 +378,59 @@ pub fn global_norm<B: AutodiffBackend, M: AutodiffModule<B>>(
     grads: &GradientsParams,
     norm_type: f64,
 ) -> Option<f64> {
-    struct Norm<'a, B: AutodiffBackend> {
+    struct Parts<'a, B: AutodiffBackend> {
         grads: &'a GradientsParams,
         norm_type: f64,
-        total: Option<Tensor<B::InnerBackend, 1>>,
+        parts: Vec<Tensor<B::InnerBackend, 1>>,
     }
-    impl<B: AutodiffBackend> ModuleVisitor<B> for Norm<'_, B> {
+    impl<B: AutodiffBackend> ModuleVisitor<B> for Parts<'_, B> {
         fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
-            let Some(grad) = self.grads.get::<B::InnerBackend, D>(param.id) else {
-                return;
-            };
-            let grad = grad.cast(DType::F32);
-            let part = if self.norm_type.is_infinite() {
-                grad.abs().max()
-            } else if self.norm_type == 2.0 {
-                // No `abs` pass: squares are non-negative anyway.
-                grad.square().sum()
-            } else {
-                grad.abs().powf_scalar(self.norm_type).sum()
-            };
-            self.total = Some(match self.total.take() {
-                None => part,
-                Some(total) if self.norm_type.is_infinite() => total.max_pair(part),
-                Some(total) => total + part,
-            });
+            if let Some(grad) = self.grads.get::<B::InnerBackend, D>(param.id) {
+                self.parts.push(norm_part(grad, self.norm_type));
+            }
         }
     }
-    let mut norm = Norm::<B> {
+    let mut parts = Parts::<B> {
         grads,
         norm_type,
-        total: None,
+        parts: Vec::new(),
     };
-    model.visit(&mut norm);
-    let total = scalar(&norm.total?);
+    model.visit(&mut parts);
+    combine_norm(parts.parts, norm_type)
+}
+
+/// One gradient's part of the global `p`-norm, in fp32: the sum of `|g|^p` (of `g^2` for
+/// `p = 2`), or the largest `|g|` for `p = inf`.
+pub(crate) fn norm_part<K: Backend, const D: usize>(
+    grad: Tensor<K, D>,
+    norm_type: f64,
+) -> Tensor<K, 1> {
+    let grad = grad.cast(DType::F32);
+    if norm_type.is_infinite() {
+        grad.abs().max()
+    } else if norm_type == 2.0 {
+        // No `abs` pass: squares are non-negative anyway.
+        grad.square().sum()
+    } else {
+        grad.abs().powf_scalar(norm_type).sum()
+    }
+}
+
+/// The global norm of the [`norm_part`]s, added in the order given (the model's: the same bits
+/// wherever the parts were computed).
+pub(crate) fn combine_norm<K: Backend>(
+    parts: impl IntoIterator<Item = Tensor<K, 1>>,
+    norm_type: f64,
+) -> Option<f64> {
+    let mut total: Option<Tensor<K, 1>> = None;
+    for part in parts {
+        total = Some(match total.take() {
+            None => part,
+            Some(total) if norm_type.is_infinite() => total.max_pair(part),
+            Some(total) => total + part,
+        });
+    }
+    let total = scalar(&total?);
     Some(if norm_type.is_infinite() {
         total
     } else {
@@ -411,8 +463,32 @@ pub(crate) fn params_without_grad<B: AutodiffBackend, M: AutodiffModule<B>>(
     model: &M,
     grads: &GradientsParams,
 ) -> Vec<String> {
-    struct Find<'a> {
+    struct Present<'a> {
         grads: &'a GradientsParams,
+        ids: std::collections::HashSet<burn::module::ParamId>,
+    }
+    impl<B: AutodiffBackend> ModuleVisitor<B> for Present<'_> {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+            if self.grads.get::<B::InnerBackend, D>(param.id).is_some() {
+                self.ids.insert(param.id);
+            }
+        }
+    }
+    let mut present = Present {
+        grads,
+        ids: Default::default(),
+    };
+    model.visit(&mut present);
+    params_without::<B, M>(model, &|id| present.ids.contains(&id))
+}
+
+/// The module paths of the trainable parameters for which `has` is false.
+pub(crate) fn params_without<B: AutodiffBackend, M: AutodiffModule<B>>(
+    model: &M,
+    has: &dyn Fn(burn::module::ParamId) -> bool,
+) -> Vec<String> {
+    struct Find<'a> {
+        has: &'a dyn Fn(burn::module::ParamId) -> bool,
         path: Vec<String>,
         missing: Vec<String>,
     }
@@ -427,13 +503,13 @@ pub(crate) fn params_without_grad<B: AutodiffBackend, M: AutodiffModule<B>>(
 
         fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
             let trainable = param.val().is_require_grad();
-            if trainable && self.grads.get::<B::InnerBackend, D>(param.id).is_none() {
+            if trainable && !(self.has)(param.id) {
                 self.missing.push(self.path.join("."));
             }
         }
     }
     let mut find = Find {
-        grads,
+        has,
         path: Vec::new(),
         missing: Vec::new(),
     };

@@ -29,8 +29,16 @@ pub trait Hook<B: AutodiffBackend, M: TrainModel<B>> {
         Ok(())
     }
 
-    /// After each iteration's forward (`state.loss` is set).
+    /// After each iteration's forward (`state.loss` is set); once an iteration, after its
+    /// last forward when it runs two ([`TrainState::forward_passes`]).
     fn after_iter(&mut self, _state: &mut TrainState<B, M>) -> Result<()> {
+        Ok(())
+    }
+
+    /// After the first forward of an iteration that runs two ([`TrainState::forward_passes`],
+    /// `state.loss` is set): the optimizer hook's first backward. `after_iter` follows the
+    /// second.
+    fn after_first_pass(&mut self, _state: &mut TrainState<B, M>) -> Result<()> {
         Ok(())
     }
 

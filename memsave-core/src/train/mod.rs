@@ -4,15 +4,18 @@
 pub mod grads;
 mod hook;
 mod length;
-mod optim;
+pub(crate) mod optim;
+pub mod optim8;
 pub mod params;
+pub mod quant;
 mod runner;
 pub mod snapshot;
 mod state;
+pub(crate) mod taps;
 
 pub use hook::{Hook, Priority};
 pub use length::RunLength;
-pub use optim::{Optim, OptimizerKind};
+pub use optim::{Optim, OptimizerKind, OptimizerSpec, StateDtype};
 pub use runner::Runner;
 pub use snapshot::{load_weights, Snapshot, SnapshotMeta};
 pub use state::{

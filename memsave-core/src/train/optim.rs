@@ -1,15 +1,20 @@
 //! The optimizers the runner drives: SGD with momentum and weight decay, Adam, AdamW.
 
-use burn::module::AutodiffModule;
+use burn::module::{AutodiffModule, ParamId};
 use burn::optim::adaptor::OptimizerAdaptor;
 use burn::optim::decay::WeightDecayConfig;
 use burn::optim::momentum::MomentumConfig;
+use burn::optim::record::AdaptorRecord;
+use burn::optim::SimpleOptimizer;
 use burn::optim::{Adam, AdamConfig, AdamW, AdamWConfig, GradientsParams, Optimizer, SgdConfig};
 use burn::tensor::backend::AutodiffBackend;
+use burn::tensor::Tensor;
 
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 
+use super::optim8::{Adam8, Sgd8};
 use super::snapshot::codec::{decode_by_param, encode_by_param, CodecError};
+use crate::{Error, Result};
 
 /// Which optimizer, with MMCV's names (`optimizer = dict(type='SGD', lr=0.02, momentum=0.9,
 /// weight_decay=0.0001)`; the learning rate is the schedule's). Unset parameters take
@@ -78,6 +83,87 @@ impl OptimizerKind {
             OptimizerKind::Adam { .. } | OptimizerKind::AdamW { .. } => 2,
         }
     }
+
+    /// This optimizer keeping its state as `state_dtype`.
+    pub fn with_state_dtype(self, state_dtype: StateDtype) -> OptimizerSpec {
+        OptimizerSpec {
+            kind: self,
+            state_dtype,
+        }
+    }
+}
+
+/// How an optimizer keeps its state (`[optimizer] state_dtype`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub enum StateDtype {
+    /// fp32, as Burn's and PyTorch's optimizers.
+    #[default]
+    #[serde(rename = "fp32")]
+    F32,
+    /// Block-wise 8 bits with the dynamic map (bitsandbytes' and torchao's 8-bit optimizers:
+    /// a quarter of the bytes; approximate).
+    #[serde(rename = "int8")]
+    Int8,
+}
+
+impl std::fmt::Display for StateDtype {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            StateDtype::F32 => "fp32",
+            StateDtype::Int8 => "int8",
+        })
+    }
+}
+
+/// An optimizer and how it keeps its state: what the runner builds its optimizer from.
+#[derive(Clone, Debug, PartialEq)]
+pub struct OptimizerSpec {
+    /// The optimizer and its parameters.
+    pub kind: OptimizerKind,
+    /// How its state is kept.
+    pub state_dtype: StateDtype,
+}
+
+impl From<OptimizerKind> for OptimizerSpec {
+    fn from(kind: OptimizerKind) -> Self {
+        kind.with_state_dtype(StateDtype::F32)
+    }
+}
+
+impl From<&OptimizerKind> for OptimizerSpec {
+    fn from(kind: &OptimizerKind) -> Self {
+        kind.clone().into()
+    }
+}
+
+impl From<&OptimizerSpec> for OptimizerSpec {
+    fn from(spec: &OptimizerSpec) -> Self {
+        spec.clone()
+    }
+}
+
+impl OptimizerSpec {
+    /// 8 bits for an optimizer that keeps no state is an error naming `state_dtype`.
+    pub fn validate(&self) -> Result<()> {
+        if self.state_dtype == StateDtype::Int8 && self.kind.state_copies() == 0 {
+            return Err(Error::invalid(
+                "state_dtype",
+                "\"int8\" quantizes the optimizer's state, and SGD without momentum keeps none: \
+                 set a momentum, or leave the state in \"fp32\"",
+            ));
+        }
+        Ok(())
+    }
+
+    /// Bytes of optimizer state per byte of trainable fp32 weights: the state copies, each a
+    /// quarter (one byte a value) plus one fp32 scale per block in 8 bits.
+    pub fn state_per_weight(&self) -> f64 {
+        let copies = self.kind.state_copies() as f64;
+        match self.state_dtype {
+            StateDtype::F32 => copies,
+            StateDtype::Int8 => copies * (1.0 + 4.0 / super::quant::BLOCK as f64) / 4.0,
+        }
+    }
 }
 
 /// One of the supported optimizers over the model `M`.
@@ -88,6 +174,10 @@ pub enum Optim<B: AutodiffBackend, M: AutodiffModule<B>> {
     Adam(OptimizerAdaptor<Adam, M, B>),
     /// AdamW.
     AdamW(OptimizerAdaptor<AdamW, M, B>),
+    /// SGD with its momentum in 8 bits.
+    Sgd8(OptimizerAdaptor<Sgd8, M, B>),
+    /// Adam or AdamW with their moments in 8 bits.
+    Adam8(OptimizerAdaptor<Adam8, M, B>),
 }
 
 impl<B: AutodiffBackend, M: AutodiffModule<B>> Clone for Optim<B, M> {
@@ -96,6 +186,8 @@ impl<B: AutodiffBackend, M: AutodiffModule<B>> Clone for Optim<B, M> {
             Optim::Sgd(optim) => Optim::Sgd(optim.clone()),
             Optim::Adam(optim) => Optim::Adam(optim.clone()),
             Optim::AdamW(optim) => Optim::AdamW(optim.clone()),
+            Optim::Sgd8(optim) => Optim::Sgd8(optim.clone()),
+            Optim::Adam8(optim) => Optim::Adam8(optim.clone()),
         }
     }
 }
@@ -114,7 +206,12 @@ macro_rules! adam {
 
 impl<B: AutodiffBackend, M: AutodiffModule<B>> Optim<B, M> {
     /// A fresh optimizer (no state yet).
-    pub fn new(kind: &OptimizerKind) -> Self {
+    pub fn new(spec: impl Into<OptimizerSpec>) -> Self {
+        let spec = spec.into();
+        if spec.state_dtype == StateDtype::Int8 {
+            return Self::eight_bit(&spec.kind);
+        }
+        let kind = &spec.kind;
         let decay = |penalty: f64| (penalty > 0.0).then(|| WeightDecayConfig::new(penalty as f32));
         match kind {
             OptimizerKind::Sgd {
@@ -148,12 +245,48 @@ impl<B: AutodiffBackend, M: AutodiffModule<B>> Optim<B, M> {
         }
     }
 
+    /// The optimizer `kind` with its state in 8 bits.
+    fn eight_bit(kind: &OptimizerKind) -> Self {
+        match kind {
+            OptimizerKind::Sgd {
+                momentum,
+                weight_decay,
+                nesterov,
+            } => Optim::Sgd8(OptimizerAdaptor::from(Sgd8 {
+                momentum: *momentum,
+                dampening: 0.0,
+                nesterov: *nesterov,
+                weight_decay: (*weight_decay > 0.0).then_some(*weight_decay as f32),
+                eight_bit: true,
+            })),
+            OptimizerKind::Adam {
+                betas,
+                eps,
+                weight_decay,
+            }
+            | OptimizerKind::AdamW {
+                betas,
+                eps,
+                weight_decay,
+            } => Optim::Adam8(OptimizerAdaptor::from(Adam8 {
+                beta_1: betas.0 as f32,
+                beta_2: betas.1 as f32,
+                epsilon: *eps as f32,
+                weight_decay: *weight_decay as f32,
+                decoupled: matches!(kind, OptimizerKind::AdamW { .. }),
+                eight_bit: true,
+            })),
+        }
+    }
+
     /// One optimizer step.
     pub fn step(&mut self, lr: f64, module: M, grads: GradientsParams) -> M {
         match self {
             Optim::Sgd(optim) => optim.step(lr, module, grads),
             Optim::Adam(optim) => optim.step(lr, module, grads),
             Optim::AdamW(optim) => optim.step(lr, module, grads),
+            Optim::Sgd8(optim) => optim.step(lr, module, grads),
+            Optim::Adam8(optim) => optim.step(lr, module, grads),
         }
     }
 
@@ -164,6 +297,8 @@ impl<B: AutodiffBackend, M: AutodiffModule<B>> Optim<B, M> {
             Optim::Sgd(optim) => encode_by_param::<B, _>(optim.to_record()),
             Optim::Adam(optim) => encode_by_param::<B, _>(optim.to_record()),
             Optim::AdamW(optim) => encode_by_param::<B, _>(optim.to_record()),
+            Optim::Sgd8(optim) => encode_by_param::<B, _>(optim.to_record()),
+            Optim::Adam8(optim) => encode_by_param::<B, _>(optim.to_record()),
         }
     }
 
@@ -179,6 +314,115 @@ impl<B: AutodiffBackend, M: AutodiffModule<B>> Optim<B, M> {
             Optim::AdamW(optim) => {
                 Optim::AdamW(optim.load_record(decode_by_param::<B, _, _>(bytes, device)?))
             }
+            Optim::Sgd8(optim) => {
+                Optim::Sgd8(optim.load_record(decode_by_param::<B, _, _>(bytes, device)?))
+            }
+            Optim::Adam8(optim) => {
+                Optim::Adam8(optim.load_record(decode_by_param::<B, _, _>(bytes, device)?))
+            }
         })
+    }
+}
+
+/// An optimizer's per-parameter step, with its state taken out of the optimizer while a
+/// backward pass steps the parameters one by one as their gradients become final
+/// ([`Optim::take_steps`], [`Optim::put_back`]). Each step is the optimizer's own arithmetic
+/// on the same tensors as [`Optim::step`]'s: the same bits.
+pub(crate) enum ParamSteps<B: AutodiffBackend> {
+    Sgd(StepsOf<burn::optim::Sgd<B::InnerBackend>, B>),
+    Adam(StepsOf<Adam, B>),
+    AdamW(StepsOf<AdamW, B>),
+    Sgd8(StepsOf<Sgd8, B>),
+    Adam8(StepsOf<Adam8, B>),
+}
+
+/// One optimizer's rule and the state of each parameter.
+pub(crate) struct StepsOf<O: SimpleOptimizer<B::InnerBackend>, B: AutodiffBackend> {
+    optim: O,
+    records: std::collections::HashMap<ParamId, AdaptorRecord<O, B>>,
+}
+
+impl<O: SimpleOptimizer<B::InnerBackend>, B: AutodiffBackend> StepsOf<O, B> {
+    fn take<M: AutodiffModule<B>>(adaptor: &mut OptimizerAdaptor<O, M, B>) -> Self {
+        let records = adaptor.to_record().into_iter().collect();
+        *adaptor = adaptor.clone().load_record(Default::default());
+        StepsOf {
+            optim: adaptor.optim().clone(),
+            records,
+        }
+    }
+
+    fn put_back<M: AutodiffModule<B>>(self, adaptor: &mut OptimizerAdaptor<O, M, B>) {
+        *adaptor = adaptor
+            .clone()
+            .load_record(self.records.into_iter().collect());
+    }
+
+    /// As `OptimizerAdaptor`'s step of one parameter.
+    fn step<const D: usize>(
+        &mut self,
+        lr: f64,
+        id: ParamId,
+        tensor: Tensor<B::InnerBackend, D>,
+        grad: Tensor<B::InnerBackend, D>,
+    ) -> Tensor<B::InnerBackend, D> {
+        let device = grad.device();
+        let (key, record) = self.records.remove_entry(&id).unzip();
+        let (tensor, state) = self.optim.step(
+            lr,
+            tensor,
+            grad,
+            record.map(|record| O::to_device(record.into_state(), &device)),
+        );
+        if let Some(state) = state {
+            self.records
+                .insert(key.unwrap_or(id), AdaptorRecord::from_state(state));
+        }
+        tensor
+    }
+}
+
+impl<B: AutodiffBackend> ParamSteps<B> {
+    /// Steps the parameter `id` of value `tensor` with its final gradient `grad`.
+    pub(crate) fn step<const D: usize>(
+        &mut self,
+        lr: f64,
+        id: ParamId,
+        tensor: Tensor<B::InnerBackend, D>,
+        grad: Tensor<B::InnerBackend, D>,
+    ) -> Tensor<B::InnerBackend, D> {
+        match self {
+            ParamSteps::Sgd(steps) => steps.step(lr, id, tensor, grad),
+            ParamSteps::Adam(steps) => steps.step(lr, id, tensor, grad),
+            ParamSteps::AdamW(steps) => steps.step(lr, id, tensor, grad),
+            ParamSteps::Sgd8(steps) => steps.step(lr, id, tensor, grad),
+            ParamSteps::Adam8(steps) => steps.step(lr, id, tensor, grad),
+        }
+    }
+}
+
+impl<B: AutodiffBackend, M: AutodiffModule<B>> Optim<B, M> {
+    /// The per-parameter steps, the state moved out of the optimizer (no second copy of it
+    /// exists while they run); [`Optim::put_back`] returns it.
+    pub(crate) fn take_steps(&mut self) -> ParamSteps<B> {
+        match self {
+            Optim::Sgd(optim) => ParamSteps::Sgd(StepsOf::take(optim)),
+            Optim::Adam(optim) => ParamSteps::Adam(StepsOf::take(optim)),
+            Optim::AdamW(optim) => ParamSteps::AdamW(StepsOf::take(optim)),
+            Optim::Sgd8(optim) => ParamSteps::Sgd8(StepsOf::take(optim)),
+            Optim::Adam8(optim) => ParamSteps::Adam8(StepsOf::take(optim)),
+        }
+    }
+
+    /// Returns the state [`Optim::take_steps`] took, as the steps left it.
+    pub(crate) fn put_back(&mut self, steps: ParamSteps<B>) {
+        match (self, steps) {
+            (Optim::Sgd(optim), ParamSteps::Sgd(steps)) => steps.put_back(optim),
+            (Optim::Adam(optim), ParamSteps::Adam(steps)) => steps.put_back(optim),
+            (Optim::AdamW(optim), ParamSteps::AdamW(steps)) => steps.put_back(optim),
+            (Optim::Sgd8(optim), ParamSteps::Sgd8(steps)) => steps.put_back(optim),
+            (Optim::Adam8(optim), ParamSteps::Adam8(steps)) => steps.put_back(optim),
+            _ => unreachable!("the steps were taken from this optimizer"),
+        }
     }
 }

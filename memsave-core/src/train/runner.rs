@@ -10,7 +10,7 @@ use burn::tensor::backend::AutodiffBackend;
 
 use super::hook::{Hook, Hooks, Priority};
 use super::length::RunLength;
-use super::optim::{Optim, OptimizerKind};
+use super::optim::{Optim, OptimizerSpec};
 use super::params::{param_bytes, param_shapes};
 use super::snapshot::codec::{load_bytes, record_bytes};
 use super::snapshot::{Snapshot, SnapshotMeta};
@@ -34,7 +34,7 @@ where
     /// (at [`Priority::AboveNormal`], MMCV's).
     pub fn new(
         model: M,
-        optimizer: &OptimizerKind,
+        optimizer: impl Into<OptimizerSpec>,
         optimizer_hook: Box<dyn Hook<B, M>>,
         data: D,
         length: RunLength,
@@ -45,8 +45,10 @@ where
         if iters_per_epoch == 0 {
             return Err(Error::Data("the data set yields no batch".into()));
         }
-        let mut state = TrainState::new(model, Optim::new(optimizer), device, work_dir.into());
-        state.optimizer_state_copies = optimizer.state_copies();
+        let optimizer = optimizer.into();
+        optimizer.validate()?;
+        let mut state = TrainState::new(model, Optim::new(&optimizer), device, work_dir.into());
+        state.optimizer_state_per_weight = optimizer.state_per_weight();
         state.iters_per_epoch = iters_per_epoch;
         (state.by_epoch, state.max_iters) = match length {
             RunLength::Epochs(epochs) => (true, epochs * iters_per_epoch),
@@ -108,10 +110,12 @@ where
                 self.call(|hook, state| hook.before_epoch(state))?;
             }
             self.state.log = IterLog::default();
+            self.state.forward_passes = 1;
+            self.state.pass = 0;
             self.call(|hook, state| hook.before_iter(state))?;
 
             let batch = self.data.batch(epoch, index)?;
-            self.step(batch)?;
+            self.step(batch, epoch, index)?;
             self.save_if_requested()?;
 
             let end_of_epoch = index + 1 == self.state.iters_per_epoch;
@@ -126,18 +130,37 @@ where
         self.save_if_requested()
     }
 
-    /// Forward, then the hooks' backward and optimizer step; a device's out-of-memory panic
-    /// becomes [`Error::OutOfMemory`].
-    fn step(&mut self, batch: M::Batch) -> Result<()> {
+    /// The forward of `batch`: the loss for the hooks, its parts for the log.
+    fn forward(&mut self, batch: M::Batch) {
+        let (loss, parts) = crate::memory::in_phase(crate::memory::phase::FORWARD, || {
+            self.state.forward_model().loss_with_parts(batch)
+        });
+        self.state.log.parts = parts
+            .iter()
+            .map(|(name, part)| (*name, super::grads::scalar(part)))
+            .collect();
+        self.state.loss = Some(loss);
+    }
+
+    /// Forward, then the hooks' backward and optimizer step (twice when a hook asked for two
+    /// passes: [`TrainState::forward_passes`]); a device's out-of-memory panic becomes
+    /// [`Error::OutOfMemory`].
+    fn step(&mut self, batch: M::Batch, epoch: usize, index: usize) -> Result<()> {
         let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-            let (loss, parts) = crate::memory::in_phase(crate::memory::phase::FORWARD, || {
-                self.state.forward_model().loss_with_parts(batch)
-            });
-            self.state.log.parts = parts
-                .iter()
-                .map(|(name, part)| (*name, super::grads::scalar(part)))
-                .collect();
-            self.state.loss = Some(loss);
+            if self.state.forward_passes < 2 {
+                self.forward(batch);
+                return self.call(|hook, state| hook.after_iter(state));
+            }
+            // The first forward's random draws and batch statistics, for the second.
+            let ((), draws) = crate::checkpoint::context::recording(|| self.forward(batch));
+            self.call(|hook, state| hook.after_first_pass(state))?;
+            if self.state.forward_passes < 2 {
+                // A hook gave the second pass up (an overflow): the iteration ends here.
+                return self.call(|hook, state| hook.after_iter(state));
+            }
+            self.state.pass = 1;
+            let batch = self.data.batch(epoch, index)?;
+            crate::checkpoint::context::repeating(draws, || self.forward(batch));
             self.call(|hook, state| hook.after_iter(state))
         }));
         match outcome {
@@ -173,7 +196,7 @@ where
         };
         let (_, trainable) = param_bytes::<B, M>(&self.state.model);
         // Gradients, and the optimizer state once it exists (the first step makes it).
-        let states = trainable * (1 + self.state.optimizer_state_copies);
+        let states = trainable + (trainable as f64 * self.state.optimizer_state_per_weight) as u64;
         let needed = batch.bytes + states;
         if needed <= available {
             return Ok(());

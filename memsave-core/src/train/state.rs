@@ -130,14 +130,26 @@ pub struct TrainState<B: AutodiffBackend, M: TrainModel<B>> {
     pub save_request: Option<PathBuf>,
     /// The run's directory: checkpoints and the log file.
     pub work_dir: PathBuf,
-    /// Copies of the trainable weights the optimizer keeps (for the memory check).
-    pub optimizer_state_copies: u64,
+    /// Bytes of optimizer state per byte of trainable weights (for the memory check):
+    /// [`super::OptimizerSpec::state_per_weight`].
+    pub optimizer_state_per_weight: f64,
     /// Bytes of gradients per group of parameters the optimizer steps at once (see
     /// [`TrainState::step`]); [`STEP_GROUP_BYTES`] unless changed.
     pub step_group_bytes: usize,
     /// This run's place among data-parallel peers ([`crate::parallel::attach`] sets it);
     /// rank 0 of 1 when training alone.
     pub peer: PeerPlace,
+    /// How many times this iteration's forward runs: 1, or 2 when a hook sets it in
+    /// `before_iter` (the optimizer's step in backward under clipping or loss scaling needs
+    /// every gradient's norm before any step: a first pass finds it, a second steps). The
+    /// second forward gets the same batch (the data source gives it again), replays the first
+    /// one's dropout masks and batch statistics (memsave's layers), and leaves running
+    /// statistics alone. The hooks' `after_first_pass` follows the first forward, `after_iter`
+    /// the second; a hook may set it back to 1 in `after_first_pass` (an overflow skips the
+    /// step), and `after_iter` follows at once. Reset to 1 before each iteration.
+    pub forward_passes: usize,
+    /// Which forward of this iteration ran last, from 0.
+    pub pass: usize,
     warnings: Vec<String>,
 }
 
@@ -164,9 +176,11 @@ impl<B: AutodiffBackend, M: TrainModel<B>> TrainState<B, M> {
             log: IterLog::default(),
             save_request: None,
             work_dir,
-            optimizer_state_copies: 0,
+            optimizer_state_per_weight: 0.0,
             step_group_bytes: STEP_GROUP_BYTES,
             peer: PeerPlace::ALONE,
+            forward_passes: 1,
+            pass: 0,
             warnings: Vec::new(),
         }
     }

@@ -276,7 +276,7 @@ where
     let work_dir = std::env::temp_dir().join(format!("memsave-bench-{}", std::process::id()));
     let mut runner = Runner::new(
         model,
-        &config.optimizer_kind(),
+        config.optimizer(),
         config.optimizer_hook()?,
         Preloaded(batches),
         RunLength::Iters((args.warmup + args.iters) * micro),
@@ -364,8 +364,11 @@ fn summarise(
             !has(t, phase::HALF_WEIGHTS)
                 && (has(t, phase::RECOMPUTE) || t.starts_with(phase::FORWARD))
         });
-        let gradients = sum(&|t| t.starts_with(phase::BACKWARD) && !has(t, phase::RECOMPUTE));
-        let update = sum(&|t| t.starts_with(phase::STEP) || has(t, phase::HALF_WEIGHTS));
+        // A step in backward makes its new weights under `backward.step`: no gradients.
+        let stepping = |t: &str| has(t, phase::STEP) || has(t, phase::HALF_WEIGHTS);
+        let gradients =
+            sum(&|t| t.starts_with(phase::BACKWARD) && !has(t, phase::RECOMPUTE) && !stepping(t));
+        let update = sum(&|t| stepping(t));
         let total = baseline + peak;
         let parameters = parameters + half;
         let optimizer_state = added.saturating_sub(half);
@@ -396,6 +399,7 @@ fn summarise(
     Ok(ConfigResult {
         name: args.name.clone(),
         peak_bytes: peak,
+        whole_step_peak_bytes: baseline + peak,
         median_iter_s: median,
         final_loss: record.losses.last().copied().unwrap_or(f64::NAN),
         breakdown,

@@ -251,9 +251,16 @@ mod ours {
     }
 }
 
+/// Marks `tensor`'s node as one of memsave's, which takes "no gradient" as an answer (a
+/// parameter's tap, [`crate::train::taps`]): a segment's recomputation that does not reach it
+/// gives it no zeros.
+pub(crate) fn mark_ours<B: Backend>(tensor: &FloatTensor<Autodiff<B>>) {
+    ours::insert(tensor);
+}
+
 /// The gradient registered for the node of `ops`, taken out, or `None` if nothing reached it
 /// (where `Gradients::consume` would panic). `like` is any tensor on the backend.
-pub(super) fn take_grad<B: Backend, S, const N: usize>(
+pub(crate) fn take_grad<B: Backend, S, const N: usize>(
     grads: &mut Gradients,
     ops: &Ops<S, N>,
     like: &FloatTensor<B>,

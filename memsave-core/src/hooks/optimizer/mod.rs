@@ -15,6 +15,7 @@
 //! precision), clip, step or skip, update the scaler.
 
 mod groups;
+mod in_backward;
 mod reduce;
 
 use std::path::Path;
@@ -29,6 +30,7 @@ use crate::scaler::LossScaler;
 use crate::train::grads::{self, GradClip};
 use crate::train::{Hook, SnapshotMeta, TrainModel, TrainState};
 use crate::{Error, Result};
+use in_backward::{InBackward, Phase};
 
 pub use groups::Groups;
 pub use reduce::{Alone, Reducer};
@@ -49,6 +51,11 @@ pub struct OptimizerHook<R = Alone> {
     /// Micro-batches summed in the current group.
     pending: usize,
     reducer: R,
+    /// Step each parameter in backward as soon as its gradient is final, and free the
+    /// gradient (see [`OptimizerHook::with_step_in_backward`]).
+    pub step_in_backward: bool,
+    /// The step in backward's state: `InBackward<B>` for the backend trained on.
+    in_backward: Option<Box<dyn std::any::Any + Send>>,
 }
 
 /// The precision part under mixed precision: the scaler, and the half type of the forward copy.
@@ -75,6 +82,8 @@ impl OptimizerHook {
             summed: None,
             pending: 0,
             reducer: Alone,
+            step_in_backward: false,
+            in_backward: None,
         }
     }
 }
@@ -116,7 +125,22 @@ impl<R> OptimizerHook<R> {
             summed: self.summed,
             pending: self.pending,
             reducer,
+            step_in_backward: self.step_in_backward,
+            in_backward: self.in_backward,
         }
+    }
+
+    /// The same hook stepping each parameter during backward, as soon as its gradient is
+    /// final, and freeing the gradient at once (PyTorch's optimizer hooks in backward, LOMO):
+    /// the whole set of gradients never exists. The weights and optimizer state are exactly
+    /// those of the ordinary step. Global-norm clipping and mixed precision need every
+    /// gradient before any step: the forward and backward then run twice, the first backward
+    /// keeping only the norm and the overflow flag (one more forward and backward per step).
+    /// Under accumulation, the group's last micro-batch steps in its backward. Needs Burn's
+    /// autodiff backend; not with data parallelism.
+    pub fn with_step_in_backward(mut self, on: bool) -> Self {
+        self.step_in_backward = on;
+        self
     }
 
     /// The precision the forward runs in (`"fp32"`, `"f16"`, `"bf16"`): written in
@@ -141,6 +165,146 @@ impl<R> OptimizerHook<R> {
     /// The divisor of iteration `iter`'s loss in a run of `max_iters` iterations.
     pub fn loss_factor(&self, iter: usize, max_iters: usize) -> usize {
         self.groups.loss_factor(iter, max_iters)
+    }
+
+    /// The step in backward's state for the backend `B`.
+    fn part<B: AutodiffBackend>(&mut self) -> &mut InBackward<B> {
+        if !self
+            .in_backward
+            .as_ref()
+            .is_some_and(|part| part.is::<InBackward<B>>())
+        {
+            self.in_backward = Some(Box::new(InBackward::<B>::default()));
+        }
+        self.in_backward
+            .as_mut()
+            .and_then(|part| part.downcast_mut::<InBackward<B>>())
+            .expect("made above for this backend")
+    }
+
+    /// Warns of the trainable parameters that got no gradient (`detect_anomalous_params`).
+    fn warn_missing<B: AutodiffBackend, M: TrainModel<B>>(
+        &self,
+        state: &mut TrainState<B, M>,
+        reached: &std::collections::HashSet<burn::module::ParamId>,
+    ) {
+        if !self.detect_anomalous_params {
+            return;
+        }
+        let missing = in_backward::missing::<B, M>(&state.model, reached);
+        if !missing.is_empty() {
+            state.warn(format!(
+                "iteration {}: these trainable parameters got no gradient (not used in the \
+                 loss): {}",
+                state.iter,
+                missing.join(", ")
+            ));
+        }
+    }
+
+    /// `after_iter` of an iteration whose forward ran on tapped parameters: a first pass
+    /// (the norm and the overflow flag) or a step pass (see [`in_backward`]).
+    fn after_iter_in_backward<B: AutodiffBackend, M: TrainModel<B>>(
+        &mut self,
+        state: &mut TrainState<B, M>,
+    ) -> Result<()>
+    where
+        R: Reducer<B>,
+    {
+        let Some(loss) = state.loss.take() else {
+            return Ok(());
+        };
+        if state.pass == 0 {
+            state.log.loss = Some(grads::scalar(&loss));
+            self.reducer.mean_for_log(&mut state.log)?;
+        }
+        let divisor = self.groups.loss_factor(state.iter, state.max_iters) as f64;
+        let loss = match &self.mixed {
+            None => loss.div_scalar(divisor),
+            Some(mixed) => loss
+                .cast(DType::F32)
+                .mul_scalar(mixed.scaler.loss_scale() / divisor),
+        };
+        let mixed = self.mixed.is_some();
+        let norm_type = self.grad_clip.as_ref().map_or(2.0, |clip| clip.norm_type);
+        if self.part::<B>().phase() == Some(Phase::Norm) {
+            let summed = self.summed.take();
+            let (norm, reached) = memory::in_phase(memory::phase::BACKWARD, || {
+                self.part::<B>()
+                    .norm_pass(state, loss, summed.as_ref(), mixed)
+            });
+            self.summed = summed;
+            self.warn_missing(state, &reached);
+            let norm = match &self.mixed {
+                Some(mixed) => norm.map(|norm| norm / mixed.scaler.loss_scale()),
+                None => norm,
+            };
+            let overflow = mixed
+                && self
+                    .reducer
+                    .any(norm.is_some_and(|norm| !norm.is_finite()))?;
+            self.part::<B>().untap(state);
+            if overflow {
+                // Skipped as by the ordinary step: no second pass.
+                state.forward_passes = 1;
+                self.summed = None;
+                self.pending = 0;
+                if let Some(mixed) = &mut self.mixed {
+                    let scale = mixed.scaler.loss_scale();
+                    mixed.scaler.update_scale(true);
+                    state.warn(format!(
+                        "iteration {}: gradient overflow (inf or NaN) at loss scale {scale}; the \
+                         step is skipped and the loss scale lowered to {}",
+                        state.iter,
+                        mixed.scaler.loss_scale()
+                    ));
+                    state.log.loss_scale = Some(mixed.scaler.loss_scale());
+                }
+                return Ok(());
+            }
+            let part = self.part::<B>();
+            part.set_norm(norm);
+            part.tap(state, Phase::Step, norm_type, false);
+            return Ok(());
+        }
+        // The step pass (the only one, or the second).
+        let two = mixed || self.grad_clip.is_some();
+        let (unscale, coefficient) = if two {
+            let norm = self.part::<B>().norm();
+            let unscale = self
+                .mixed
+                .as_ref()
+                .map(|mixed| 1.0 / mixed.scaler.loss_scale());
+            let coefficient = match (&self.grad_clip, norm) {
+                (Some(clip), Some(norm)) if mixed || norm.is_finite() => {
+                    Some(clip.max_norm / (norm + 1e-6))
+                }
+                _ => None,
+            }
+            .filter(|&coefficient| coefficient < 1.0);
+            (unscale, coefficient)
+        } else {
+            (None, None)
+        };
+        let summed = self.summed.take();
+        self.pending = 0;
+        let (norm, reached) = memory::in_phase(memory::phase::BACKWARD, || {
+            self.part::<B>()
+                .step_pass(state, loss, summed, unscale, coefficient)
+        });
+        if two {
+            state.log.grad_norm = self.part::<B>().norm();
+        } else {
+            self.warn_missing(state, &reached);
+            state.log.grad_norm = norm;
+        }
+        state.log.stepped = true;
+        state.log.step_groups = reached.len();
+        if let Some(mixed) = &mut self.mixed {
+            mixed.scaler.update_scale(false);
+            state.log.loss_scale = Some(mixed.scaler.loss_scale());
+        }
+        Ok(())
     }
 
     /// The end of a group: unscale (half precision), check for overflow, clip, step or skip.
@@ -229,6 +393,29 @@ impl<B: AutodiffBackend, M: TrainModel<B>, R: Reducer<B>> Hook<B, M> for Optimiz
     }
 
     fn before_run(&mut self, state: &mut TrainState<B, M>) -> Result<()> {
+        if self.step_in_backward {
+            if !in_backward::supported::<B>() {
+                return Err(Error::invalid(
+                    "step_in_backward",
+                    format!(
+                        "needs Burn's autodiff backend (`Autodiff<..>`), whose graph the step \
+                         joins; this run's backend is `{}`",
+                        std::any::type_name::<B>()
+                    ),
+                ));
+            }
+            if state.world_size() > 1 {
+                return Err(Error::invalid(
+                    "step_in_backward",
+                    format!(
+                        "is not available with data parallelism ({} peers): the gradients \
+                         would have to be averaged over the peers as backward makes them; \
+                         train on one device, or switch it off",
+                        state.world_size()
+                    ),
+                ));
+            }
+        }
         self.groups.warn(state);
         if let Some(mixed) = &self.mixed {
             state.forward_model = Some(memory::scope(memory::phase::HALF_WEIGHTS, || {
@@ -238,7 +425,32 @@ impl<B: AutodiffBackend, M: TrainModel<B>, R: Reducer<B>> Hook<B, M> for Optimiz
         Ok(())
     }
 
+    fn before_iter(&mut self, state: &mut TrainState<B, M>) -> Result<()> {
+        if !self.step_in_backward || !self.groups.boundary(state) {
+            return Ok(());
+        }
+        // Clipping and the overflow check need every gradient's norm first: two passes.
+        let two = self.mixed.is_some() || self.grad_clip.is_some();
+        if two {
+            state.forward_passes = 2;
+        }
+        let norm_type = self.grad_clip.as_ref().map_or(2.0, |clip| clip.norm_type);
+        let phase = if two { Phase::Norm } else { Phase::Step };
+        self.part::<B>().tap(state, phase, norm_type, !two);
+        Ok(())
+    }
+
+    fn after_first_pass(&mut self, state: &mut TrainState<B, M>) -> Result<()> {
+        if self.step_in_backward && self.part::<B>().active() {
+            return self.after_iter_in_backward(state);
+        }
+        Ok(())
+    }
+
     fn after_iter(&mut self, state: &mut TrainState<B, M>) -> Result<()> {
+        if self.step_in_backward && self.part::<B>().active() {
+            return self.after_iter_in_backward(state);
+        }
         let Some(loss) = state.loss.take() else {
             return Ok(());
         };

@@ -1,0 +1,294 @@
+//! Taps: a node in front of each trainable parameter whose backward step runs as soon as the
+//! parameter's gradient is final and hands it to a [`Sink`] (PyTorch's
+//! `register_post_accumulate_grad_hook`), so that the optimizer can step that parameter during
+//! backward and free its gradient at once.
+//!
+//! ```text
+//!   w (leaf) ─────► tap ─────► every use of w in the forward (a conv, a matmul, an anchor)
+//!                    ▲
+//!   depth[k] ········┘   untracked: deepens the tap, adds no edge
+//! ```
+//!
+//! Burn runs backward steps by descending depth (a node is one deeper than its deepest parent),
+//! so a tap runs after every use of its parameter: its gradient is final then. A tap over the
+//! leaf alone would be at depth 1 and run last of all, when every gradient exists anyway, so
+//! its second parent is an untracked node of a chosen depth: an untracked parent adds no edge
+//! (no gradient flows to it, no step runs for it) but counts in the depth. The `k`-th trainable
+//! parameter in the model's visiting order gets depth `k * gap + 1`, `gap` larger than the ops
+//! between two parameters' first uses: the taps' depths then set those of the ops after them,
+//! and backward runs the model's ops and taps in the reverse of the visiting order, each tap
+//! right after the backward of the part of the model from its parameter's first use on. Where
+//! the visiting order is not the forward's, a tap runs later than it could, never before its
+//! gradient is final.
+//!
+//! The untracked nodes that set the depths are made once per [`DepthChain`] (one-element, all
+//! sharing one value) and kept; each step adds one tap per trainable parameter.
+
+use std::collections::HashMap;
+use std::fmt;
+use std::sync::{Arc, Mutex};
+
+use burn::backend::autodiff::checkpoint::base::Checkpointer;
+use burn::backend::autodiff::checkpoint::strategy::NoCheckpointing;
+use burn::backend::autodiff::grads::Gradients;
+use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
+use burn::backend::Autodiff;
+use burn::module::{ModuleMapper, Param, ParamId};
+use burn::prelude::Backend;
+use burn::tensor::backend::AutodiffBackend;
+use burn::tensor::ops::FloatTensor;
+use burn::tensor::{Tensor, TensorPrimitive};
+
+use crate::checkpoint::{mark_ours, take_grad};
+
+/// Where a tap hands its parameter's final gradient.
+pub(crate) trait Sink<K: Backend>: Send + Sync + 'static {
+    /// `grad` is the final gradient of the parameter `id` (of rank `D`).
+    fn on_grad<const D: usize>(&self, id: ParamId, grad: Tensor<K, D>);
+}
+
+/// Whether `B` is Burn's autodiff over its inner backend (any checkpoint strategy): the only
+/// backend whose graph taps can join.
+pub(crate) fn can_tap<B: AutodiffBackend>() -> bool {
+    std::any::TypeId::of::<FloatTensor<B>>()
+        == std::any::TypeId::of::<FloatTensor<Autodiff<B::InnerBackend>>>()
+}
+
+fn cast<F: 'static, T: 'static>(value: F) -> T {
+    let boxed: Box<dyn std::any::Any> = Box::new(value);
+    *boxed
+        .downcast::<T>()
+        .ok()
+        .expect("the backend was checked to be Burn's autodiff (`can_tap`)")
+}
+
+/// Untracked one-element nodes of depth 0, 1, 2, ...: the taps' second parents.
+pub(crate) struct DepthChain<K: Backend> {
+    nodes: Vec<FloatTensor<Autodiff<K>>>,
+    /// Any one-element tensor on the device (for [`take_grad`]).
+    like: FloatTensor<K>,
+}
+
+impl<K: Backend> DepthChain<K> {
+    /// An empty chain on `device`.
+    pub(crate) fn new(device: &K::Device) -> Self {
+        let like = Tensor::<K, 1>::zeros([1], device).into_primitive().tensor();
+        DepthChain {
+            nodes: Vec::new(),
+            like,
+        }
+    }
+
+    /// The node of depth `depth`, the chain grown to it.
+    fn at(&mut self, depth: usize) -> &FloatTensor<Autodiff<K>> {
+        if self.nodes.is_empty() {
+            self.nodes
+                .push(<Autodiff<K> as AutodiffBackend>::from_inner(
+                    self.like.clone(),
+                ));
+        }
+        while self.nodes.len() <= depth {
+            let last = self.nodes.last().expect("the chain has its root");
+            let value = last.primitive.clone();
+            let next = match Link
+                .prepare::<NoCheckpointing>([last.node.clone()])
+                .compute_bound()
+                .stateful()
+            {
+                OpsKind::Tracked(prep) => prep.finish((), value),
+                OpsKind::UnTracked(prep) => prep.finish(value),
+            };
+            self.nodes.push(next);
+        }
+        &self.nodes[depth]
+    }
+}
+
+/// A link of the depth chain: never tracked, so its step never runs.
+#[derive(Debug)]
+struct Link;
+
+impl<K: Backend> Backward<K, 1> for Link {
+    type State = ();
+
+    fn backward(self, _: Ops<Self::State, 1>, _: &mut Gradients, _: &mut Checkpointer) {}
+}
+
+type OnGrad<K> = Box<dyn FnOnce(FloatTensor<K>) + Send>;
+
+#[derive(Clone)]
+struct TapState<K: Backend> {
+    on_grad: Arc<Mutex<Option<OnGrad<K>>>>,
+    like: FloatTensor<K>,
+}
+
+impl<K: Backend> fmt::Debug for TapState<K> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("TapState")
+    }
+}
+
+/// The tap: its output is its parameter's value; its step hands the gradient its output
+/// received (the parameter's, whole) to the sink and passes nothing on.
+#[derive(Debug)]
+struct Tap;
+
+impl<K: Backend> Backward<K, 2> for Tap {
+    type State = TapState<K>;
+
+    fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let grad = take_grad::<K, _, 2>(grads, &ops, &ops.state.like);
+        let on_grad = ops
+            .state
+            .on_grad
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+            .take();
+        if let (Some(on_grad), Some(grad)) = (on_grad, grad) {
+            on_grad(grad);
+        }
+    }
+}
+
+/// Replaces every trainable float parameter of a model by its tap (see the module docs); the
+/// tapped parameters' ids, in visiting order, are in `ids`.
+pub(crate) struct Tapper<'a, B: AutodiffBackend, S: Sink<B::InnerBackend>> {
+    chain: &'a mut DepthChain<B::InnerBackend>,
+    gap: usize,
+    sink: Arc<S>,
+    /// A parameter held twice (one `ParamId`) gets one tap.
+    seen: HashMap<ParamId, Box<dyn std::any::Any>>,
+    /// The tapped parameters, in visiting order.
+    pub(crate) ids: Vec<ParamId>,
+}
+
+impl<'a, B: AutodiffBackend, S: Sink<B::InnerBackend>> Tapper<'a, B, S> {
+    /// Taps handing gradients to `sink`, `gap` deep apart (at least 1).
+    pub(crate) fn new(
+        chain: &'a mut DepthChain<B::InnerBackend>,
+        gap: usize,
+        sink: Arc<S>,
+    ) -> Self {
+        Tapper {
+            chain,
+            gap: gap.max(1),
+            sink,
+            seen: HashMap::new(),
+            ids: Vec::new(),
+        }
+    }
+}
+
+impl<B: AutodiffBackend, S: Sink<B::InnerBackend>> ModuleMapper<B> for Tapper<'_, B, S> {
+    fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
+        let (id, tensor, mapper) = param.consume();
+        if !tensor.is_require_grad() {
+            return Param::from_mapped_value(id, tensor, mapper);
+        }
+        if let Some(tapped) = self.seen.get(&id) {
+            let tapped = tapped
+                .downcast_ref::<Tensor<B, D>>()
+                .expect("one parameter id, one rank")
+                .clone();
+            return Param::from_mapped_value(id, tapped, mapper);
+        }
+        type K<B> = <B as AutodiffBackend>::InnerBackend;
+        let leaf: FloatTensor<Autodiff<K<B>>> = cast(tensor.into_primitive().tensor());
+        let depth = self.ids.len() * self.gap;
+        let sink = self.sink.clone();
+        let on_grad: OnGrad<K<B>> = Box::new(move |grad| {
+            sink.on_grad::<D>(id, Tensor::from_primitive(TensorPrimitive::Float(grad)))
+        });
+        let state = TapState {
+            on_grad: Arc::new(Mutex::new(Some(on_grad))),
+            like: self.chain.like.clone(),
+        };
+        let value = leaf.primitive.clone();
+        let parent = self.chain.at(depth).node.clone();
+        let tapped = match Tap
+            .prepare::<NoCheckpointing>([leaf.node.clone(), parent])
+            .compute_bound()
+            .stateful()
+        {
+            OpsKind::Tracked(prep) => prep.finish(state, value),
+            OpsKind::UnTracked(prep) => prep.finish(value),
+        };
+        mark_ours::<K<B>>(&tapped);
+        let tapped: Tensor<B, D> = Tensor::from_primitive(TensorPrimitive::Float(cast(tapped)));
+        self.seen.insert(id, Box::new(tapped.clone()));
+        self.ids.push(id);
+        Param::from_mapped_value(id, tapped, mapper)
+    }
+}
+
+/// Takes the values of the parameters in `ids` out of a model (each replaced by a one-element
+/// placeholder): while backward runs, the model holds none of them, so that each weight can be
+/// freed as soon as it has stepped.
+pub(crate) struct Extract<'a, K: Backend> {
+    ids: &'a [ParamId],
+    /// The values taken, by id.
+    pub(crate) values: HashMap<ParamId, FloatTensor<K>>,
+}
+
+impl<'a, K: Backend> Extract<'a, K> {
+    pub(crate) fn new(ids: &'a [ParamId]) -> Self {
+        Extract {
+            ids,
+            values: HashMap::new(),
+        }
+    }
+}
+
+impl<B: AutodiffBackend> ModuleMapper<B> for Extract<'_, B::InnerBackend> {
+    fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
+        let (id, tensor, mapper) = param.consume();
+        if !self.ids.contains(&id) {
+            return Param::from_mapped_value(id, tensor, mapper);
+        }
+        let device = tensor.device();
+        let dtype = tensor.dtype();
+        self.values
+            .entry(id)
+            .or_insert_with(|| tensor.inner().into_primitive().tensor());
+        let placeholder = Tensor::<B, D>::zeros([1; D], &device).cast(dtype);
+        Param::from_mapped_value(id, placeholder, mapper)
+    }
+}
+
+/// Puts values back into a model whose parameters [`Extract`] took, each a leaf that requires a
+/// gradient.
+pub(crate) struct Insert<'a, K: Backend> {
+    pub(crate) values: &'a HashMap<ParamId, FloatTensor<K>>,
+}
+
+impl<B: AutodiffBackend> ModuleMapper<B> for Insert<'_, B::InnerBackend> {
+    fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
+        let (id, tensor, mapper) = param.consume();
+        let Some(value) = self.values.get(&id) else {
+            return Param::from_mapped_value(id, tensor, mapper);
+        };
+        let inner =
+            Tensor::<B::InnerBackend, D>::from_primitive(TensorPrimitive::Float(value.clone()));
+        Param::from_mapped_value(id, Tensor::from_inner(inner).require_grad(), mapper)
+    }
+}
+
+/// A tapped model made plain again: each tapped parameter a leaf of the same value (the taps'
+/// values are their parameters', no copy).
+pub(crate) struct Untap<'a> {
+    pub(crate) ids: &'a [ParamId],
+}
+
+impl<B: AutodiffBackend> ModuleMapper<B> for Untap<'_> {
+    fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
+        let (id, tensor, mapper) = param.consume();
+        if !self.ids.contains(&id) {
+            return Param::from_mapped_value(id, tensor, mapper);
+        }
+        Param::from_mapped_value(
+            id,
+            Tensor::from_inner(tensor.inner()).require_grad(),
+            mapper,
+        )
+    }
+}
