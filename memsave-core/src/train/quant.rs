@@ -13,7 +13,7 @@
 
 use burn::prelude::Backend;
 use burn::record::{PrecisionSettings, Record};
-use burn::tensor::{DType, Int, IntDType, Tensor, TensorData};
+use burn::tensor::{DType, Int, IntDType, Tensor, TensorData, TensorPrimitive};
 use serde::{Deserialize, Serialize};
 
 /// Values per block (torchao's).
@@ -159,7 +159,32 @@ pub fn quantize<B: Backend, const D: usize>(
     if blocks * BLOCK > n {
         flat = Tensor::cat(vec![flat, Tensor::zeros([blocks * BLOCK - n], &device)], 0);
     }
-    let map = Tensor::<B, 1>::from_floats(dynamic_map(signed).as_slice(), &device);
+    let values = dynamic_map(signed);
+    if let Some((codes, absmax)) = crate::nn::quantize_blocks::<B>(
+        flat.clone().into_primitive().tensor(),
+        values.clone(),
+        BLOCK,
+    ) {
+        return StateTensor::Blocks {
+            codes: Tensor::from_primitive(codes),
+            absmax: Tensor::from_primitive(TensorPrimitive::Float(absmax)),
+            shape,
+            signed,
+        };
+    }
+    quantize_ops(flat, &values, shape, signed)
+}
+
+/// [`quantize`] as tensor ops (any backend; the one a backend without its own kernel runs).
+fn quantize_ops<B: Backend, const D: usize>(
+    flat: Tensor<B, 1>,
+    values: &[f32],
+    shape: [usize; D],
+    signed: bool,
+) -> StateTensor<B, D> {
+    let device = flat.device();
+    let blocks = flat.dims()[0] / BLOCK;
+    let map = Tensor::<B, 1>::from_floats(values, &device);
     let absmax = flat
         .clone()
         .reshape([blocks, BLOCK])
@@ -207,12 +232,21 @@ fn dequantize<B: Backend, const D: usize>(
     let device = absmax.device();
     let blocks = absmax.dims()[0];
     let n: usize = shape.iter().product();
-    let map = Tensor::<B, 1>::from_floats(dynamic_map(signed).as_slice(), &device);
-    let values = map
-        .select(0, codes.clone().cast(IntDType::I32))
-        .reshape([blocks, BLOCK])
-        .mul(absmax.clone().reshape([blocks, 1]))
-        .reshape([blocks * BLOCK]);
+    let map = dynamic_map(signed);
+    let own = crate::nn::dequantize_blocks::<B>(
+        codes.clone().into_primitive(),
+        absmax.clone().into_primitive().tensor(),
+        map.clone(),
+        BLOCK,
+    );
+    let values = match own {
+        Some(values) => Tensor::<B, 1>::from_primitive(TensorPrimitive::Float(values)),
+        None => Tensor::<B, 1>::from_floats(map.as_slice(), &device)
+            .select(0, codes.clone().cast(IntDType::I32))
+            .reshape([blocks, BLOCK])
+            .mul(absmax.clone().reshape([blocks, 1]))
+            .reshape([blocks * BLOCK]),
+    };
     let values = if blocks * BLOCK > n {
         values.slice([0..n])
     } else {
@@ -370,6 +404,31 @@ mod tests {
                 worst <= absmax * 0.9 / 64.0 / 2.0 * 1.001,
                 "block {block}: {worst}"
             );
+        }
+    }
+
+    #[test]
+    fn flexs_kernel_gives_the_tensor_ops_codes() {
+        let device = Default::default();
+        for signed in [true, false] {
+            let n = BLOCK * 40;
+            let x =
+                Tensor::<K, 1>::random([n], burn::tensor::Distribution::Normal(0.0, 1.0), &device);
+            // Magnitudes over ten decades, zeros, and (unsigned) non-negative values only.
+            let x = x.clone().mul(x.clone().mul_scalar(4.0).exp());
+            let x = if signed { x } else { x.abs() };
+            let x = x.slice([0..n - 7]).reshape([n - 7]);
+            let padded = Tensor::cat(vec![x.clone(), Tensor::zeros([7], &device)], 0);
+            let ops = quantize_ops::<K, 1>(padded, &dynamic_map(signed), [n - 7], signed);
+            let kernel = quantize(x, signed);
+            let parts = |q: StateTensor<K, 1>| match q {
+                StateTensor::Blocks { codes, absmax, .. } => (
+                    codes.into_data().convert::<u8>().to_vec::<u8>().unwrap(),
+                    absmax.into_data().to_vec::<f32>().unwrap(),
+                ),
+                StateTensor::Full(_) => panic!("8 bits"),
+            };
+            assert!(parts(ops) == parts(kernel), "signed {signed}");
         }
     }
 

@@ -423,3 +423,65 @@ pub(super) fn backward(
         (Some(tensor(dx, shape)), dgamma, dbeta)
     })
 }
+
+/// [`super::LeanBackend::quantize_blocks`] on Flex: one pass per block, in parallel; the same
+/// arithmetic as the tensor ops (`x / absmax`, the largest map value not above it, rounded up
+/// where the next one is at most as far), so the same codes.
+pub(super) fn quantize_blocks(x: &T, map: &[f32], block: usize) -> Option<(FlexTensor, T)> {
+    let x = contiguous(x);
+    if x.dtype() != DType::F32 || block == 0 || map.len() != 256 {
+        return None;
+    }
+    let data = x.as_slice::<f32>()?;
+    if data.len() % block != 0 {
+        return None;
+    }
+    let blocks = data.len() / block;
+    let mut codes = vec![0u8; data.len()];
+    let mut absmax = vec![0f32; blocks];
+    codes
+        .par_chunks_mut(block)
+        .zip(absmax.par_iter_mut())
+        .zip(data.par_chunks(block))
+        .for_each(|((codes, absmax), values)| {
+            let scale = values.iter().fold(0.0f32, |m, v| m.max(v.abs())).max(1e-12);
+            *absmax = scale;
+            for (code, value) in codes.iter_mut().zip(values) {
+                let scaled = value / scale;
+                let low = map.partition_point(|m| *m <= scaled).saturating_sub(1);
+                let high = (low + 1).min(255);
+                let up = scaled - map[low] >= (map[high] - map[low]) * 0.5;
+                *code = if up { high as u8 } else { low as u8 };
+            }
+        });
+    let codes = FlexTensor::from_data(TensorData::new(codes, Shape::from(vec![data.len()])));
+    Some((codes, f32_tensor(absmax)))
+}
+
+/// [`super::LeanBackend::dequantize_blocks`] on Flex.
+pub(super) fn dequantize_blocks(
+    codes: &FlexTensor,
+    absmax: &T,
+    map: &[f32],
+    block: usize,
+) -> Option<T> {
+    let (codes, absmax) = (contiguous(codes), contiguous(absmax));
+    if codes.dtype() != DType::U8 || absmax.dtype() != DType::F32 || map.len() != 256 {
+        return None;
+    }
+    let (codes, scales) = (codes.as_slice::<u8>()?, absmax.as_slice::<f32>()?);
+    if block == 0 || codes.len() != scales.len() * block {
+        return None;
+    }
+    let mut values = vec![0f32; codes.len()];
+    values
+        .par_chunks_mut(block)
+        .zip(codes.par_chunks(block))
+        .zip(scales.par_iter())
+        .for_each(|((values, codes), scale)| {
+            for (value, code) in values.iter_mut().zip(codes) {
+                *value = map[*code as usize] * scale;
+            }
+        });
+    Some(f32_tensor(values))
+}

@@ -350,9 +350,49 @@ pub trait LeanBackend: NormKernels + ConvKernels {
         )
         .x_grad
     }
+
+    /// Block-wise 8-bit quantization (`crate::train::quant`): `x` (fp32, its length a
+    /// multiple of `block`) as the codes (`u8`) of the nearest values of the sorted `map` (256
+    /// values) to each value over its block's largest magnitude, and those magnitudes (at least
+    /// 1e-12). `None`: the caller's tensor ops do it (the default).
+    fn quantize_blocks(
+        _x: &FloatTensor<Self>,
+        _map: &[f32],
+        _block: usize,
+    ) -> Option<(burn::tensor::ops::IntTensor<Self>, FloatTensor<Self>)> {
+        None
+    }
+
+    /// The fp32 values of [`LeanBackend::quantize_blocks`]' `codes` and `absmax` (`map[code]
+    /// * absmax` of its block). `None`: the caller's tensor ops (the default).
+    fn dequantize_blocks(
+        _codes: &burn::tensor::ops::IntTensor<Self>,
+        _absmax: &FloatTensor<Self>,
+        _map: &[f32],
+        _block: usize,
+    ) -> Option<FloatTensor<Self>> {
+        None
+    }
 }
 
-impl LeanBackend for burn::backend::Flex {}
+impl LeanBackend for burn::backend::Flex {
+    fn dequantize_blocks(
+        codes: &burn::tensor::ops::IntTensor<Self>,
+        absmax: &FloatTensor<Self>,
+        map: &[f32],
+        block: usize,
+    ) -> Option<FloatTensor<Self>> {
+        flex::dequantize_blocks(codes, absmax, map, block)
+    }
+
+    fn quantize_blocks(
+        x: &FloatTensor<Self>,
+        map: &[f32],
+        block: usize,
+    ) -> Option<(burn::tensor::ops::IntTensor<Self>, FloatTensor<Self>)> {
+        flex::quantize_blocks(x, map, block)
+    }
+}
 
 /// `onto + x^T * dy` as tensor ops (see [`ConvKernels::linear_weight_grad_onto`]).
 fn linear_weight_grad_ops<B: Backend>(

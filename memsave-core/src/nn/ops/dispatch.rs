@@ -18,7 +18,7 @@ use std::sync::{Mutex, OnceLock, RwLock};
 
 use burn::backend::Autodiff;
 use burn::prelude::Backend;
-use burn::tensor::ops::{ConvOptions, FloatTensor};
+use burn::tensor::ops::{ConvOptions, FloatTensor, IntTensor};
 
 use super::super::kernels::{Act, Grouping, LeanBackend, View};
 use super::fused::{ConvSpec, NormSpec};
@@ -65,6 +65,14 @@ pub(super) trait Lean: Send + Sync {
     }
     /// `(T, NormParts<T>, PoolSpec)` -> `OutParts<T>`.
     fn norm_act_pool(&self, call: Call) -> Result<Call, Call> {
+        Err(call)
+    }
+    /// `(T, Vec<f32>, usize)` -> `Option<(IntT, T)>` (see `LeanBackend::quantize_blocks`).
+    fn quantize_blocks(&self, call: Call) -> Result<Call, Call> {
+        Err(call)
+    }
+    /// `(IntT, T, Vec<f32>, usize)` -> `Option<T>` (see `LeanBackend::dequantize_blocks`).
+    fn dequantize_blocks(&self, call: Call) -> Result<Call, Call> {
         Err(call)
     }
 }
@@ -304,6 +312,17 @@ impl<K: LeanBackend> Lean for Untracked<K> {
             norm.epsilon,
         );
         Ok(Box::new(out.into_parts()))
+    }
+
+    fn quantize_blocks(&self, call: Call) -> Result<Call, Call> {
+        let (x, map, block): (FloatTensor<K>, Vec<f32>, usize) = take(call);
+        Ok(Box::new(K::quantize_blocks(&x, &map, block)))
+    }
+
+    fn dequantize_blocks(&self, call: Call) -> Result<Call, Call> {
+        let (codes, absmax, map, block): (IntTensor<K>, FloatTensor<K>, Vec<f32>, usize) =
+            take(call);
+        Ok(Box::new(K::dequantize_blocks(&codes, &absmax, &map, block)))
     }
 }
 

@@ -191,6 +191,39 @@ pub(crate) use shared::PoolSpec;
 
 pub use dispatch::{is_lean, lean_backends, register_backend};
 
+/// `B`'s own block-wise 8-bit quantization (`LeanBackend::quantize_blocks`), where it has one.
+pub(crate) fn quantize_blocks<B: Backend>(
+    x: FloatTensor<B>,
+    map: Vec<f32>,
+    block: usize,
+) -> Option<(burn::tensor::ops::IntTensor<B>, FloatTensor<B>)> {
+    let device = B::float_device(&x);
+    dispatch::run::<B, _, Option<_>>(
+        &device,
+        |lean, call| lean.quantize_blocks(call),
+        (x, map, block),
+    )
+    .ok()
+    .flatten()
+}
+
+/// `B`'s own dequantization of [`quantize_blocks`]' output, where it has one.
+pub(crate) fn dequantize_blocks<B: Backend>(
+    codes: burn::tensor::ops::IntTensor<B>,
+    absmax: FloatTensor<B>,
+    map: Vec<f32>,
+    block: usize,
+) -> Option<FloatTensor<B>> {
+    let device = B::float_device(&absmax);
+    dispatch::run::<B, _, Option<_>>(
+        &device,
+        |lean, call| lean.dequantize_blocks(call),
+        (codes, absmax, map, block),
+    )
+    .ok()
+    .flatten()
+}
+
 use dispatch::Lean;
 use norm::composed;
 
