@@ -83,6 +83,9 @@ fn a_step_over_the_budget_adds_segments_and_says_so() {
             micro_batch: 4,
             cumulative: 1,
             adam: false,
+            step_in_backward: false,
+            int8_state: false,
+            clips: false,
         };
         // The whole unplanned peak: nothing needs checkpointing at first.
         let planner = AutoPlanHook::new(Budget::Fraction(1.0), setting, BACKBONE_KEYS, &device)
@@ -158,6 +161,9 @@ fn a_device_out_of_memory_after_the_plan_ends_with_what_would_fit() {
             micro_batch: 4,
             cumulative: 1,
             adam: false,
+            step_in_backward: false,
+            int8_state: false,
+            clips: false,
         };
         let planner =
             AutoPlanHook::new(Budget::Fraction(1.0), setting, BACKBONE_KEYS, &device).unwrap();

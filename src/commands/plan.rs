@@ -38,6 +38,10 @@ pub struct PlanArgs {
     /// Print the report as JSON.
     #[arg(long)]
     json: bool,
+    /// Consider strategies that change the arithmetic beyond rounding (8-bit optimizer state),
+    /// measured too; also `[memory] allow_approximate = true` in the config.
+    #[arg(long)]
+    allow_approximate: bool,
     /// Measured steps per run (after one warm-up step).
     #[arg(long, default_value_t = 2)]
     iters: usize,
@@ -210,13 +214,16 @@ pub fn plan(args: PlanArgs) -> Result<()> {
     let batch = memsave::models::registry::batch_size(&args.config, &args.set)?;
     // The model's own settings, where its registry entry says they are.
     let keys = memsave::models::registry::entry(&args.config, &args.set)?.keys;
-    let setting: Setting = {
+    let (setting, allow_approximate): (Setting, bool) = {
         let config =
             Config::<memsave::models::config::ModelKind, memsave::models::config::AnyData>::load(
                 &args.config,
                 &args.set,
             )?;
-        config.planner_setting(batch)
+        (
+            config.planner_setting(batch),
+            args.allow_approximate || config.memory.allow_approximate,
+        )
     };
     let say = |line: &str| {
         if !args.json {
@@ -278,6 +285,35 @@ pub fn plan(args: PlanArgs) -> Result<()> {
                 profile: fp16.profile,
             });
         }
+        if !setting.step_in_backward {
+            say("memsave plan: profiling the optimizer's step in backward ...");
+            let sets = vec!["optimizer_config.step_in_backward=true".to_string()];
+            let measurement = run_worker(
+                &args,
+                ("the config with the step in backward", &sets),
+                0,
+                true,
+            )?;
+            measured.push(Measured {
+                setting: Setting {
+                    step_in_backward: true,
+                    ..setting
+                },
+                profile: measurement.profile,
+            });
+        }
+        if allow_approximate && !setting.int8_state {
+            say("memsave plan: profiling 8-bit optimizer state ...");
+            let sets = vec!["optimizer.state_dtype=\"int8\"".to_string()];
+            let measurement = run_worker(&args, ("the config with 8-bit state", &sets), 0, true)?;
+            measured.push(Measured {
+                setting: Setting {
+                    int8_state: true,
+                    ..setting
+                },
+                profile: measurement.profile,
+            });
+        }
         if setting.micro_batch >= 2 && setting.micro_batch % 2 == 0 {
             say("memsave plan: profiling half the batch ...");
             let half = setting.micro_batch / 2;
@@ -298,7 +334,8 @@ pub fn plan(args: PlanArgs) -> Result<()> {
         report.segments = base.profile.segments.clone();
         report.floor = base.profile.floor();
         let started = Instant::now();
-        report.candidates = advise::advise(&setting, &measured, budget_bytes, &keys);
+        report.candidates =
+            advise::advise(&setting, &measured, budget_bytes, &keys, allow_approximate);
         report.advice_ms = started.elapsed().as_secs_f64() * 1e3;
         report.chosen = report.candidates.first().filter(|c| c.fits).cloned();
     }
@@ -397,6 +434,21 @@ fn print_report(report: &PlanReport, setting: &Setting) {
         },
         if setting.adam { "Adam(W)" } else { "SGD" }
     );
+    if setting.step_in_backward || setting.int8_state {
+        println!(
+            "  ({}{})",
+            if setting.step_in_backward {
+                "the optimizer steps in backward; "
+            } else {
+                ""
+            },
+            if setting.int8_state {
+                "8-bit optimizer state"
+            } else {
+                ""
+            }
+        );
+    }
     println!("\nwithout checkpointing (measured; live at the peak):");
     for (name, bytes) in [
         ("parameters", b.parameters),

@@ -367,12 +367,10 @@ where
         ));
     }
     let planner = match budget {
-        Some(budget) => Some(AutoPlanHook::new(
-            budget,
-            config.planner_setting(batch),
-            keys,
-            &device,
-        )?),
+        Some(budget) => Some(
+            AutoPlanHook::new(budget, config.planner_setting(batch), keys, &device)?
+                .with_allow_approximate(config.memory.allow_approximate),
+        ),
         None => None,
     };
     let optimizer_hook = config.optimizer_hook_of()?;

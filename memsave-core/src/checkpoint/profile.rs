@@ -132,6 +132,27 @@ pub fn start(probe: Box<dyn Meter>) {
     })));
 }
 
+/// Starts the recording afresh, the meter kept: the events so far are dropped and a new
+/// [`Boundary::Start`] is marked. Returns the seconds recorded before (a step's first pass,
+/// when it runs two).
+pub fn restart() -> f64 {
+    if !is_recording() {
+        return 0.0;
+    }
+    let seconds = match recorder().as_mut() {
+        Some(recorder) => {
+            let seconds = recorder.started.elapsed().as_secs_f64();
+            recorder.events.clear();
+            recorder.started = Instant::now();
+            recorder.probe.window_peak();
+            seconds
+        }
+        None => 0.0,
+    };
+    boundary(Boundary::Start);
+    seconds
+}
+
 /// Stops recording; returns the events.
 pub fn stop() -> Vec<Event> {
     crate::memory::on_phase_end(None);

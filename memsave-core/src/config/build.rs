@@ -83,6 +83,9 @@ impl<M, D> Config<M, D> {
                 self.optimizer.kind,
                 OptimizerKind::Adam { .. } | OptimizerKind::AdamW { .. }
             ),
+            step_in_backward: self.optimizer_config.step_in_backward,
+            int8_state: self.optimizer.state_dtype == crate::train::StateDtype::Int8,
+            clips: self.optimizer_config.grad_clip.is_some(),
         }
     }
 

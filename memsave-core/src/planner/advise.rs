@@ -1,5 +1,6 @@
 //! The cheapest combination of strategies that fits a budget: a checkpoint set, mixed
-//! precision, accumulation (batch b as b/k x k), SGD instead of Adam, and, last, a smaller
+//! precision, accumulation (batch b as b/k x k), the optimizer's step in backward, 8-bit
+//! optimizer state (approximate: only when allowed), SGD instead of Adam, and, last, a smaller
 //! batch, each predicted from measured profiles.
 //!
 //! A combination is predicted from the measured profile nearest to it (same precision, the
@@ -7,8 +8,12 @@
 //! optimizer step's, and every segment's kept bytes, scale with the batch; under accumulation
 //! the gradient sums stay live through every micro-step (fp32, the size of the trainable
 //! weights, beside the half gradients under mixed precision) and the step takes k micro-steps;
-//! SGD (with momentum) keeps one copy of the trainable weights fewer than Adam. Then the
-//! checkpoint set is planned on that prediction.
+//! SGD (with momentum) keeps one copy of the trainable weights fewer than Adam. The step in
+//! backward is predicted from a profile measured with it (its windows hold next to no
+//! gradient); under clipping or mixed precision it takes two passes, the first's time measured
+//! or, from a one-pass profile, its forward and backward again. 8-bit state keeps a quarter of
+//! the state's bytes (plus a scale per block), and costs the step the time measured for it.
+//! Then the checkpoint set is planned on that prediction.
 
 use serde::{Deserialize, Serialize};
 
@@ -27,6 +32,16 @@ pub struct Setting {
     pub cumulative: usize,
     /// Adam or AdamW: two moments per weight (else SGD, with at most one).
     pub adam: bool,
+    /// The optimizer steps each parameter in backward (`step_in_backward`).
+    #[serde(default)]
+    pub step_in_backward: bool,
+    /// The optimizer's state is kept in 8 bits (`state_dtype = "int8"`).
+    #[serde(default)]
+    pub int8_state: bool,
+    /// The config clips the gradients by their global norm (a step in backward then takes two
+    /// passes).
+    #[serde(default)]
+    pub clips: bool,
 }
 
 impl Setting {
@@ -34,7 +49,29 @@ impl Setting {
     pub fn batch(&self) -> usize {
         self.micro_batch * self.cumulative
     }
+
+    /// Forwards and backwards per micro-batch that steps: 2 for a step in backward under
+    /// clipping or mixed precision, else 1.
+    pub fn passes(&self) -> usize {
+        if self.step_in_backward && (self.clips || self.fp16) {
+            2
+        } else {
+            1
+        }
+    }
+
+    /// Copies of the trainable weights the optimizer keeps: Adam's two moments, SGD's momentum.
+    fn state_copies(&self) -> u64 {
+        if self.adam {
+            2
+        } else {
+            1
+        }
+    }
 }
+
+/// Bytes one byte of fp32 optimizer state takes in 8 bits (a byte a value, a scale per block).
+pub const INT8_STATE_SHARE: f64 = (1.0 + 4.0 / crate::train::quant::BLOCK as f64) / 4.0;
 
 /// A measured profile and the setting it was measured in.
 #[derive(Clone, Debug)]
@@ -64,6 +101,9 @@ pub struct Candidate {
     pub changes_training: Option<String>,
     /// Whether the checkpoint search was exact.
     pub exact: bool,
+    /// Whether it changes the arithmetic beyond rounding (8-bit optimizer state).
+    #[serde(default)]
+    pub approximate: bool,
     /// The config overrides that apply it (`--set` arguments).
     pub sets: Vec<String>,
 }
@@ -98,13 +138,24 @@ pub fn overrides(
         sets.push("optimizer.type=\"SGD\"".to_string());
         sets.push("optimizer.momentum=0.9".to_string());
     }
+    if setting.step_in_backward != current.step_in_backward {
+        sets.push(format!(
+            "optimizer_config.step_in_backward={}",
+            setting.step_in_backward
+        ));
+    }
+    if setting.int8_state != current.int8_state {
+        let dtype = if setting.int8_state { "int8" } else { "fp32" };
+        sets.push(format!("optimizer.state_dtype=\"{dtype}\""));
+    }
     let quoted: Vec<String> = paths.iter().map(|p| format!("\"{p}\"")).collect();
     sets.push(format!("{}=[{}]", keys.with_cp, quoted.join(", ")));
     sets
 }
 
-/// `profile` as predicted for `to`, from the `from` it was measured in.
-pub fn scale(profile: &Profile, from: &Setting, to: &Setting) -> Profile {
+/// `profile` as predicted for `to`, from the `from` it was measured in; `int8_seconds`: what
+/// 8-bit state adds to a step, as measured.
+pub fn scale(profile: &Profile, from: &Setting, to: &Setting, int8_seconds: f64) -> Profile {
     let factor = to.micro_batch as f64 / from.micro_batch.max(1) as f64;
     let mut out = profile.clone();
     let optimizer_copy = if from.adam && !to.adam {
@@ -146,19 +197,60 @@ pub fn scale(profile: &Profile, from: &Setting, to: &Setting) -> Profile {
     }
     out.step_seconds =
         profile.step_seconds * factor * to.cumulative as f64 / from.cumulative as f64;
+    out.forward_seconds *= factor * to.cumulative as f64 / from.cumulative as f64;
+    out.backward_seconds *= factor * to.cumulative as f64 / from.cumulative as f64;
+    out.first_pass_seconds *= factor;
     out.growth = profile.growth.saturating_sub(optimizer_copy);
+    // The passes of the group's last micro-batch: a first pass to find the norm, or none.
+    match (profile.passes.max(1), to.passes()) {
+        (1, 2) => {
+            out.passes = 2;
+            out.first_pass_seconds = (profile.forward_seconds + profile.backward_seconds) * factor;
+        }
+        (2, 1) => {
+            out.passes = 1;
+            out.first_pass_seconds = 0.0;
+        }
+        _ => {}
+    }
+    // 8-bit state: a quarter of the state's bytes, resident in every window.
+    if to.int8_state != from.int8_state {
+        let state = (profile.trainable * to.state_copies()) as f64;
+        let saved = (state * (1.0 - INT8_STATE_SHARE)) as u64;
+        let seconds = if to.int8_state {
+            int8_seconds
+        } else {
+            -int8_seconds
+        };
+        out.step_seconds = (out.step_seconds + seconds).max(0.0);
+        for window in &mut out.windows {
+            window.peak = if to.int8_state {
+                window.peak.saturating_sub(saved)
+            } else {
+                window.peak + saved
+            };
+        }
+        out.resident = if to.int8_state {
+            out.resident.saturating_sub(saved)
+        } else {
+            out.resident + saved
+        };
+    }
     out
 }
 
 /// Every combination worth considering from `current`, best first: those that fit, in order of
 /// how little they change (the training kept, then SGD, then a smaller batch) and then of
-/// predicted time; then those that do not fit, by predicted peak.
+/// predicted time; then those that do not fit, by predicted peak. The step in backward is
+/// considered where a profile was measured with it, 8-bit state only where
+/// `allow_approximate` (and a profile measured with it gives its time).
 /// `keys` are the model's own settings in the config.
 pub fn advise(
     current: &Setting,
     measured: &[Measured],
     budget: u64,
     keys: &ModelKeys,
+    allow_approximate: bool,
 ) -> Vec<Candidate> {
     let batch = current.batch();
     let divisors: Vec<usize> = (1..=batch).filter(|k| batch % k == 0).collect();
@@ -173,25 +265,50 @@ pub fn advise(
     } else {
         vec![false]
     };
+    let mut in_backward = vec![current.step_in_backward];
+    if !current.step_in_backward && measured.iter().any(|m| m.setting.step_in_backward) {
+        in_backward.push(true);
+    }
+    // What 8-bit state adds to a step: a profile measured with it beside one without.
+    let int8_seconds = measured
+        .iter()
+        .filter(|m| m.setting.int8_state != current.int8_state)
+        .find_map(|m| {
+            let plain = measured.iter().find(|p| {
+                p.setting.int8_state == current.int8_state
+                    && p.setting.fp16 == m.setting.fp16
+                    && p.setting.micro_batch == m.setting.micro_batch
+                    && p.setting.step_in_backward == m.setting.step_in_backward
+            })?;
+            let delta = m.profile.step_seconds - plain.profile.step_seconds;
+            Some(if m.setting.int8_state { delta } else { -delta }.max(0.0))
+        });
+    let mut int8 = vec![current.int8_state];
+    if !current.int8_state && allow_approximate && int8_seconds.is_some() {
+        int8.push(true);
+    }
     for &adam in &optimizers {
         for &fp16 in &precisions {
-            // Accumulation: the same samples per optimizer step.
-            for &k in &divisors {
-                settings.push(Setting {
-                    fp16,
-                    micro_batch: batch / k,
-                    cumulative: k,
-                    adam,
-                });
-            }
-            // A smaller batch: fewer samples per step.
-            for &smaller in divisors.iter().rev().skip(1) {
-                settings.push(Setting {
-                    fp16,
-                    micro_batch: smaller,
-                    cumulative: 1,
-                    adam,
-                });
+            for &step_in_backward in &in_backward {
+                for &int8_state in &int8 {
+                    let with = |micro_batch: usize, cumulative: usize| Setting {
+                        fp16,
+                        micro_batch,
+                        cumulative,
+                        adam,
+                        step_in_backward,
+                        int8_state,
+                        clips: current.clips,
+                    };
+                    // Accumulation: the same samples per optimizer step.
+                    for &k in &divisors {
+                        settings.push(with(batch / k, k));
+                    }
+                    // A smaller batch: fewer samples per step.
+                    for &smaller in divisors.iter().rev().skip(1) {
+                        settings.push(with(smaller, 1));
+                    }
+                }
             }
         }
     }
@@ -200,14 +317,26 @@ pub fn advise(
         .filter_map(|setting| {
             let source = measured
                 .iter()
-                .filter(|m| m.setting.fp16 == setting.fp16)
+                .filter(|m| {
+                    m.setting.fp16 == setting.fp16
+                        && m.setting.step_in_backward == setting.step_in_backward
+                })
                 .min_by_key(|m| {
-                    (m.setting.adam != setting.adam && !m.setting.adam, {
-                        let d = m.setting.micro_batch as i64 - setting.micro_batch as i64;
-                        d.abs()
-                    })
+                    (
+                        m.setting.int8_state != setting.int8_state,
+                        m.setting.adam != setting.adam && !m.setting.adam,
+                        {
+                            let d = m.setting.micro_batch as i64 - setting.micro_batch as i64;
+                            d.abs()
+                        },
+                    )
                 })?;
-            let profile = scale(&source.profile, &source.setting, setting);
+            let profile = scale(
+                &source.profile,
+                &source.setting,
+                setting,
+                int8_seconds.unwrap_or(0.0),
+            );
             Some(candidate(current, setting, &profile, budget, keys))
         })
         .collect();
@@ -264,6 +393,16 @@ fn candidate(
     if current.adam && !setting.adam {
         words.push("SGD instead of Adam(W)".to_string());
     }
+    if setting.step_in_backward && !current.step_in_backward {
+        words.push(if setting.passes() > 1 {
+            "step in backward (two passes)".to_string()
+        } else {
+            "step in backward".to_string()
+        });
+    }
+    if setting.int8_state && !current.int8_state {
+        words.push("8-bit optimizer state (approximate)".to_string());
+    }
     if setting.batch() != current.batch() {
         words.push(format!("batch {}", setting.batch()));
     }
@@ -288,6 +427,12 @@ fn candidate(
     if current.adam && !setting.adam {
         changes.push("SGD with momentum 0.9 replaces Adam(W) (a different optimizer)".to_string());
     }
+    if setting.int8_state && !current.int8_state {
+        changes.push(
+            "the optimizer's state is kept in 8 bits (approximate: measure its training cost)"
+                .to_string(),
+        );
+    }
     Candidate {
         label: words.join(" + "),
         setting: *setting,
@@ -298,5 +443,164 @@ fn candidate(
         fits,
         changes_training: (!changes.is_empty()).then(|| changes.join("; ")),
         exact: plan.exact,
+        approximate: setting.int8_state && !current.int8_state,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::planner::solve::tests::chain;
+
+    const KEYS: ModelKeys = ModelKeys {
+        with_cp: "model.backbone.with_cp",
+        batch: "data.samples_per_gpu",
+    };
+
+    fn setting() -> Setting {
+        Setting {
+            fp16: false,
+            micro_batch: 2,
+            cumulative: 1,
+            adam: true,
+            step_in_backward: false,
+            int8_state: false,
+            clips: true,
+        }
+    }
+
+    /// Four segments of 100 bytes kept each; the resident bytes 1000 (weights, Adam's two
+    /// moments: 200 trainable bytes); the step's gradients 200 at its end.
+    fn profile(gradients: u64, step: f64) -> Profile {
+        let mut profile = chain(
+            &[100, 100, 100, 100],
+            &[1.0, 1.0, 1.0, 1.0],
+            &[1100, 1100, 1100, 1100],
+            1100,
+            1100,
+            1000 + gradients,
+        );
+        profile.resident = 1000;
+        profile.trainable = 200;
+        profile.step_seconds = step;
+        profile.forward_seconds = 3.0;
+        profile.backward_seconds = 5.0;
+        for window in &mut profile.windows {
+            if window.label == "step" {
+                window.gradients = gradients;
+            }
+        }
+        profile
+    }
+
+    fn measured() -> Vec<Measured> {
+        vec![
+            Measured {
+                setting: setting(),
+                profile: profile(200, 14.0),
+            },
+            Measured {
+                setting: Setting {
+                    step_in_backward: true,
+                    ..setting()
+                },
+                profile: profile(0, 14.0),
+            },
+            Measured {
+                setting: Setting {
+                    int8_state: true,
+                    ..setting()
+                },
+                profile: {
+                    // Measured: the moments in 8 bits (298 of their 400 bytes fewer).
+                    let mut profile = profile(200, 14.5);
+                    profile.resident -= 298;
+                    for window in &mut profile.windows {
+                        window.peak -= 298;
+                    }
+                    profile
+                },
+            },
+        ]
+    }
+
+    #[test]
+    fn the_step_in_backward_is_offered_with_its_second_pass_priced() {
+        // Budget 1150: the weights and state (1000) and 150 more.
+        let candidates = advise(&setting(), &measured(), 1150, &KEYS, false);
+        let in_backward = candidates
+            .iter()
+            .find(|c| {
+                c.setting
+                    == Setting {
+                        step_in_backward: true,
+                        ..setting()
+                    }
+            })
+            .expect("offered");
+        assert!(in_backward.fits, "{in_backward:?}");
+        assert_eq!(
+            candidates[0].label, in_backward.label,
+            "the first that keeps the training"
+        );
+        assert!(in_backward.label.contains("step in backward (two passes)"));
+        assert!(in_backward
+            .sets
+            .contains(&"optimizer_config.step_in_backward=true".to_string()));
+        // Every segment checkpointed: the one-pass profile's time plus a forward and a
+        // backward (clipping: two passes).
+        assert_eq!(in_backward.checkpoint.len(), 4);
+        assert!(
+            (in_backward.seconds - (14.0 + 3.0 + 5.0)).abs() < 1e-9,
+            "{}",
+            in_backward.seconds
+        );
+        // Without it, the gradients (200 bytes) do not fit.
+        assert!(candidates
+            .iter()
+            .filter(|c| c.setting == setting())
+            .all(|c| !c.fits));
+        assert!(
+            candidates.iter().all(|c| !c.setting.int8_state),
+            "not allowed"
+        );
+        assert!(candidates.iter().all(|c| !c.approximate));
+    }
+
+    #[test]
+    fn eight_bit_state_is_offered_only_when_allowed_and_marked_approximate() {
+        let candidates = advise(&setting(), &measured(), 900, &KEYS, true);
+        let int8 = candidates
+            .iter()
+            .find(|c| c.setting.int8_state && !c.setting.step_in_backward && !c.setting.fp16)
+            .expect("offered when allowed");
+        assert!(int8.approximate);
+        assert!(int8
+            .sets
+            .contains(&"optimizer.state_dtype=\"int8\"".to_string()));
+        assert!(int8.changes_training.as_ref().unwrap().contains("8 bits"));
+        // Where the 8-bit state was not measured with the rest (the step in backward): two
+        // moments of 200 bytes are 400 * (1 - 0.254) fewer resident bytes, and the step takes
+        // the measured half second more.
+        let from = Setting {
+            step_in_backward: true,
+            ..setting()
+        };
+        let to = Setting {
+            int8_state: true,
+            ..from
+        };
+        let source = profile(0, 14.0);
+        let scaled = scale(&source, &from, &to, 0.5);
+        let saved = (400.0 * (1.0 - INT8_STATE_SHARE)) as u64;
+        assert_eq!(saved, 298);
+        assert_eq!(source.resident - scaled.resident, saved);
+        for (a, b) in source.windows.iter().zip(&scaled.windows) {
+            assert_eq!(a.peak - b.peak, saved, "{}", a.label);
+        }
+        assert!((scaled.step_seconds - source.step_seconds - 0.5).abs() < 1e-9);
+        assert!(candidates.iter().any(|c| c.setting == to && c.approximate));
+        let strict = advise(&setting(), &measured(), 900, &KEYS, false);
+        assert!(strict.iter().all(|c| !c.setting.int8_state));
     }
 }

@@ -128,6 +128,10 @@ pub struct MemorySection {
     /// with `with_cp = "auto"`, the planner checkpoints what this needs.
     #[serde(default)]
     pub memory_budget: Option<Budget>,
+    /// Whether the planner may choose strategies that change the arithmetic beyond rounding
+    /// (8-bit optimizer state); off unless set.
+    #[serde(default)]
+    pub allow_approximate: bool,
 }
 
 /// Which segments are checkpointed (MMCV's `with_cp`, and more).

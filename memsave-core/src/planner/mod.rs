@@ -68,6 +68,8 @@ pub struct ProfileHook {
     pub checkpoint_all: bool,
     ids: HashMap<SegmentId, String>,
     meter: Option<Box<dyn Meter>>,
+    /// The seconds of the profiled step's first pass, when it runs two.
+    first_pass: Option<f64>,
 }
 
 impl ProfileHook {
@@ -79,7 +81,14 @@ impl ProfileHook {
             checkpoint_all: true,
             ids: HashMap::new(),
             meter: Some(meter),
+            first_pass: None,
         }
+    }
+
+    /// The profiled step's first pass ended (of two): the profile is of the second, and
+    /// keeps the first's time.
+    fn first_pass_done(&mut self) {
+        self.first_pass = Some(recorder::restart());
     }
 
     fn begin<B: AutodiffBackend, M: TrainModel<B> + CheckpointModule>(
@@ -105,7 +114,12 @@ impl ProfileHook {
         let (_, trainable) = param_bytes::<B, M>(&state.model);
         // The gradients are the forward model's (half under mixed precision).
         let estimate = GradientEstimate::new(trainable_layout::<B, M>(state.forward_model()));
-        Profile::from_events(&events, &self.ids, trainable, &estimate)
+        let mut profile = Profile::from_events(&events, &self.ids, trainable, &estimate);
+        if let Some(seconds) = self.first_pass.take() {
+            profile.passes = 2;
+            profile.first_pass_seconds = seconds;
+        }
+        profile
     }
 }
 
@@ -117,6 +131,13 @@ impl<B: AutodiffBackend, M: TrainModel<B> + CheckpointModule> Hook<B, M> for Pro
     fn before_iter(&mut self, state: &mut TrainState<B, M>) -> Result<()> {
         if state.iter == self.iter {
             self.begin(state);
+        }
+        Ok(())
+    }
+
+    fn after_first_pass(&mut self, state: &mut TrainState<B, M>) -> Result<()> {
+        if state.iter == self.iter {
+            self.first_pass_done();
         }
         Ok(())
     }
@@ -198,6 +219,7 @@ pub struct AutoPlanHook {
     checked: usize,
     meter: Option<Box<dyn Meter>>,
     current: Rc<RefCell<Vec<String>>>,
+    allow_approximate: bool,
 }
 
 impl AutoPlanHook {
@@ -226,7 +248,15 @@ impl AutoPlanHook {
             checked: 0,
             meter: Some(meter_for(device).ok_or_else(no_meter)?),
             current: Rc::new(RefCell::new(Vec::new())),
+            allow_approximate: false,
         })
+    }
+
+    /// Lets the advice name approximate strategies (8-bit optimizer state: `[memory]
+    /// allow_approximate`).
+    pub fn with_allow_approximate(mut self, allow: bool) -> Self {
+        self.allow_approximate = allow;
+        self
     }
 
     /// The profile, the plan and the budget in bytes, once planned.
@@ -308,7 +338,13 @@ impl<B: AutodiffBackend, M: TrainModel<B> + CheckpointModule> Hook<B, M> for Aut
             setting: self.setting,
             profile: profile.clone(),
         }];
-        let candidates = advise::advise(&self.setting, &measured, held, &self.keys);
+        let candidates = advise::advise(
+            &self.setting,
+            &measured,
+            held,
+            &self.keys,
+            self.allow_approximate,
+        );
         Some(format!(
             "the plan ({} of {} segments checkpointed, predicted {}) did not fit; {}",
             plan.paths.len(),
@@ -321,6 +357,13 @@ impl<B: AutodiffBackend, M: TrainModel<B> + CheckpointModule> Hook<B, M> for Aut
     fn before_run(&mut self, state: &mut TrainState<B, M>) -> Result<()> {
         self.profile.iter = state.iter;
         set_flags(state, &|_| true);
+        Ok(())
+    }
+
+    fn after_first_pass(&mut self, state: &mut TrainState<B, M>) -> Result<()> {
+        if state.iter == self.profile.iter {
+            self.profile.first_pass_done();
+        }
         Ok(())
     }
 
@@ -380,7 +423,13 @@ impl<B: AutodiffBackend, M: TrainModel<B> + CheckpointModule> Hook<B, M> for Aut
                         setting: self.setting,
                         profile: profile.clone(),
                     }];
-                    let candidates = advise::advise(&self.setting, &measured, budget, &self.keys);
+                    let candidates = advise::advise(
+                        &self.setting,
+                        &measured,
+                        budget,
+                        &self.keys,
+                        self.allow_approximate,
+                    );
                     return Err(Error::OutOfMemory {
                         what: format!(
                             "one step with every one of the {} segments checkpointed, the \

@@ -91,6 +91,24 @@ pub struct Profile {
     /// cannot tell gradients from other bytes: CubeCL's pools) rather than counted.
     #[serde(default)]
     pub gradients_estimated: bool,
+    /// Seconds of the profiled step's forward (to the loss) and of its backward.
+    #[serde(default)]
+    pub forward_seconds: f64,
+    /// See `forward_seconds`.
+    #[serde(default)]
+    pub backward_seconds: f64,
+    /// Forwards and backwards the step ran: 2 for the optimizer's step in backward under
+    /// clipping or mixed precision, whose first pass finds the norm; the windows are the last
+    /// pass's, and the first pass's time is `first_pass_seconds`.
+    #[serde(default = "one")]
+    pub passes: usize,
+    /// The first pass's seconds, when there were two (its recomputations included).
+    #[serde(default)]
+    pub first_pass_seconds: f64,
+}
+
+fn one() -> usize {
+    1
 }
 
 /// Where the meter cannot tell gradients from other bytes, the gradient bytes live at each
@@ -221,6 +239,7 @@ impl Profile {
         let mut done: Vec<(usize, u64)> = Vec::new();
         let mut helper_bytes = 0;
         let (mut resident, mut first_seconds, mut last_seconds) = (None, None, 0.0);
+        let (mut forward_end, mut backward_end) = (None, None);
         let (mut end_live, mut backward_gradients) = (None, 0);
         let mut estimated = false;
         for event in events {
@@ -260,10 +279,12 @@ impl Profile {
                             continue;
                         }
                         Boundary::ForwardEnd => {
+                            forward_end.get_or_insert(*seconds);
                             estimated |= gradients.is_none();
                             (*window_peak, "backward".to_string(), gradients.or(Some(0)))
                         }
                         Boundary::BackwardEnd => {
+                            backward_end.get_or_insert(*seconds);
                             let gradients = gradients.unwrap_or_else(|| estimate.total());
                             backward_gradients = gradients;
                             (*window_peak, "step".to_string(), Some(gradients))
@@ -326,6 +347,14 @@ impl Profile {
             unplannable,
             windows,
             gradients_estimated: estimated,
+            forward_seconds: forward_end
+                .zip(first_seconds)
+                .map_or(0.0, |(end, start)| end - start),
+            backward_seconds: backward_end
+                .zip(forward_end)
+                .map_or(0.0, |(end, start)| end - start),
+            passes: 1,
+            first_pass_seconds: 0.0,
         }
     }
 
@@ -365,7 +394,7 @@ impl Profile {
         }
     }
 
-    /// The step time predicted with the segments `checkpointed`.
+    /// The step time predicted with the segments `checkpointed` (each pass recomputes them).
     pub(crate) fn predict_seconds(&self, checkpointed: &[bool]) -> f64 {
         let saved: f64 = self
             .segments
@@ -374,7 +403,8 @@ impl Profile {
             .filter(|(index, _)| !checkpointed.get(*index).copied().unwrap_or(false))
             .map(|(_, segment)| segment.recompute_seconds)
             .sum();
-        (self.step_seconds - saved).max(0.0)
+        let passes = self.passes.max(1) as f64;
+        (self.step_seconds + self.first_pass_seconds - saved * passes).max(0.0)
     }
 
     /// The peak without checkpointing.

@@ -462,6 +462,10 @@ pub(crate) mod tests {
             unplannable: Vec::new(),
             windows,
             gradients_estimated: false,
+            forward_seconds: 0.0,
+            backward_seconds: 0.0,
+            passes: 1,
+            first_pass_seconds: 0.0,
         }
     }
 
