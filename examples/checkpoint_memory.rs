@@ -4,6 +4,7 @@
 //! ```text
 //! cargo run --release --example checkpoint_memory                    # CPU, batch 4, 3x224x224
 //! cargo run --release --features cuda --example checkpoint_memory -- --device cuda
+//! cargo run --release --example checkpoint_memory -- --strategy balanced   # Burn's BalancedCheckpointing
 //! ```
 //!
 //! After a warm-up step of each kind (model and optimizer state exist, gradients dropped), it
@@ -15,6 +16,7 @@
 
 use std::time::Instant;
 
+use burn::backend::autodiff::checkpoint::strategy::BalancedCheckpointing;
 use burn::backend::{Autodiff, Flex};
 use burn::module::Module;
 use burn::nn::loss::CrossEntropyLossConfig;
@@ -53,6 +55,18 @@ struct Args {
     /// Also measure the model wrapped for f16 (`wrap_fp16_model`), plain and checkpointed.
     #[arg(long)]
     f16: bool,
+    /// Burn's autodiff checkpoint strategy under memsave's (`balanced`: Burn's
+    /// `BalancedCheckpointing`, which recomputes memory-bound ops).
+    #[arg(long, value_enum, default_value = "none")]
+    strategy: Strategy,
+}
+
+#[derive(Clone, Copy, Debug, ValueEnum)]
+enum Strategy {
+    /// `NoCheckpointing` (Burn's default).
+    None,
+    /// `BalancedCheckpointing`.
+    Balanced,
 }
 
 #[derive(Clone, Copy, Debug, ValueEnum)]
@@ -327,7 +341,13 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 return Err("the counting allocator is not installed".into());
             }
             let device = Default::default();
-            run::<Autodiff<Flex>>(&args, &device, &mut HeapMeter { baseline: 0 })?;
+            let meter = &mut HeapMeter { baseline: 0 };
+            match args.strategy {
+                Strategy::None => run::<Autodiff<Flex>>(&args, &device, meter)?,
+                Strategy::Balanced => {
+                    run::<Autodiff<Flex, BalancedCheckpointing>>(&args, &device, meter)?
+                }
+            }
         }
         #[cfg(feature = "cuda")]
         DeviceKind::Cuda => {

@@ -285,11 +285,27 @@ fn the_shipped_configs_load() {
         ("resnet18_synthetic_fp16.toml", "fp16", false),
         ("resnet18_synthetic_accumulation.toml", "cumulative", false),
         ("resnet18_synthetic_checkpointing.toml", "optimizer", true),
+        (
+            "resnet18_synthetic_step_in_backward.toml",
+            "optimizer",
+            false,
+        ),
+        ("resnet18_synthetic_int8_state.toml", "optimizer", false),
     ];
     for (file, hook, with_cp) in expected {
         let config = Cfg::load(&root.join(file), &[]).unwrap();
         assert_eq!(hook_name(&config), hook, "{file}");
         assert_eq!(config.model.backbone.with_cp.starts_on(), with_cp, "{file}");
+        assert_eq!(
+            config.optimizer_hook_of().unwrap().step_in_backward,
+            file.contains("step_in_backward"),
+            "{file}"
+        );
+        assert_eq!(
+            config.optimizer().state_dtype == memsave::train::StateDtype::Int8,
+            file.contains("int8"),
+            "{file}"
+        );
     }
 }
 

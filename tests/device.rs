@@ -798,3 +798,282 @@ fn train_and_bench_run_on_the_device_and_end_cleanly() {
         let _ = std::fs::remove_dir_all(&dir);
     });
 }
+
+// --- The optimizer's step in backward and 8-bit state on the device --------------------------
+
+/// A run of `iters` iterations of the tiny classifier with `hook`, `optimizer`: its final
+/// weights (fp32) and losses.
+fn tiny_run(
+    hook: OptimizerHook,
+    optimizer: memsave::train::OptimizerSpec,
+    iters: usize,
+    start: &TinyNet<D>,
+) -> (Vec<f32>, Vec<f64>) {
+    let device: burn::tensor::Device<D> = Default::default();
+    let mut config = SyntheticClassificationConfig::new(8, 64, 8);
+    config.seed = 3;
+    let data = SyntheticClassification::<D>::new(config, 4, device).unwrap();
+    let dir = std::env::temp_dir().join(format!(
+        "memsave-device-sib-{}-{}",
+        std::process::id(),
+        hook.step_in_backward
+    ));
+    let mut runner: Runner<D, TinyNet<D>, SyntheticClassification<D>> = Runner::new(
+        start.clone(),
+        optimizer,
+        Box::new(hook),
+        data,
+        RunLength::Iters(iters),
+        &dir,
+        Default::default(),
+    )
+    .unwrap();
+    runner.register_hook(Box::new(LrUpdaterHook {
+        schedule: LrSchedule::constant(0.05),
+    }));
+    let log = std::sync::Arc::new(Mutex::new(Vec::new()));
+    runner.register_hook(Box::new(Recorder(log.clone())));
+    runner.run().unwrap();
+    let _ = std::fs::remove_dir_all(&dir);
+    let weights = values(runner.state().model.fc.weight.val().inner());
+    let losses = log
+        .lock()
+        .unwrap()
+        .iter()
+        .filter_map(|(log, _, _)| log.loss)
+        .collect();
+    (weights, losses)
+}
+
+#[test]
+fn the_step_in_backward_and_8_bit_state_run_on_the_device() {
+    on_device(|| {
+        let device: burn::tensor::Device<D> = Default::default();
+        let start = TinyNet::<D>::new(4, false, &device).map(&mut common::tiny::Seeded(7));
+        let sgd = OptimizerKind::Sgd {
+            momentum: 0.9,
+            weight_decay: 1e-4,
+            nesterov: false,
+        };
+        // Clipping: two passes, the second forward replaying the first.
+        let clipped = || {
+            OptimizerHook::new()
+                .with_grad_clip(Some(memsave::hooks::GradClip::new(0.5, 2.0).unwrap()))
+        };
+        let (ordinary, losses) = tiny_run(clipped(), sgd.clone().into(), 6, &start);
+        let (in_backward, losses_ib) = tiny_run(
+            clipped().with_step_in_backward(true),
+            sgd.clone().into(),
+            6,
+            &start,
+        );
+        let worst = common::max_relative_difference(&in_backward, &ordinary);
+        println!(
+            "device suite: {}: step in backward (clipped: two passes) vs the ordinary step, 6 \
+             iterations: worst relative weight difference {worst:e}",
+            device_name()
+        );
+        assert_eq!(losses.len(), losses_ib.len());
+        assert!(worst <= 1e-6, "{worst:e}");
+
+        // 8-bit state on the device's own ops (CubeCL: the tensor-op quantization).
+        let adam = OptimizerKind::AdamW {
+            betas: (0.9, 0.999),
+            eps: 1e-8,
+            weight_decay: 0.01,
+        };
+        let wide = |state| {
+            let mut runner: Runner<D, common::mlp::Mlp<D>, SyntheticClassification<D>> =
+                Runner::new(
+                    common::mlp::Mlp::<D>::new(3 * 8 * 8, 128, 2, 0.0, &device)
+                        .map(&mut common::tiny::Seeded(5)),
+                    adam.clone().with_state_dtype(state),
+                    Box::new(OptimizerHook::new()),
+                    SyntheticClassification::<D>::new(
+                        SyntheticClassificationConfig::new(8, 64, 8),
+                        4,
+                        device.clone(),
+                    )
+                    .unwrap(),
+                    RunLength::Iters(3),
+                    std::env::temp_dir().join("memsave-device-int8"),
+                    Default::default(),
+                )
+                .unwrap();
+            runner.register_hook(Box::new(LrUpdaterHook {
+                schedule: LrSchedule::constant(0.001),
+            }));
+            runner.run().unwrap();
+            runner.state().optimizer.to_bytes().unwrap().len()
+        };
+        let (full, eight) = (
+            wide(memsave::train::StateDtype::F32),
+            wide(memsave::train::StateDtype::Int8),
+        );
+        println!(
+            "device suite: {}: AdamW's state written: {full} B in fp32, {eight} B in 8 bits \
+             ({:.2}x)",
+            device_name(),
+            eight as f64 / full as f64
+        );
+        assert!(eight * 10 < full * 3, "{eight} vs {full}");
+
+        // The device's high-water mark, six 512-wide layers: the step in backward holds no
+        // whole gradient set.
+        let meter = memory::meter_for(&device).expect("the device's memory can be read");
+        let mlp = common::mlp::Mlp::<D>::new(3 * 8 * 8, 512, 6, 0.0, &device)
+            .map(&mut common::tiny::Seeded(5));
+        let gradients = memsave::train::params::param_bytes::<D, _>(&mlp).1;
+        let peak = |in_backward: bool| {
+            let mut runner: Runner<D, common::mlp::Mlp<D>, SyntheticClassification<D>> =
+                Runner::new(
+                    mlp.clone(),
+                    &sgd,
+                    Box::new(OptimizerHook::new().with_step_in_backward(in_backward)),
+                    SyntheticClassification::<D>::new(
+                        SyntheticClassificationConfig::new(4, 64, 8),
+                        4,
+                        device.clone(),
+                    )
+                    .unwrap(),
+                    RunLength::Iters(4),
+                    std::env::temp_dir().join("memsave-device-sib-peak"),
+                    Default::default(),
+                )
+                .unwrap();
+            runner.register_hook(Box::new(LrUpdaterHook {
+                schedule: LrSchedule::constant(0.001),
+            }));
+            let steps = memsave::planner::StepMeter::new(2, 4, memory::meter_for(&device).unwrap());
+            let measured = steps.steps.clone();
+            runner.register_hook(Box::new(steps));
+            runner.run().unwrap();
+            let peak = measured
+                .borrow()
+                .iter()
+                .map(|(_, peak)| *peak)
+                .max()
+                .unwrap();
+            peak
+        };
+        let (ordinary, in_backward) = (peak(false), peak(true));
+        let mib = |b: u64| b as f64 / (1024.0 * 1024.0);
+        println!(
+            "device suite: {}: step peak (pool high-water mark), six 512-wide layers: ordinary \
+             {:.2} MiB, step in backward {:.2} MiB; gradients {:.2} MiB (live now {:.2} MiB)",
+            device_name(),
+            mib(ordinary),
+            mib(in_backward),
+            mib(gradients),
+            mib(meter.live())
+        );
+        assert!(
+            in_backward + gradients / 4 < ordinary,
+            "{in_backward} vs {ordinary} ({gradients} bytes of gradients)"
+        );
+    });
+}
+
+/// Asks the device for more than it has at one iteration, as a model too large for it would.
+#[cfg(any(feature = "wgpu", feature = "cuda"))]
+struct Exhaust {
+    at: usize,
+}
+
+#[cfg(any(feature = "wgpu", feature = "cuda"))]
+impl Hook<D, TinyNet<D>> for Exhaust {
+    fn name(&self) -> &'static str {
+        "exhaust"
+    }
+
+    fn after_iter(&mut self, state: &mut TrainState<D, TinyNet<D>>) -> memsave::Result<()> {
+        if state.iter == self.at {
+            // 1 TiB of fp32: no device has it.
+            let huge = Tensor::<K, 1>::zeros([1usize << 38], &state.device);
+            drop(huge.into_data());
+        }
+        Ok(())
+    }
+}
+
+/// A step past the device's memory, in a process of its own: a CubeCL runtime whose server
+/// thread cannot allocate (wgpu's) is unusable afterwards, which the other tests must not see.
+#[cfg(any(feature = "wgpu", feature = "cuda"))]
+#[test]
+fn a_device_out_of_memory_ends_the_run_with_advice_and_keeps_the_checkpoints() {
+    on_device(|| {
+        let out = std::process::Command::new(std::env::current_exe().unwrap())
+            .args([
+                "out_of_memory_in_a_process_of_its_own",
+                "--exact",
+                "--include-ignored",
+                "--nocapture",
+            ])
+            .env("MEMSAVE_DEVICE_OOM_CHILD", "1")
+            .env("XDG_RUNTIME_DIR", std::env::temp_dir())
+            .output()
+            .unwrap();
+        let text = format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert!(out.status.success(), "{text}");
+        let line = text
+            .lines()
+            .find(|line| line.starts_with("device suite:"))
+            .unwrap_or_else(|| panic!("the child said nothing: {text}"));
+        println!("{line}");
+    });
+}
+
+#[cfg(any(feature = "wgpu", feature = "cuda"))]
+#[test]
+#[ignore = "run by a_device_out_of_memory_ends_the_run_with_advice_and_keeps_the_checkpoints"]
+fn out_of_memory_in_a_process_of_its_own() {
+    if std::env::var_os("MEMSAVE_DEVICE_OOM_CHILD").is_none() {
+        return;
+    }
+    let device: burn::tensor::Device<D> = Default::default();
+    let dir = std::env::temp_dir().join(format!("memsave-device-oom-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let mut config = SyntheticClassificationConfig::new(4, 32, 8);
+    config.seed = 3;
+    let mut runner = Runner::new(
+        TinyNet::<D>::new(4, false, &device).map(&mut common::tiny::Seeded(7)),
+        &OptimizerKind::Sgd {
+            momentum: 0.9,
+            weight_decay: 0.0,
+            nesterov: false,
+        },
+        Box::new(OptimizerHook::new()),
+        SyntheticClassification::<D>::new(config, 4, device).unwrap(),
+        RunLength::Iters(4),
+        &dir,
+        Default::default(),
+    )
+    .unwrap();
+    runner.register_hook(Box::new(LrUpdaterHook {
+        schedule: LrSchedule::constant(0.05),
+    }));
+    runner.register_hook(Box::new(memsave::hooks::SnapshotHook::new(1, false)));
+    runner.register_hook(Box::new(Exhaust { at: 2 }));
+    let error = runner.run().unwrap_err();
+    let message = error.to_string();
+    assert!(
+        matches!(error, memsave::Error::OutOfMemory { .. }),
+        "{message}"
+    );
+    assert!(message.contains("iteration 2"), "{message}");
+    assert!(message.contains("checkpointing"), "advice: {message}");
+    // The snapshots written before it are whole.
+    let saved = memsave::train::Snapshot::load(&dir.join("iter_2.ckpt")).unwrap();
+    assert_eq!(saved.meta.iter, 2);
+    println!(
+        "device suite: {}: a step past the device's memory ends the run with an error and \
+         advice, the snapshot before it whole: {}",
+        device_name(),
+        message.lines().next().unwrap_or_default()
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}

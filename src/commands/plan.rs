@@ -173,6 +173,24 @@ fn median(mut values: Vec<f64>) -> f64 {
     }
 }
 
+/// The median time of an optimizer step: the measured micro-batches' times summed a group at a
+/// time (the measured iterations are whole groups of `cumulative`).
+fn step_seconds<'a>(
+    measurements: impl IntoIterator<Item = &'a Measurement>,
+    cumulative: usize,
+) -> f64 {
+    let groups: Vec<f64> = measurements
+        .into_iter()
+        .flat_map(|m| {
+            m.steps
+                .chunks(cumulative.max(1))
+                .map(|group| group.iter().map(|s| s.0).sum::<f64>())
+                .collect::<Vec<_>>()
+        })
+        .collect();
+    median(groups)
+}
+
 fn peak_of(measurement: &Measurement) -> u64 {
     let steps = measurement.steps.iter().map(|s| s.1).max().unwrap_or(0);
     let profiled = measurement
@@ -202,7 +220,7 @@ fn breakdown(measurement: &Measurement, cumulative: usize) -> Breakdown {
             .resident
             .saturating_sub(measurement.parameters + optimizer_state),
         peak,
-        step_seconds: median(measurement.steps.iter().map(|s| s.0).collect()) * cumulative as f64,
+        step_seconds: step_seconds([measurement], cumulative),
     }
 }
 
@@ -365,22 +383,8 @@ pub fn plan(args: PlanArgs) -> Result<()> {
             false,
         )?;
         let second = run_worker(&args, ("the plan", &sets), args.iters, false)?;
-        let planned_seconds = median(
-            first
-                .steps
-                .iter()
-                .chain(&second.steps)
-                .map(|s| s.0)
-                .collect(),
-        ) * cumulative as f64;
-        let unplanned_seconds = median(
-            unplanned
-                .steps
-                .iter()
-                .chain(&again.steps)
-                .map(|s| s.0)
-                .collect(),
-        ) * setting.cumulative as f64;
+        let planned_seconds = step_seconds([&first, &second], cumulative);
+        let unplanned_seconds = step_seconds([&unplanned, &again], setting.cumulative);
         let measured_peak = peak_of(&first).max(peak_of(&second));
         let unplanned_peak = report.unplanned.peak.max(peak_of(&again));
         report.verify = Some(Verified {

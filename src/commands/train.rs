@@ -446,18 +446,26 @@ where
     };
     let (parameters, trainable) = memsave::train::params::param_bytes::<B, M>(&model);
     let work_dir = std::env::temp_dir().join(format!("memsave-plan-{}", std::process::id()));
+    // Whole optimizer steps: under accumulation a warm-up step is a whole group (the optimizer
+    // state exists from the first step on), each measured step a group's micro-batches, and the
+    // profiled micro-batch a group's last (the sums live, the step taken).
+    let micro = config
+        .optimizer_config
+        .groups()
+        .map_or(1, |groups| groups.cumulative_iters());
+    let (warmup, iters) = (warmup * micro, iters * micro);
     let mut runner = Runner::new(
         model,
         config.optimizer(),
         config.optimizer_hook()?,
         data,
-        memsave::train::RunLength::Iters(warmup + iters + 1),
+        memsave::train::RunLength::Iters(warmup + iters + micro),
         &work_dir,
         device.clone(),
     )?;
     let meter = StepMeter::new(warmup, warmup + iters, probe()?);
     let steps = meter.steps.clone();
-    let mut profiler = ProfileHook::new(warmup + iters, probe()?);
+    let mut profiler = ProfileHook::new(warmup + iters + micro - 1, probe()?);
     profiler.checkpoint_all = checkpoint_all;
     let profile = profiler.profile.clone();
     runner.register_hook(Box::new(meter));

@@ -6,7 +6,7 @@
 //! |---|---|---|
 //! | [`Meter::live`] | heap bytes live (the counting allocator) | bytes in use in the pools |
 //! | [`Meter::peak`] | the most heap bytes live since [`Meter::reset_peak`] | the most bytes in use since [`Meter::reset_peak`]: a tracker reads the pools every half millisecond (CubeCL keeps no high-water mark of them) |
-//! | [`Meter::window_peak`] | the most heap bytes live since the previous call | the most bytes in use at the readings taken since the previous call: a lower bound |
+//! | [`Meter::window_peak`] | the most heap bytes live since the previous call | the most bytes in use at the readings taken since the previous call (the tracker's, from the first call on, and everyone's) |
 //! | [`Meter::reserved`] | none | the pools' reserved bytes: an upper bound of the peak |
 //! | [`Meter::gradients`], [`Meter::tags`] | bytes charged to backward's tag; per-tag bytes | not counted |
 
@@ -205,6 +205,8 @@ impl<F: Fn() -> Option<(u64, u64)> + Send + Sync + 'static> Meter for PoolReadin
     }
 
     fn window_peak(&self) -> u64 {
+        // The windows are the tracker's readings too (the planner's profile, a step's meter).
+        self.track();
         let live = (self.shared.usage)().map_or(0, |(used, _)| used);
         self.shared.high.fetch_max(live, Ordering::Relaxed);
         self.shared.seen.swap(live, Ordering::Relaxed).max(live)
@@ -257,6 +259,22 @@ mod tests {
         );
         assert_eq!(meter.peak(), 70, "the most in use since the reset");
         assert_eq!(meter.reserved(), Some(120), "the reservation");
+    }
+
+    #[test]
+    fn a_pool_meters_windows_see_what_its_tracker_read() {
+        let usage = std::sync::Arc::new(Mutex::new((10u64, 1000u64)));
+        let reading = usage.clone();
+        let meter = PoolReadings::new(move || Some(*reading.lock().unwrap()));
+        assert_eq!(
+            meter.window_peak(),
+            10,
+            "no reset_peak: the first window starts"
+        );
+        *usage.lock().unwrap() = (300, 1000);
+        std::thread::sleep(PoolReadings::<fn() -> Option<(u64, u64)>>::INTERVAL * 40);
+        *usage.lock().unwrap() = (20, 1000);
+        assert_eq!(meter.window_peak(), 300, "the tracker read the spike");
     }
 
     #[test]

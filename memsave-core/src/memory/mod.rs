@@ -113,6 +113,38 @@ pub fn is_out_of_memory_panic(message: &str) -> bool {
         || lower.contains("cuda_error_out_of_memory")
 }
 
+/// Panics on other threads since [`other_thread_panics`] last took them: a CubeCL runtime's
+/// server thread (wgpu's) panics where its allocator cannot find room, and the thread that waits
+/// for its result only learns that "an error happened during execution".
+static OTHER_PANICS: std::sync::Mutex<Vec<String>> = std::sync::Mutex::new(Vec::new());
+
+/// Keeps the message of every panic on a thread other than this one (the runner's), the panic
+/// hook that was there still called. Installed once per process.
+pub(crate) fn watch_other_threads() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    let runner = std::thread::current().id();
+    ONCE.call_once(|| {
+        let previous = std::panic::take_hook();
+        std::panic::set_hook(Box::new(move |info| {
+            if std::thread::current().id() != runner {
+                let text = crate::panic_text(info.payload())
+                    .map(str::to_string)
+                    .unwrap_or_else(|| info.to_string());
+                let mut panics = OTHER_PANICS.lock().unwrap_or_else(|e| e.into_inner());
+                if panics.len() < 64 {
+                    panics.push(text);
+                }
+            }
+            previous(info)
+        }));
+    });
+}
+
+/// The panics [`watch_other_threads`] kept since the last call, emptied.
+pub(crate) fn other_thread_panics() -> Vec<String> {
+    std::mem::take(&mut *OTHER_PANICS.lock().unwrap_or_else(|e| e.into_inner()))
+}
+
 /// The size an out-of-memory panic names (`can't allocate buffer of size: N`), if any.
 pub fn out_of_memory_size(message: &str) -> Option<u64> {
     let rest = message.split("buffer of size").nth(1)?;

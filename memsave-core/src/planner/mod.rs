@@ -86,9 +86,14 @@ impl ProfileHook {
     }
 
     /// The profiled step's first pass ended (of two): the profile is of the second, and
-    /// keeps the first's time.
-    fn first_pass_done(&mut self) {
+    /// keeps the first's time. The segments are named afresh: the second forward runs on the
+    /// model the optimizer hook has made for it.
+    fn first_pass_done<B: AutodiffBackend, M: TrainModel<B> + CheckpointModule>(
+        &mut self,
+        state: &TrainState<B, M>,
+    ) {
         self.first_pass = Some(recorder::restart());
+        self.ids = segment_ids(state.forward_model());
     }
 
     fn begin<B: AutodiffBackend, M: TrainModel<B> + CheckpointModule>(
@@ -137,7 +142,7 @@ impl<B: AutodiffBackend, M: TrainModel<B> + CheckpointModule> Hook<B, M> for Pro
 
     fn after_first_pass(&mut self, state: &mut TrainState<B, M>) -> Result<()> {
         if state.iter == self.iter {
-            self.first_pass_done();
+            self.first_pass_done(state);
         }
         Ok(())
     }
@@ -362,7 +367,7 @@ impl<B: AutodiffBackend, M: TrainModel<B> + CheckpointModule> Hook<B, M> for Aut
 
     fn after_first_pass(&mut self, state: &mut TrainState<B, M>) -> Result<()> {
         if state.iter == self.profile.iter {
-            self.profile.first_pass_done();
+            self.profile.first_pass_done(state);
         }
         Ok(())
     }

@@ -146,6 +146,9 @@ where
     /// passes: [`TrainState::forward_passes`]); a device's out-of-memory panic becomes
     /// [`Error::OutOfMemory`].
     fn step(&mut self, batch: M::Batch, epoch: usize, index: usize) -> Result<()> {
+        // A device's server thread that runs out of memory (wgpu) panics there: kept.
+        crate::memory::watch_other_threads();
+        let _ = crate::memory::other_thread_panics();
         let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
             if self.state.forward_passes < 2 {
                 self.forward(batch);
@@ -166,10 +169,18 @@ where
         match outcome {
             Ok(result) => result,
             Err(payload) => {
-                let message = crate::panic_text(payload.as_ref()).unwrap_or_default();
-                if !crate::memory::is_out_of_memory_panic(message) {
-                    std::panic::resume_unwind(payload);
-                }
+                let own = crate::panic_text(payload.as_ref()).unwrap_or_default();
+                // The device's own thread may have said it, the waiting one only that an
+                // error happened.
+                let elsewhere = crate::memory::other_thread_panics()
+                    .into_iter()
+                    .find(|text| crate::memory::is_out_of_memory_panic(text));
+                let message = match (&elsewhere, crate::memory::is_out_of_memory_panic(own)) {
+                    (_, true) => own.to_string(),
+                    (Some(text), false) => text.clone(),
+                    (None, false) => std::panic::resume_unwind(payload),
+                };
+                let message = message.as_str();
                 self.state.loss = None;
                 let needed = crate::memory::out_of_memory_size(message).unwrap_or(0);
                 let (place, _) = crate::memory::device_available_bytes(&self.state.device);

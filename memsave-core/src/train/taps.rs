@@ -62,9 +62,11 @@ fn cast<F: 'static, T: 'static>(value: F) -> T {
         .expect("the backend was checked to be Burn's autodiff (`can_tap`)")
 }
 
-/// Untracked one-element nodes of depth 0, 1, 2, ...: the taps' second parents.
+/// Untracked one-element nodes of the depths the taps ask for: their second parents. A node of
+/// depth `d` is made by `d` links from the root; only the nodes asked for are kept (one per
+/// tapped parameter, reused every step), the links between them freed.
 pub(crate) struct DepthChain<K: Backend> {
-    nodes: Vec<FloatTensor<Autodiff<K>>>,
+    nodes: std::collections::BTreeMap<usize, FloatTensor<Autodiff<K>>>,
     /// Any one-element tensor on the device (for [`take_grad`]).
     like: FloatTensor<K>,
 }
@@ -74,33 +76,37 @@ impl<K: Backend> DepthChain<K> {
     pub(crate) fn new(device: &K::Device) -> Self {
         let like = Tensor::<K, 1>::zeros([1], device).into_primitive().tensor();
         DepthChain {
-            nodes: Vec::new(),
+            nodes: std::collections::BTreeMap::new(),
             like,
         }
     }
 
-    /// The node of depth `depth`, the chain grown to it.
+    /// The node of depth `depth`, made (and kept) if it is not there.
     fn at(&mut self, depth: usize) -> &FloatTensor<Autodiff<K>> {
-        if self.nodes.is_empty() {
-            self.nodes
-                .push(<Autodiff<K> as AutodiffBackend>::from_inner(
-                    self.like.clone(),
-                ));
-        }
-        while self.nodes.len() <= depth {
-            let last = self.nodes.last().expect("the chain has its root");
-            let value = last.primitive.clone();
-            let next = match Link
-                .prepare::<NoCheckpointing>([last.node.clone()])
-                .compute_bound()
-                .stateful()
-            {
-                OpsKind::Tracked(prep) => prep.finish((), value),
-                OpsKind::UnTracked(prep) => prep.finish(value),
+        if !self.nodes.contains_key(&depth) {
+            // From the deepest node kept above which `depth` lies.
+            let (mut node, mut reached) = match self.nodes.range(..depth).next_back() {
+                Some((&reached, node)) => (node.clone(), reached),
+                None => (
+                    <Autodiff<K> as AutodiffBackend>::from_inner(self.like.clone()),
+                    0,
+                ),
             };
-            self.nodes.push(next);
+            while reached < depth {
+                let value = node.primitive.clone();
+                node = match Link
+                    .prepare::<NoCheckpointing>([node.node.clone()])
+                    .compute_bound()
+                    .stateful()
+                {
+                    OpsKind::Tracked(prep) => prep.finish((), value),
+                    OpsKind::UnTracked(prep) => prep.finish(value),
+                };
+                reached += 1;
+            }
+            self.nodes.insert(depth, node);
         }
-        &self.nodes[depth]
+        &self.nodes[&depth]
     }
 }
 
