@@ -883,26 +883,10 @@ fn the_step_in_backward_and_8_bit_state_run_on_the_device() {
             weight_decay: 0.01,
         };
         let wide = |state| {
-            let mut runner: Runner<D, common::mlp::Mlp<D>, SyntheticClassification<D>> =
-                Runner::new(
-                    common::mlp::Mlp::<D>::new(3 * 8 * 8, 128, 2, 0.0, &device)
-                        .map(&mut common::tiny::Seeded(5)),
-                    adam.clone().with_state_dtype(state),
-                    Box::new(OptimizerHook::new()),
-                    SyntheticClassification::<D>::new(
-                        SyntheticClassificationConfig::new(8, 64, 8),
-                        4,
-                        device.clone(),
-                    )
-                    .unwrap(),
-                    RunLength::Iters(3),
-                    std::env::temp_dir().join("memsave-device-int8"),
-                    Default::default(),
-                )
-                .unwrap();
-            runner.register_hook(Box::new(LrUpdaterHook {
-                schedule: LrSchedule::constant(0.001),
-            }));
+            let mlp = common::mlp::Mlp::<D>::new(3 * 8 * 8, 128, 2, 0.0, &device)
+                .map(&mut common::tiny::Seeded(5));
+            let hook = OptimizerHook::new();
+            let mut runner = mlp_runner(mlp, adam.clone().with_state_dtype(state), hook, 3);
             runner.run().unwrap();
             runner.state().optimizer.to_bytes().unwrap().len()
         };
@@ -925,25 +909,8 @@ fn the_step_in_backward_and_8_bit_state_run_on_the_device() {
             .map(&mut common::tiny::Seeded(5));
         let gradients = memsave::train::params::param_bytes::<D, _>(&mlp).1;
         let peak = |in_backward: bool| {
-            let mut runner: Runner<D, common::mlp::Mlp<D>, SyntheticClassification<D>> =
-                Runner::new(
-                    mlp.clone(),
-                    &sgd,
-                    Box::new(OptimizerHook::new().with_step_in_backward(in_backward)),
-                    SyntheticClassification::<D>::new(
-                        SyntheticClassificationConfig::new(4, 64, 8),
-                        4,
-                        device.clone(),
-                    )
-                    .unwrap(),
-                    RunLength::Iters(4),
-                    std::env::temp_dir().join("memsave-device-sib-peak"),
-                    Default::default(),
-                )
-                .unwrap();
-            runner.register_hook(Box::new(LrUpdaterHook {
-                schedule: LrSchedule::constant(0.001),
-            }));
+            let hook = OptimizerHook::new().with_step_in_backward(in_backward);
+            let mut runner = mlp_runner(mlp.clone(), sgd.clone().into(), hook, 4);
             let steps = memsave::planner::StepMeter::new(2, 4, memory::meter_for(&device).unwrap());
             let measured = steps.steps.clone();
             runner.register_hook(Box::new(steps));
@@ -972,6 +939,37 @@ fn the_step_in_backward_and_8_bit_state_run_on_the_device() {
             "{in_backward} vs {ordinary} ({gradients} bytes of gradients)"
         );
     });
+}
+
+/// A run of `iters` iterations of `mlp` on synthetic 8 x 8 images, lr 0.001.
+fn mlp_runner(
+    mlp: common::mlp::Mlp<D>,
+    optimizer: memsave::train::OptimizerSpec,
+    hook: OptimizerHook,
+    iters: usize,
+) -> Runner<D, common::mlp::Mlp<D>, SyntheticClassification<D>> {
+    let device: burn::tensor::Device<D> = Default::default();
+    let data = SyntheticClassification::<D>::new(
+        SyntheticClassificationConfig::new(4, 64, 8),
+        4,
+        device,
+    )
+    .unwrap();
+    let dir = std::env::temp_dir().join(format!("memsave-device-mlp-{}", std::process::id()));
+    let mut runner = Runner::new(
+        mlp,
+        optimizer,
+        Box::new(hook),
+        data,
+        RunLength::Iters(iters),
+        dir,
+        Default::default(),
+    )
+    .unwrap();
+    runner.register_hook(Box::new(LrUpdaterHook {
+        schedule: LrSchedule::constant(0.001),
+    }));
+    runner
 }
 
 /// Asks the device for more than it has at one iteration, as a model too large for it would.

@@ -182,23 +182,16 @@ impl<R> OptimizerHook<R> {
             .expect("made above for this backend")
     }
 
-    /// Warns of the trainable parameters that got no gradient (`detect_anomalous_params`).
+    /// Warns of the trainable parameters that got no gradient in backward (those not in
+    /// `reached`), where `detect_anomalous_params` asks.
     fn warn_missing<B: AutodiffBackend, M: TrainModel<B>>(
         &self,
         state: &mut TrainState<B, M>,
         reached: &std::collections::HashSet<burn::module::ParamId>,
     ) {
-        if !self.detect_anomalous_params {
-            return;
-        }
-        let missing = in_backward::missing::<B, M>(&state.model, reached);
-        if !missing.is_empty() {
-            state.warn(format!(
-                "iteration {}: these trainable parameters got no gradient (not used in the \
-                 loss): {}",
-                state.iter,
-                missing.join(", ")
-            ));
+        if self.detect_anomalous_params {
+            let missing = in_backward::missing::<B, M>(&state.model, reached);
+            warn_without_gradient(state, missing);
         }
     }
 
@@ -321,14 +314,7 @@ impl<R> OptimizerHook<R> {
         self.reducer.mean_grads(&state.model, &mut grads)?;
         if self.detect_anomalous_params {
             let missing = grads::params_without_grad::<B, M>(&state.model, &grads);
-            if !missing.is_empty() {
-                state.warn(format!(
-                    "iteration {}: these trainable parameters got no gradient (not used in the \
-                     loss): {}",
-                    state.iter,
-                    missing.join(", ")
-                ));
-            }
+            warn_without_gradient(state, missing);
         }
         let Some(mixed) = &mut self.mixed else {
             state.log.grad_norm =
@@ -379,6 +365,20 @@ impl<R> OptimizerHook<R> {
         }
         state.log.loss_scale = Some(mixed.scaler.loss_scale());
         Ok(())
+    }
+}
+
+/// MMCV's `detect_anomalous_params` warning, naming the parameters `missing` (if any).
+fn warn_without_gradient<B: AutodiffBackend, M: TrainModel<B>>(
+    state: &mut TrainState<B, M>,
+    missing: Vec<String>,
+) {
+    if !missing.is_empty() {
+        state.warn(format!(
+            "iteration {}: these trainable parameters got no gradient (not used in the loss): {}",
+            state.iter,
+            missing.join(", ")
+        ));
     }
 }
 
