@@ -949,12 +949,9 @@ fn mlp_runner(
     iters: usize,
 ) -> Runner<D, common::mlp::Mlp<D>, SyntheticClassification<D>> {
     let device: burn::tensor::Device<D> = Default::default();
-    let data = SyntheticClassification::<D>::new(
-        SyntheticClassificationConfig::new(4, 64, 8),
-        4,
-        device,
-    )
-    .unwrap();
+    let data =
+        SyntheticClassification::<D>::new(SyntheticClassificationConfig::new(4, 64, 8), 4, device)
+            .unwrap();
     let dir = std::env::temp_dir().join(format!("memsave-device-mlp-{}", std::process::id()));
     let mut runner = Runner::new(
         mlp,

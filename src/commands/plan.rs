@@ -319,6 +319,30 @@ pub fn plan(args: PlanArgs) -> Result<()> {
                 },
                 profile: measurement.profile,
             });
+            if !setting.fp16 {
+                say("memsave plan: profiling the step in backward under mixed precision ...");
+                let sets = vec![
+                    "optimizer_config.step_in_backward=true".to_string(),
+                    "fp16.loss_scale=\"dynamic\"".to_string(),
+                ];
+                let measurement = run_worker(
+                    &args,
+                    (
+                        "the config with the step in backward under mixed precision",
+                        &sets,
+                    ),
+                    0,
+                    true,
+                )?;
+                measured.push(Measured {
+                    setting: Setting {
+                        step_in_backward: true,
+                        fp16: true,
+                        ..setting
+                    },
+                    profile: measurement.profile,
+                });
+            }
         }
         if allow_approximate && !setting.int8_state {
             say("memsave plan: profiling 8-bit optimizer state ...");
