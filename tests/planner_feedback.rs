@@ -10,6 +10,7 @@ use burn::backend::{Autodiff, Flex};
 use burn::module::Module;
 use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::Tensor;
+use memsave::fp16::Precision;
 use memsave::hooks::OptimizerHook;
 use memsave::memory::CountingAllocator;
 use memsave::memory::Meter;
@@ -20,6 +21,7 @@ use memsave::models::registry::BACKBONE_KEYS;
 use memsave::models::resnet::ResNetConfig;
 use memsave::planner::advise::Setting;
 use memsave::planner::{AutoPlanHook, Budget};
+use memsave::scaler::{LossScaler, ScaleMode};
 use memsave::train::{OptimizerKind, RunLength, Runner, TrainModel};
 
 #[global_allocator]
@@ -177,5 +179,69 @@ fn a_device_out_of_memory_after_the_plan_ends_with_what_would_fit() {
         assert!(error.contains("did not fit"), "{error}");
         assert!(error.contains("what would fit"), "{error}");
         assert!(error.contains("memsave plan"), "{error}");
+    })
+}
+
+#[test]
+fn a_step_skipped_on_an_overflow_is_not_profiled_the_next_one_is() {
+    let _turn = TURN.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+    common::watchdog(300, || {
+        let device = Default::default();
+        let mut backbone = ResNetConfig::default();
+        backbone.depth = 18;
+        backbone.base_channels = 8;
+        let model = ImageClassifier::<B>::new(&backbone, 4, &device).unwrap();
+        let data = SyntheticClassification::<B>::new(
+            SyntheticClassificationConfig::new(4, 16, 64),
+            4,
+            device,
+        )
+        .unwrap();
+        let work_dir = common::fresh_dir("planner_feedback", "overflow");
+        // A dynamic scale from 2^24 overflows f16's gradients on the first steps; with the
+        // step in backward such a step runs its first pass only.
+        let hook = OptimizerHook::new()
+            .with_step_in_backward(true)
+            .with_mixed_precision(
+                LossScaler::new((1u64 << 24) as f64, ScaleMode::Dynamic, 2.0, 2000).unwrap(),
+                Precision::F16,
+            );
+        let mut runner = Runner::new(
+            model,
+            &OptimizerKind::Sgd {
+                momentum: 0.9,
+                weight_decay: 0.0,
+                nesterov: false,
+            },
+            Box::new(hook),
+            data,
+            RunLength::Iters(16),
+            &work_dir,
+            device,
+        )
+        .unwrap();
+        let setting = Setting {
+            fp16: true,
+            micro_batch: 4,
+            cumulative: 1,
+            adam: false,
+            step_in_backward: true,
+            int8_state: false,
+            clips: false,
+        };
+        let planner =
+            AutoPlanHook::new(Budget::Fraction(1.0), setting, BACKBONE_KEYS, &device).unwrap();
+        runner.register_hook(Box::new(planner));
+        runner.run().unwrap();
+        let log = std::fs::read_to_string(work_dir.join("train.log")).unwrap();
+        // 2^24 overflows f16 at first: the skipped steps are passed over, and the plan is made
+        // from the first step that updates.
+        assert!(
+            log.contains("plan: iteration 0 was skipped on a gradient overflow"),
+            "{log}"
+        );
+        let last_skip = log.rfind("was skipped on a gradient overflow").unwrap();
+        let plan = log.find("plan: checkpoint").expect("a plan");
+        assert!(plan > last_skip, "planned from a skipped step: {log}");
     })
 }

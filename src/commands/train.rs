@@ -7,7 +7,7 @@ use std::sync::Arc;
 use burn::backend::Autodiff;
 use burn::tensor::backend::AutodiffBackend;
 use memsave::checkpoint::{set_with_cp_paths, CheckpointModule};
-use memsave::config::Config;
+use memsave::config::{Config, LossScaleSpec};
 use memsave::models::registry::{self, Built, ModelJob, Purpose, Setup};
 use memsave::parallel::{run_local, BurnPeer, Collective, PeerReducer, Shard, Topology};
 use memsave::planner::{AutoPlanHook, ProfileHook, StepMeter, WithCp};
@@ -454,10 +454,24 @@ where
         .groups()
         .map_or(1, |groups| groups.cumulative_iters());
     let (warmup, iters) = (warmup * micro, iters * micro);
+    // The measured steps must be steps the optimizer takes. A dynamic loss scale starts high
+    // (65536; MMCV's 2^32) and skips its first steps on overflow: such a step has no update
+    // and, with the step in backward, no second pass, so it would be measured cheaper than the
+    // steps that follow. Measure at MMCV's static scale instead (the same memory and time for
+    // a step taken).
+    let mut hook = config.optimizer_hook_of()?;
+    let mut scale = config.fp16.as_ref().map(|fp16| fp16.loss_scale.clone());
+    if let Some(fp16) = &config.fp16 {
+        if !matches!(fp16.loss_scale, LossScaleSpec::Static(_)) {
+            let spec = LossScaleSpec::Static(memsave::scaler::MMCV_STATIC_SCALE);
+            hook = hook.with_mixed_precision(spec.scaler()?, fp16.precision);
+            scale = Some(spec);
+        }
+    }
     let mut runner = Runner::new(
         model,
         config.optimizer(),
-        config.optimizer_hook()?,
+        Box::new(hook),
         data,
         memsave::train::RunLength::Iters(warmup + iters + micro),
         &work_dir,
@@ -473,9 +487,16 @@ where
     let copies = runner.state().optimizer_state_per_weight;
     runner.run()?;
     let _ = std::fs::remove_dir_all(&work_dir);
-    let profile = profile
-        .take()
-        .ok_or_else(|| memsave::Error::Data("the profiled step did not run".into()))?;
+    let profile = profile.take().ok_or_else(|| match scale {
+        Some(LossScaleSpec::Static(scale)) if runner.state().log.overflow => {
+            memsave::Error::Data(format!(
+                "the profiled step's gradients overflowed (inf or NaN) at the static loss \
+                 scale {scale}, so the step was skipped and cannot be measured; set a smaller \
+                 `fp16.loss_scale`"
+            ))
+        }
+        _ => memsave::Error::Data("the profiled step did not run".into()),
+    })?;
     let measurement = Measurement {
         steps: steps.take(),
         profile,

@@ -104,10 +104,29 @@ impl ProfileHook {
             set_flags(state, &|_| true);
         }
         self.ids = segment_ids(state.forward_model());
-        if let Some(meter) = self.meter.take() {
-            recorder::start(meter);
+        match self.meter.take() {
+            Some(meter) => {
+                recorder::start(meter);
+                recorder::boundary(Boundary::Start);
+            }
+            // A retry (see `skipped`): the recording goes on, afresh.
+            None => {
+                recorder::restart();
+            }
         }
-        recorder::boundary(Boundary::Start);
+    }
+
+    /// Whether the profiled step `state` ends was skipped on a gradient overflow (a dynamic
+    /// loss scale's first, high scales; with the step in backward its second pass never ran):
+    /// not the step a plan is for. The recording is kept on for the next iteration, which is
+    /// profiled instead.
+    fn skipped<B: AutodiffBackend, M: TrainModel<B>>(&mut self, state: &TrainState<B, M>) -> bool {
+        if !state.log.overflow {
+            return false;
+        }
+        self.iter = state.iter + 1;
+        self.first_pass = None;
+        true
     }
 
     fn end<B: AutodiffBackend, M: TrainModel<B> + CheckpointModule>(
@@ -148,7 +167,7 @@ impl<B: AutodiffBackend, M: TrainModel<B> + CheckpointModule> Hook<B, M> for Pro
     }
 
     fn after_iter(&mut self, state: &mut TrainState<B, M>) -> Result<()> {
-        if state.iter == self.iter {
+        if state.iter == self.iter && !self.skipped(state) {
             let profile = self.end(state);
             *self.profile.borrow_mut() = Some(profile);
         }
@@ -385,6 +404,17 @@ impl<B: AutodiffBackend, M: TrainModel<B> + CheckpointModule> Hook<B, M> for Aut
 
     fn after_iter(&mut self, state: &mut TrainState<B, M>) -> Result<()> {
         let human = crate::memory::human;
+        if state.iter == self.profile.iter && self.profile.skipped(state) {
+            note(
+                state,
+                &format!(
+                    "plan: iteration {} was skipped on a gradient overflow, not a step to plan \
+                     from; profiling iteration {} instead",
+                    state.iter, self.profile.iter
+                ),
+            );
+            return Ok(());
+        }
         if state.iter == self.profile.iter {
             let profile = self.profile.end(state);
             let unplanned = profile.unplanned_peak();

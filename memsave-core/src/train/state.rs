@@ -73,6 +73,8 @@ pub struct IterLog {
     pub loss_scale: Option<f64>,
     /// Whether the optimizer stepped (false while accumulating, or on an overflow).
     pub stepped: bool,
+    /// Whether the step was skipped on a gradient overflow (mixed precision).
+    pub overflow: bool,
     /// The groups of parameters the step ran in (see [`TrainState::step`]); 0 without a step.
     pub step_groups: usize,
     /// The named parts of the loss ([`TrainModel::loss_with_parts`]).

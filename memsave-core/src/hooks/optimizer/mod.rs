@@ -253,6 +253,7 @@ impl<R> OptimizerHook<R> {
                     ));
                     state.log.loss_scale = Some(mixed.scaler.loss_scale());
                 }
+                state.log.overflow = true;
                 return Ok(());
             }
             let part = self.part::<B>();
@@ -335,6 +336,7 @@ impl<R> OptimizerHook<R> {
             .any(norm.is_some_and(|norm| !norm.is_finite()))?;
         if overflow {
             mixed.scaler.update_scale(true);
+            state.log.overflow = true;
             state.warn(format!(
                 "iteration {}: gradient overflow (inf or NaN) at loss scale {scale}; the step is \
                  skipped and the loss scale lowered to {}",
