@@ -440,6 +440,32 @@ pub fn plan(args: PlanArgs) -> Result<()> {
             ),
         ));
     }
+    if let Some(verified) = report
+        .verify
+        .as_ref()
+        .filter(|v| v.measured_peak > budget_bytes)
+    {
+        // The report is printed; the plan was measured over the budget: say so, and by how
+        // much, and fail, so that no script takes it for a plan that fits.
+        let predicted = report
+            .chosen
+            .as_ref()
+            .map_or(report.unplanned.peak, |c| c.peak);
+        return Err(Error::invalid(
+            "--budget",
+            format!(
+                "the plan was measured at {}, over the budget of {} ({}) by {:.1}% (predicted \
+                 {}, {:.1}% low); a budget {:.1}% lower plans for what was measured",
+                human(verified.measured_peak),
+                human(budget_bytes),
+                args.budget,
+                (verified.measured_peak as f64 / budget_bytes as f64 - 1.0) * 100.0,
+                human(predicted),
+                (1.0 - predicted as f64 / verified.measured_peak as f64) * 100.0,
+                (1.0 - predicted as f64 / verified.measured_peak as f64) * 100.0,
+            ),
+        ));
+    }
     Ok(())
 }
 

@@ -13,7 +13,9 @@
 //! gradient); under clipping or mixed precision it takes two passes, the first's time measured
 //! or, from a one-pass profile, its forward and backward again. 8-bit state keeps a quarter of
 //! the state's bytes (plus a scale per block), and costs the step the time measured for it.
-//! Then the checkpoint set is planned on that prediction.
+//! A micro-batch's time is fitted as a fixed part plus a part per sample on the config's batch
+//! and half of it (both measured), so that a smaller micro-batch is not predicted faster than
+//! it runs. Then the checkpoint set is planned on that prediction.
 
 use serde::{Deserialize, Serialize};
 
@@ -153,10 +155,63 @@ pub fn overrides(
     sets
 }
 
+/// How a micro-batch's time grows with its samples: `fixed + per_sample * samples`, fitted on
+/// two profiles of one setting measured at two batches (a step has costs that do not shrink
+/// with its batch: on a CPU, each op's threads and passes; on a GPU, launches). Without two
+/// such profiles, time is taken as proportional to the batch.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct BatchTime {
+    /// Seconds of a micro-batch that do not depend on its samples.
+    pub fixed: f64,
+    /// Seconds per sample.
+    pub per_sample: f64,
+}
+
+impl BatchTime {
+    /// Time proportional to the batch.
+    pub const PROPORTIONAL: BatchTime = BatchTime {
+        fixed: 0.0,
+        per_sample: 1.0,
+    };
+
+    /// The line through two measured (samples, seconds) points; proportional where they do
+    /// not give a line with a non-negative fixed part and a positive slope.
+    pub fn fit((m1, t1): (usize, f64), (m2, t2): (usize, f64)) -> BatchTime {
+        if m1 == m2 || !(t1 > 0.0 && t2 > 0.0) {
+            return BatchTime::PROPORTIONAL;
+        }
+        let per_sample = (t1 - t2) / (m1 as f64 - m2 as f64);
+        let fixed = t1 - per_sample * m1 as f64;
+        if per_sample <= 0.0 || fixed < 0.0 {
+            return BatchTime::PROPORTIONAL;
+        }
+        BatchTime { fixed, per_sample }
+    }
+
+    /// A micro-batch of `to` samples' time over one of `from` samples'.
+    pub fn ratio(&self, from: usize, to: usize) -> f64 {
+        let time = |samples: usize| self.fixed + self.per_sample * samples as f64;
+        time(to) / time(from.max(1))
+    }
+}
+
 /// `profile` as predicted for `to`, from the `from` it was measured in; `int8_seconds`: what
-/// 8-bit state adds to a step, as measured.
+/// 8-bit state adds to a step, as measured. Time scales with the batch in proportion.
 pub fn scale(profile: &Profile, from: &Setting, to: &Setting, int8_seconds: f64) -> Profile {
+    scale_timed(profile, from, to, int8_seconds, BatchTime::PROPORTIONAL)
+}
+
+/// [`scale`], a micro-batch's time following `batch_time`.
+pub fn scale_timed(
+    profile: &Profile,
+    from: &Setting,
+    to: &Setting,
+    int8_seconds: f64,
+    batch_time: BatchTime,
+) -> Profile {
     let factor = to.micro_batch as f64 / from.micro_batch.max(1) as f64;
+    // Seconds: each micro-batch's time, times the micro-batches.
+    let time_factor = batch_time.ratio(from.micro_batch, to.micro_batch);
     let mut out = profile.clone();
     let optimizer_copy = if from.adam && !to.adam {
         profile.trainable
@@ -190,22 +245,23 @@ pub fn scale(profile: &Profile, from: &Setting, to: &Setting, int8_seconds: f64)
             *bytes = (*bytes as f64 * factor) as u64;
         }
     }
+    let micro_steps = time_factor * to.cumulative as f64 / from.cumulative as f64;
     for segment in &mut out.segments {
         segment.kept_bytes = (segment.kept_bytes as f64 * factor) as u64;
-        segment.recompute_seconds *= factor * to.cumulative as f64 / from.cumulative as f64;
-        segment.forward_seconds *= factor * to.cumulative as f64 / from.cumulative as f64;
+        segment.recompute_seconds *= micro_steps;
+        segment.forward_seconds *= micro_steps;
     }
-    out.step_seconds =
-        profile.step_seconds * factor * to.cumulative as f64 / from.cumulative as f64;
-    out.forward_seconds *= factor * to.cumulative as f64 / from.cumulative as f64;
-    out.backward_seconds *= factor * to.cumulative as f64 / from.cumulative as f64;
-    out.first_pass_seconds *= factor;
+    out.step_seconds = profile.step_seconds * micro_steps;
+    out.forward_seconds *= micro_steps;
+    out.backward_seconds *= micro_steps;
+    out.first_pass_seconds *= time_factor;
     out.growth = profile.growth.saturating_sub(optimizer_copy);
     // The passes of the group's last micro-batch: a first pass to find the norm, or none.
     match (profile.passes.max(1), to.passes()) {
         (1, 2) => {
             out.passes = 2;
-            out.first_pass_seconds = (profile.forward_seconds + profile.backward_seconds) * factor;
+            out.first_pass_seconds =
+                (profile.forward_seconds + profile.backward_seconds) * time_factor;
         }
         (2, 1) => {
             out.passes = 1;
@@ -312,6 +368,29 @@ pub fn advise(
             }
         }
     }
+    // A micro-batch's time against its samples, from two profiles of one setting at two
+    // batches (the config's and half its batch).
+    let batch_time = {
+        let mut points = measured.iter().filter(|m| {
+            Setting {
+                micro_batch: current.micro_batch,
+                ..m.setting
+            } == *current
+        });
+        match (points.next(), points.next()) {
+            (Some(a), Some(b)) => BatchTime::fit(
+                (
+                    a.setting.micro_batch,
+                    a.profile.step_seconds / a.setting.cumulative as f64,
+                ),
+                (
+                    b.setting.micro_batch,
+                    b.profile.step_seconds / b.setting.cumulative as f64,
+                ),
+            ),
+            _ => BatchTime::PROPORTIONAL,
+        }
+    };
     let mut candidates: Vec<Candidate> = settings
         .iter()
         .filter_map(|setting| {
@@ -331,11 +410,12 @@ pub fn advise(
                         },
                     )
                 })?;
-            let profile = scale(
+            let profile = scale_timed(
                 &source.profile,
                 &source.setting,
                 setting,
                 int8_seconds.unwrap_or(0.0),
+                batch_time,
             );
             Some(candidate(current, setting, &profile, budget, keys))
         })
@@ -602,5 +682,62 @@ mod tests {
         assert!(candidates.iter().any(|c| c.setting == to && c.approximate));
         let strict = advise(&setting(), &measured(), 900, &KEYS, false);
         assert!(strict.iter().all(|c| !c.setting.int8_state));
+    }
+
+    #[test]
+    fn a_micro_batchs_time_has_a_fixed_part_fitted_on_two_batches() {
+        let fit = BatchTime::fit((4, 4.0), (2, 2.5));
+        assert!((fit.fixed - 1.0).abs() < 1e-12 && (fit.per_sample - 0.75).abs() < 1e-12);
+        assert!((fit.ratio(4, 1) - 1.75 / 4.0).abs() < 1e-12);
+        // No line with a non-negative fixed part: proportional.
+        assert_eq!(BatchTime::fit((4, 4.0), (2, 1.5)), BatchTime::PROPORTIONAL);
+        assert_eq!(BatchTime::fit((4, 4.0), (4, 3.0)), BatchTime::PROPORTIONAL);
+        // In the advice: the config's batch (2, 14 s) and half of it (1, 10 s) give the
+        // accumulation 1 x 2 candidate two micro-batches of 10 s, not of 7.
+        let mut measured = measured();
+        measured.push(Measured {
+            setting: Setting {
+                micro_batch: 1,
+                ..setting()
+            },
+            profile: profile(200, 10.0),
+        });
+        let candidates = advise(&setting(), &measured, 1 << 40, &KEYS, false);
+        let accumulated = Setting {
+            micro_batch: 1,
+            cumulative: 2,
+            ..setting()
+        };
+        let candidate = candidates
+            .iter()
+            .find(|c| c.setting == accumulated)
+            .expect("accumulation 1 x 2");
+        // From the batch-1 profile (the nearest): 10 s per micro-batch, two of them, less the
+        // four segments' recomputation (1 s each per micro-batch; none is checkpointed).
+        assert!(
+            (candidate.seconds - 2.0 * (10.0 - 4.0)).abs() < 1e-9,
+            "{}",
+            candidate.seconds
+        );
+        // The step in backward at batch 1 x 2, from its batch-2 profile: 10/14 of each pass
+        // (proportional: 7/14), with a first pass of its forward and backward (8 s at batch 2),
+        // and no recomputation in either pass.
+        let in_backward = candidates
+            .iter()
+            .find(|c| {
+                c.setting
+                    == Setting {
+                        step_in_backward: true,
+                        ..accumulated
+                    }
+            })
+            .expect("accumulation 1 x 2 with the step in backward");
+        let ratio = 10.0 / 14.0;
+        let expected = 14.0 * ratio * 2.0 + (3.0 + 5.0) * ratio - 2.0 * (4.0 * ratio * 2.0);
+        assert!(
+            (in_backward.seconds - expected).abs() < 1e-9,
+            "{} vs {expected}",
+            in_backward.seconds
+        );
     }
 }
