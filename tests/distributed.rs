@@ -65,7 +65,7 @@ fn clip() -> Option<GradClip> {
     Some(GradClip::new(0.5, 2.0).unwrap())
 }
 
-fn runner<D: DataSource<ClassificationBatch<AB>>>(
+fn runner<D: DataSource<AB, ClassificationBatch<AB>>>(
     model: Net,
     hook: Box<dyn Hook<AB, Net>>,
     data: D,
@@ -86,7 +86,7 @@ fn runner<D: DataSource<ClassificationBatch<AB>>>(
 
 /// A runner that is one peer of `collective`: its optimizer hook averages over the peers and
 /// it starts from rank 0's weights.
-fn peer_runner<D: DataSource<ClassificationBatch<AB>>>(
+fn peer_runner<D: DataSource<AB, ClassificationBatch<AB>>>(
     model: Net,
     hook: OptimizerHook,
     data: D,
@@ -392,13 +392,18 @@ struct PoisonedOnRank1 {
     at: usize,
 }
 
-impl DataSource<ClassificationBatch<AB>> for PoisonedOnRank1 {
+impl DataSource<AB, ClassificationBatch<AB>> for PoisonedOnRank1 {
     fn batches_per_epoch(&self) -> usize {
         self.inner.batches_per_epoch()
     }
 
-    fn batch(&self, epoch: usize, index: usize) -> memsave::Result<ClassificationBatch<AB>> {
-        let mut batch = self.inner.batch(epoch, index)?;
+    fn batch(
+        &self,
+        epoch: usize,
+        index: usize,
+        device: &burn::tensor::Device<AB>,
+    ) -> memsave::Result<ClassificationBatch<AB>> {
+        let mut batch = self.inner.batch(epoch, index, device)?;
         if self.rank == 1 && epoch * self.batches_per_epoch() + index == self.at {
             batch.images = batch.images.mul_scalar(0.0).add_scalar(f32::INFINITY);
         }
@@ -465,19 +470,24 @@ struct FailsOnRank1 {
     panic: bool,
 }
 
-impl DataSource<ClassificationBatch<AB>> for FailsOnRank1 {
+impl DataSource<AB, ClassificationBatch<AB>> for FailsOnRank1 {
     fn batches_per_epoch(&self) -> usize {
         self.inner.batches_per_epoch()
     }
 
-    fn batch(&self, epoch: usize, index: usize) -> memsave::Result<ClassificationBatch<AB>> {
+    fn batch(
+        &self,
+        epoch: usize,
+        index: usize,
+        device: &burn::tensor::Device<AB>,
+    ) -> memsave::Result<ClassificationBatch<AB>> {
         if self.rank == 1 && epoch * self.batches_per_epoch() + index == self.at {
             if self.panic {
                 panic!("a data thread fell over");
             }
             return Err(memsave::Error::Data("image 17.jpg is missing".into()));
         }
-        self.inner.batch(epoch, index)
+        self.inner.batch(epoch, index, device)
     }
 }
 
@@ -619,7 +629,7 @@ fn gradients_are_averaged_in_buckets_and_a_gradient_on_one_peer_only_is_averaged
             // The spare parameter is used by no peer; the classifier's bias only by rank 0.
             let model =
                 TinyNet::<AB>::new(4, true, &Default::default()).map(&mut common::tiny::Seeded(7));
-            let batch = data(2, 8, peer.shard()).batch(0, 0)?;
+            let batch = data(2, 8, peer.shard()).batch(0, 0, &Default::default())?;
             let loss = memsave::train::TrainModel::loss(&model, batch);
             let mut grads = burn::optim::GradientsParams::from_grads(loss.backward(), &model);
             if peer.rank() == 1 {

@@ -86,6 +86,7 @@ fn a_planned_resnet_stays_within_its_budget() {
             device,
         )
         .unwrap();
+        runner.set_lr(0.01).unwrap();
         let profiler = ProfileHook::new(1, Box::new(AllocatorMeter));
         let taken = profiler.profile.clone();
         runner.register_hook(Box::new(profiler));
@@ -126,6 +127,7 @@ fn a_planned_resnet_stays_within_its_budget() {
             device,
         )
         .unwrap();
+        runner.set_lr(0.01).unwrap();
         let meter = StepMeter::new(1, 3, Box::new(AllocatorMeter));
         let steps = meter.steps.clone();
         runner.register_hook(Box::new(meter));
@@ -143,7 +145,7 @@ fn a_planned_resnet_stays_within_its_budget() {
         }
 
         // The plan's gradients are the plain model's, bit for bit.
-        let batch = data(&device).batch(0, 0).unwrap();
+        let batch = data(&device).batch(0, 0, &device).unwrap();
         let grads_of = |model: ImageClassifier<B>| {
             let loss = model.loss(batch.clone());
             let grads = loss.backward();

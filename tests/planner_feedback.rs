@@ -80,6 +80,7 @@ fn a_step_over_the_budget_adds_segments_and_says_so() {
             device,
         )
         .unwrap();
+        runner.set_lr(0.01).unwrap();
         let setting = Setting {
             fp16: false,
             micro_batch: 4,
@@ -158,6 +159,7 @@ fn a_device_out_of_memory_after_the_plan_ends_with_what_would_fit() {
             device,
         )
         .unwrap();
+        runner.set_lr(0.01).unwrap();
         let setting = Setting {
             fp16: false,
             micro_batch: 4,
@@ -220,6 +222,7 @@ fn a_step_skipped_on_an_overflow_is_not_profiled_the_next_one_is() {
             device,
         )
         .unwrap();
+        runner.set_lr(0.01).unwrap();
         let setting = Setting {
             fp16: true,
             micro_batch: 4,

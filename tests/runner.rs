@@ -57,7 +57,7 @@ fn work_dir(name: &str) -> PathBuf {
     dir
 }
 
-fn runner<D: DataSource<ClassificationBatch<AB>>>(
+fn runner<D: DataSource<AB, ClassificationBatch<AB>>>(
     model: Net,
     hook: Box<dyn Hook<AB, Net>>,
     data: D,
@@ -68,7 +68,7 @@ fn runner<D: DataSource<ClassificationBatch<AB>>>(
 }
 
 /// A runner with this optimizer at this constant learning rate.
-fn runner_with<D: DataSource<ClassificationBatch<AB>>>(
+fn runner_with<D: DataSource<AB, ClassificationBatch<AB>>>(
     model: Net,
     optimizer: &OptimizerKind,
     lr: f64,
@@ -342,13 +342,18 @@ struct Poisoned {
     poison: f32,
 }
 
-impl DataSource<ClassificationBatch<AB>> for Poisoned {
+impl DataSource<AB, ClassificationBatch<AB>> for Poisoned {
     fn batches_per_epoch(&self) -> usize {
         self.inner.batches_per_epoch()
     }
 
-    fn batch(&self, epoch: usize, index: usize) -> memsave::Result<ClassificationBatch<AB>> {
-        let mut batch = self.inner.batch(epoch, index)?;
+    fn batch(
+        &self,
+        epoch: usize,
+        index: usize,
+        device: &burn::tensor::Device<AB>,
+    ) -> memsave::Result<ClassificationBatch<AB>> {
+        let mut batch = self.inner.batch(epoch, index, device)?;
         if epoch * self.batches_per_epoch() + index == self.at {
             batch.images = batch.images.mul_scalar(0.0).add_scalar(self.poison);
         }
@@ -440,6 +445,139 @@ fn an_overflow_skips_the_step_bit_for_bit_and_halves_the_scale() {
             warning.contains("overflow") && warning.contains("512"),
             "{warning}"
         );
+    }
+}
+
+#[test]
+fn a_first_step_overflowing_at_mmcvs_scale_says_once_how_to_start_lower() {
+    let dir = work_dir("first-overflow");
+    let source = Poisoned {
+        inner: data(4, 16),
+        at: 0,
+        poison: f32::INFINITY,
+    };
+    let mut runner = runner(
+        net(),
+        Box::new(Fp16OptimizerHook::new(LossScaler::default())),
+        source,
+        RunLength::Iters(3),
+        &dir,
+    );
+    runner.run().unwrap();
+    let warnings = runner.state().warnings();
+    let advice: Vec<_> = warnings
+        .iter()
+        .filter(|w| w.contains("init_scale = 65536.0"))
+        .collect();
+    assert_eq!(advice.len(), 1, "{warnings:#?}");
+    assert!(advice[0].contains("16 more overflows"), "{}", advice[0]);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn a_model_already_wrapped_for_half_precision_is_an_error_naming_it() {
+    let dir = work_dir("wrapped");
+    let wrapped = memsave::fp16::wrap_fp16_model(net(), memsave::fp16::Precision::F16);
+    let mut runner = runner(
+        wrapped,
+        Box::new(Fp16OptimizerHook::new(LossScaler::fixed(512.0).unwrap())),
+        data(4, 16),
+        RunLength::Iters(2),
+        &dir,
+    );
+    let error = runner.run().unwrap_err().to_string();
+    assert!(
+        error.contains("model") && error.contains("wrap_fp16_model") && error.contains("fp32"),
+        "{error}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn a_run_without_a_learning_rate_stops_before_its_first_step_naming_lr() {
+    let dir = work_dir("no-lr");
+    let start = net();
+    let fresh = || {
+        Runner::new(
+            start.clone(),
+            &sgd(),
+            Box::new(OptimizerHook::new()),
+            data(4, 16),
+            RunLength::Iters(2),
+            &dir,
+            Default::default(),
+        )
+        .unwrap()
+    };
+    let mut runner = fresh();
+    let error = runner.run().unwrap_err().to_string();
+    assert!(error.contains("lr") && error.contains("set_lr"), "{error}");
+    assert_eq!(runner.state().iter, 0, "no step was taken");
+    assert!(weights(&runner.into_model()) == weights(&start));
+
+    // `set_lr` is read: at 0 nothing moves, at 0.1 the weights do.
+    let trained = |lr: f64| {
+        let mut runner = fresh();
+        runner.set_lr(lr).unwrap();
+        runner.run().unwrap();
+        weights(&runner.into_model())
+    };
+    assert!(trained(0.0) == weights(&start));
+    assert!(trained(0.1) != weights(&start));
+    let error = fresh().set_lr(-1.0).unwrap_err().to_string();
+    assert!(error.contains("lr"), "{error}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn optimizer_constructors_have_pytorchs_defaults_and_bad_values_are_errors() {
+    assert_eq!(
+        OptimizerKind::adam(),
+        OptimizerKind::Adam {
+            betas: (0.9, 0.999),
+            eps: 1e-8,
+            weight_decay: 0.0
+        }
+    );
+    assert_eq!(
+        OptimizerKind::adamw(),
+        OptimizerKind::AdamW {
+            betas: (0.9, 0.999),
+            eps: 1e-8,
+            weight_decay: 0.01
+        }
+    );
+    assert_eq!(OptimizerKind::sgd(0.9).with_weight_decay(1e-4), sgd());
+    let dir = work_dir("bad-optimizer");
+    for (kind, key) in [
+        (OptimizerKind::sgd(-0.9), "momentum"),
+        (OptimizerKind::nesterov(0.0), "nesterov"),
+        (
+            OptimizerKind::adam().with_weight_decay(f64::NAN),
+            "weight_decay",
+        ),
+        (
+            OptimizerKind::Adam {
+                betas: (0.9, 1.0),
+                eps: 1e-8,
+                weight_decay: 0.0,
+            },
+            "betas",
+        ),
+    ] {
+        let error = Runner::new(
+            net(),
+            &kind,
+            Box::new(OptimizerHook::new()),
+            data(4, 16),
+            RunLength::Iters(1),
+            &dir,
+            Default::default(),
+        )
+        .err()
+        .unwrap()
+        .to_string();
+        assert!(error.contains(key), "{kind:?}: {error}");
     }
 }
 

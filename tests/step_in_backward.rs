@@ -108,7 +108,7 @@ fn train<M, D>(
 ) -> Outcome
 where
     M: TrainModel<AB>,
-    D: DataSource<M::Batch>,
+    D: DataSource<AB, M::Batch>,
 {
     let dir = work_dir(name);
     let mut runner = Runner::new(
@@ -162,7 +162,7 @@ fn same<M, D>(
 ) -> Outcome
 where
     M: TrainModel<AB>,
-    D: DataSource<M::Batch>,
+    D: DataSource<AB, M::Batch>,
 {
     let optimizer: OptimizerSpec = optimizer.into();
     let ordinary = train(model(), data(), &optimizer, hook(), iters, name);

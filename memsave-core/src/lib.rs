@@ -18,6 +18,7 @@
 //!   optimizer hook's reducer part, the weight broadcast, the sampler's shards, the peers.
 
 pub mod cast;
+pub mod check;
 pub mod checkpoint;
 pub mod config;
 mod error;

@@ -90,6 +90,9 @@ impl TryFrom<ScalerState> for LossScaler {
 /// MMCV's static loss scale when `[fp16]` names none (`Fp16OptimizerHook(loss_scale=512.)`).
 pub const MMCV_STATIC_SCALE: f64 = 512.0;
 
+/// PyTorch's `GradScaler` starts at 2^16.
+pub const PYTORCH_INIT_SCALE: f64 = 65536.0;
+
 impl Default for LossScaler {
     /// Dynamic, 2^32, factor 2, window 1000 (MMCV's defaults).
     fn default() -> Self {
@@ -177,6 +180,45 @@ impl LossScaler {
         self.mode
     }
 
+    /// Updates so far (MMCV's `cur_iter`): 0 before the run's first step.
+    pub fn updates(&self) -> u64 {
+        self.cur_iter
+    }
+
+    /// What to say when the run's very first step overflows at the initial scale (call it
+    /// before [`LossScaler::update_scale`]): a dynamic scale halves on each overflow and skips
+    /// each such step, so from MMCV's 2^32 a model learns nothing for its first dozen or so
+    /// steps, with no other sign than a loss that does not move. `None` after the first update,
+    /// without an overflow, or in static mode.
+    pub fn first_overflow_advice(&self, overflow: bool) -> Option<String> {
+        if !overflow || self.cur_iter != 0 || self.mode != ScaleMode::Dynamic {
+            return None;
+        }
+        let scale = self.cur_scale;
+        let factor = self.backoff_factor.map_or(self.scale_factor, |b| 1.0 / b);
+        let mut advice = format!(
+            "the run's first step overflowed at the initial loss scale {scale} (2^{:.0}) and was \
+             skipped; a dynamic scale is lowered on each overflow and skips each such step, so \
+             the model does not learn until it falls low enough",
+            scale.log2()
+        );
+        if scale > PYTORCH_INIT_SCALE {
+            let steps = ((scale / PYTORCH_INIT_SCALE).ln() / factor.ln()).ceil();
+            advice.push_str(&format!(
+                " (from here to PyTorch's 65536, {steps} more overflows). To start lower, set \
+                 `init_scale = 65536.0` (PyTorch's GradScaler): `[fp16] loss_scale = \
+                 {{ init_scale = 65536.0 }}` in a config, or `LossScaler::new(65536.0, \
+                 ScaleMode::Dynamic, 2.0, 1000)` in Rust"
+            ));
+        } else {
+            advice.push_str(
+                ". If the loss itself is finite, start lower: a smaller `init_scale` (`[fp16] \
+                 loss_scale = { init_scale = ... }`)",
+            );
+        }
+        Some(advice)
+    }
+
     /// Updates the scale after an iteration (MMCV's rule). Static mode: nothing changes, not
     /// even the count. Growth that would reach a non-finite scale is skipped.
     pub fn update_scale(&mut self, overflow: bool) {
@@ -229,5 +271,25 @@ mod tests {
         assert!(error.to_string().contains("scale_window"), "{error}");
         // A static scaler does not use the factor or the window.
         assert!(LossScaler::new(512.0, ScaleMode::Static, 1.0, 0).is_ok());
+    }
+
+    #[test]
+    fn a_first_step_overflowing_at_the_start_says_how_to_start_lower_once() {
+        let mut scaler = LossScaler::default();
+        assert_eq!(scaler.first_overflow_advice(false), None);
+        let advice = scaler.first_overflow_advice(true).unwrap();
+        assert!(
+            advice.contains("4294967296") && advice.contains("16 more overflows"),
+            "{advice}"
+        );
+        assert!(advice.contains("init_scale = 65536.0"), "{advice}");
+        scaler.update_scale(true);
+        assert_eq!(scaler.first_overflow_advice(true), None, "said once");
+        // Already at PyTorch's start: no 65536 to suggest.
+        let low = LossScaler::new(65536.0, ScaleMode::Dynamic, 2.0, 1000).unwrap();
+        let advice = low.first_overflow_advice(true).unwrap();
+        assert!(!advice.contains("more overflows"), "{advice}");
+        let fixed = LossScaler::fixed(512.0).unwrap();
+        assert_eq!(fixed.first_overflow_advice(true), None);
     }
 }

@@ -99,6 +99,13 @@ impl<B: crate::memsave::Backend> ImageClassifier<B> {
     }
 }
 
+impl<B: crate::memsave::Backend> ImageClassifier<B> {
+    /// The mean cross-entropy of `logits` against `labels`, in fp32.
+    pub fn head_loss(&self, logits: Tensor<B, 2>, labels: Tensor<B, 1, Int>) -> Tensor<B, 1> {
+        self.head.loss(logits, labels)
+    }
+}
+
 impl<B: AutodiffBackend + crate::memsave::Backend> TrainModel<B> for ImageClassifier<B> {
     type Batch = ClassificationBatch<B>;
 

@@ -17,6 +17,7 @@ use crate::config::{
 use crate::data::voc::loader::VocDetection;
 use crate::data::voc::VOC_CLASSES;
 use crate::data::SyntheticClassification;
+use crate::eval::accuracy::AccuracyHook;
 use crate::eval::hook::EvalHook;
 use crate::eval::voc::ApMode;
 use crate::memsave::checkpoint::CheckpointModule;
@@ -122,7 +123,7 @@ pub trait ModelJob<B: AutodiffBackend> {
     ) -> Result<Self::Output>
     where
         M: TrainModel<B> + CheckpointModule,
-        Data: DataSource<M::Batch> + 'static;
+        Data: DataSource<B, M::Batch> + 'static;
 }
 
 /// Held while a model is seeded and its weights drawn: the peers of a data-parallel run share
@@ -142,6 +143,20 @@ fn seeded<B: AutodiffBackend, M: TrainModel<B>>(
     let model = init()?;
     crate::memsave::train::params::param_bytes::<B, _>(&model);
     Ok(model)
+}
+
+/// The evaluation a job runs: the config's, in a training run, on rank 0 (a measuring job trains
+/// a few steps only and reads no evaluation data; rank 0 evaluates a data-parallel run).
+fn evaluation(
+    purpose: Purpose,
+    shard: Shard,
+    section: Option<&crate::memsave::config::EvaluationSection>,
+) -> Option<&crate::memsave::config::EvaluationSection> {
+    match purpose {
+        Purpose::Train => section,
+        Purpose::Measure => None,
+    }
+    .filter(|_| shard.rank == 0)
 }
 
 /// Builds the model, data and hooks of `setup.config` and runs `job` on them.
@@ -177,22 +192,57 @@ pub fn batch_size(config: &Path, sets: &[String]) -> Result<usize> {
 fn build_classifier<B, J>(setup: Setup<'_, B>, entry: Entry, job: J) -> Result<J::Output>
 where
     B: AutodiffBackend + crate::memsave::Backend,
+    B::InnerBackend: crate::memsave::Backend,
     J: ModelJob<B>,
 {
     let config = Config::<ClassifierSection, DataSection>::load(setup.config, setup.sets)?;
     let num_classes = config.model.classes()?;
-    if config.evaluation.is_some() {
-        return Err(Error::invalid(
-            "evaluation",
-            "only detectors are evaluated during training",
-        ));
+    let DataSection::SyntheticClassification(data) = &config.data;
+    let mut hooks: Vec<Box<dyn Hook<B, _>>> = Vec::new();
+    if let Some(evaluation) = evaluation(setup.purpose, setup.shard, config.evaluation.as_ref()) {
+        let metric = evaluation.metric.as_deref().unwrap_or("accuracy");
+        if metric != "accuracy" {
+            return Err(Error::invalid(
+                "evaluation.metric",
+                format!("`{metric}` is not known: a classifier is scored by \"accuracy\""),
+            ));
+        }
+        let samples = evaluation.num_samples.unwrap_or(128);
+        if samples == 0 {
+            return Err(Error::invalid(
+                "evaluation.num_samples",
+                "must be at least 1",
+            ));
+        }
+        // The training set's distribution with other noise: another seed, in order.
+        let mut held_out = data.clone();
+        held_out.seed = data.seed ^ 0x5EED_0F_7E57;
+        held_out.num_samples = samples;
+        held_out.samples_per_gpu = data.samples_per_gpu.min(samples);
+        held_out.shuffle = false;
+        let val = SyntheticClassification::<B::InnerBackend>::new(
+            held_out,
+            num_classes,
+            setup.inner.clone(),
+        )
+        .map_err(|e| match e {
+            Error::InvalidValue { field, message } => Error::invalid(
+                field.replace("data.num_samples", "evaluation.num_samples"),
+                message,
+            ),
+            other => other,
+        })?;
+        hooks.push(Box::new(AccuracyHook::<B>::new(
+            val,
+            evaluation.interval,
+            config.runner.by_epoch(),
+        )?));
     }
     let device = setup.device;
     let model = seeded::<B, _>(&device, config.seed, || {
         ImageClassifier::<B>::new(&config.model.backbone, num_classes, &device)
             .map_err(|e| e.within("model"))
     })?;
-    let DataSection::SyntheticClassification(data) = &config.data;
     let batch = data.samples_per_gpu;
     let data = SyntheticClassification::<B>::new(data.clone(), num_classes, device)?
         .with_shard(setup.shard);
@@ -200,7 +250,7 @@ where
         model,
         data,
         batch,
-        hooks: Vec::new(),
+        hooks,
         with_cp: config.model.backbone.with_cp.clone(),
         keys: entry.keys,
     };
@@ -241,21 +291,19 @@ where
         device.clone(),
     )?;
     let mut hooks: Vec<Box<dyn Hook<B, _>>> = Vec::new();
-    // A measuring job trains a few steps only: no evaluation data. Rank 0 evaluates a
-    // data-parallel run.
-    let evaluation = match setup.purpose {
-        Purpose::Train => config.evaluation.as_ref(),
-        Purpose::Measure => None,
-    }
-    .filter(|_| setup.shard.rank == 0);
-    if let Some(evaluation) = evaluation {
-        if evaluation.metric != "mAP" {
+    if let Some(evaluation) = evaluation(setup.purpose, setup.shard, config.evaluation.as_ref()) {
+        let metric = evaluation.metric.as_deref().unwrap_or("mAP");
+        if metric != "mAP" {
             return Err(Error::invalid(
                 "evaluation.metric",
-                format!(
-                    "`{}` is not known: a VOC detector is scored by \"mAP\"",
-                    evaluation.metric
-                ),
+                format!("`{metric}` is not known: a VOC detector is scored by \"mAP\""),
+            ));
+        }
+        if evaluation.num_samples.is_some() {
+            return Err(Error::invalid(
+                "evaluation.num_samples",
+                "a detector is scored on its `data.val` (or `data.test`) split: set the images \
+                 there",
             ));
         }
         let (split, field) = match &data_config.val {

@@ -305,7 +305,7 @@ fn skip_bad_images_leaves_the_damaged_ones_out_and_is_off_by_default() {
     assert_eq!(skipping.batches_per_epoch(), images.len() - 1);
     for index in 0..skipping.batches_per_epoch() {
         skipping
-            .batch(0, index)
+            .batch(0, index, &Default::default())
             .expect("only whole images are left");
     }
     // Off (the default): the damaged image is an error naming it when its batch is made.
@@ -321,7 +321,12 @@ fn skip_bad_images_leaves_the_damaged_ones_out_and_is_off_by_default() {
     .unwrap();
     assert_eq!(strict.batches_per_epoch(), images.len());
     let errors: Vec<String> = (0..strict.batches_per_epoch())
-        .filter_map(|index| strict.batch(0, index).err().map(|e| e.to_string()))
+        .filter_map(|index| {
+            strict
+                .batch(0, index, &Default::default())
+                .err()
+                .map(|e| e.to_string())
+        })
         .collect();
     assert_eq!(errors.len(), 1, "{errors:?}");
     assert!(errors[0].contains(&damaged.display().to_string()) && errors[0].contains("truncated"));

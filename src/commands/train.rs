@@ -293,7 +293,7 @@ where
     ) -> memsave::Result<()>
     where
         M: TrainModel<B> + CheckpointModule,
-        Data: DataSource<M::Batch> + 'static,
+        Data: DataSource<B, M::Batch> + 'static,
     {
         run(self.args, self.job, config, built, self.device, self.peer)
     }
@@ -310,7 +310,7 @@ fn run<B, S, D, M, Data>(
 where
     B: AutodiffBackend + memsave::Backend,
     M: TrainModel<B> + CheckpointModule,
-    Data: DataSource<M::Batch> + 'static,
+    Data: DataSource<B, M::Batch> + 'static,
 {
     let Built {
         model,
@@ -437,7 +437,7 @@ fn measure<B, S, D, M, Data>(
 where
     B: AutodiffBackend + memsave::Backend,
     M: TrainModel<B> + CheckpointModule,
-    Data: DataSource<M::Batch> + 'static,
+    Data: DataSource<B, M::Batch> + 'static,
 {
     let probe = || {
         memsave::memory::meter_for(&device).ok_or_else(|| {
@@ -477,6 +477,10 @@ where
         &work_dir,
         device.clone(),
     )?;
+    runner.register_hook_at(
+        Box::new(memsave::hooks::LrUpdaterHook::new(config.lr_schedule())?),
+        memsave::train::Priority::VeryHigh,
+    );
     let meter = StepMeter::new(warmup, warmup + iters, probe()?);
     let steps = meter.steps.clone();
     let mut profiler = ProfileHook::new(warmup + iters + micro - 1, probe()?);

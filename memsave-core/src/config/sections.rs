@@ -243,15 +243,16 @@ pub struct EvaluationSection {
     /// Epochs (iterations) between evaluations.
     #[serde(default = "one")]
     pub interval: usize,
-    /// `"mAP"` (the only metric of a VOC detector).
-    #[serde(default = "map")]
-    pub metric: String,
+    /// `"mAP"` (a VOC detector's, its default) or `"accuracy"` (top-1: a classifier's, its
+    /// default).
+    #[serde(default)]
+    pub metric: Option<String>,
+    /// Held-out samples to score a classifier on synthetic data (default 128): the training
+    /// set's distribution, other noise (another seed). A detector reads `data.val`.
+    #[serde(default)]
+    pub num_samples: Option<usize>,
 }
 
 fn one() -> usize {
     1
-}
-
-fn map() -> String {
-    "mAP".to_string()
 }

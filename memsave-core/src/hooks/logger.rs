@@ -19,14 +19,16 @@ pub struct LogConfig {
     pub interval: usize,
 }
 
-/// A log line every `interval` iterations (loss averaged over them, learning rate, gradient
-/// norm, loss scale, peak memory as the device's [`memory::Meter::peak`] reads it, time since the
+/// A log line every `interval` iterations (loss and gradient norm averaged over them, learning
+/// rate, loss scale, peak memory as the device's [`memory::Meter::peak`] reads it, time since the
 /// start) to stderr and `train.log` in the work directory, and a progress bar on a terminal
 /// (MMCV's `TextLoggerHook`).
 pub struct LoggerHook {
     /// Iterations between log lines.
     pub interval: usize,
     losses: Vec<f64>,
+    /// The global gradient norms of the steps since the last line (averaged in it).
+    grad_norms: Vec<f64>,
     /// Sums and counts of the loss's named parts since the last line, in first-seen order.
     parts: Vec<(&'static str, f64, usize)>,
     file: Option<File>,
@@ -41,6 +43,7 @@ impl LoggerHook {
         LoggerHook {
             interval: interval.max(1),
             losses: Vec::new(),
+            grad_norms: Vec::new(),
             parts: Vec::new(),
             file: None,
             bar: None,
@@ -108,6 +111,9 @@ impl<B: AutodiffBackend, M: TrainModel<B>> Hook<B, M> for LoggerHook {
         if let Some(loss) = state.log.loss {
             self.losses.push(loss);
         }
+        if let Some(norm) = state.log.grad_norm {
+            self.grad_norms.push(norm);
+        }
         for &(name, value) in &state.log.parts {
             match self.parts.iter_mut().find(|(n, _, _)| *n == name) {
                 Some((_, sum, count)) => {
@@ -143,8 +149,11 @@ impl<B: AutodiffBackend, M: TrainModel<B>> Hook<B, M> for LoggerHook {
             line.push_str(&format!("  loss: {mean:.4}"));
             self.losses.clear();
         }
-        if let Some(norm) = state.log.grad_norm {
-            line.push_str(&format!("  grad_norm: {norm:.4}"));
+        if !self.grad_norms.is_empty() {
+            // Averaged over the interval's steps, as the loss (MMCV's `LogBuffer`).
+            let mean = self.grad_norms.iter().sum::<f64>() / self.grad_norms.len() as f64;
+            line.push_str(&format!("  grad_norm: {mean:.4}"));
+            self.grad_norms.clear();
         }
         if let Some(scale) = state.log.loss_scale {
             line.push_str(&format!("  loss_scale: {scale}"));

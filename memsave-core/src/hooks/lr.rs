@@ -133,6 +133,19 @@ pub struct LrUpdaterHook {
     pub schedule: LrSchedule,
 }
 
+impl LrUpdaterHook {
+    /// The hook of `schedule`, checked (errors name the parameter).
+    pub fn new(schedule: LrSchedule) -> Result<Self> {
+        schedule.validate()?;
+        Ok(LrUpdaterHook { schedule })
+    }
+
+    /// A constant learning rate `lr` (a finite number, at least 0; errors name `lr`).
+    pub fn constant(lr: f64) -> Result<Self> {
+        LrUpdaterHook::new(LrSchedule::constant(lr))
+    }
+}
+
 impl<B: AutodiffBackend, M: TrainModel<B>> Hook<B, M> for LrUpdaterHook {
     fn name(&self) -> &'static str {
         "lr"

@@ -105,7 +105,7 @@ pub fn attach<A, M, D>(runner: &mut Runner<A, M, D>, collective: SharedCollectiv
 where
     A: AutodiffBackend,
     M: TrainModel<A>,
-    D: DataSource<M::Batch>,
+    D: DataSource<A, M::Batch>,
 {
     runner.state_mut().peer = PeerPlace {
         rank: collective.rank(),

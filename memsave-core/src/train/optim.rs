@@ -74,6 +74,53 @@ fn adamw_weight_decay() -> f64 {
 }
 
 impl OptimizerKind {
+    /// SGD with `momentum` (0: none), no weight decay, no Nesterov (PyTorch's defaults; the
+    /// learning rate is the schedule's: [`crate::train::Runner::set_lr`]).
+    pub fn sgd(momentum: f64) -> Self {
+        OptimizerKind::Sgd {
+            momentum,
+            weight_decay: 0.0,
+            nesterov: false,
+        }
+    }
+
+    /// SGD with Nesterov `momentum` (above 0), no weight decay.
+    pub fn nesterov(momentum: f64) -> Self {
+        OptimizerKind::Sgd {
+            momentum,
+            weight_decay: 0.0,
+            nesterov: true,
+        }
+    }
+
+    /// Adam with PyTorch's defaults: betas (0.9, 0.999), eps 1e-8, no weight decay.
+    pub fn adam() -> Self {
+        OptimizerKind::Adam {
+            betas: adam_betas(),
+            eps: adam_eps(),
+            weight_decay: 0.0,
+        }
+    }
+
+    /// AdamW with PyTorch's defaults: betas (0.9, 0.999), eps 1e-8, weight decay 0.01.
+    pub fn adamw() -> Self {
+        OptimizerKind::AdamW {
+            betas: adam_betas(),
+            eps: adam_eps(),
+            weight_decay: adamw_weight_decay(),
+        }
+    }
+
+    /// This optimizer with weight decay `decay` (L2 for SGD and Adam, decoupled for AdamW).
+    pub fn with_weight_decay(mut self, decay: f64) -> Self {
+        match &mut self {
+            OptimizerKind::Sgd { weight_decay, .. }
+            | OptimizerKind::Adam { weight_decay, .. }
+            | OptimizerKind::AdamW { weight_decay, .. } => *weight_decay = decay,
+        }
+        self
+    }
+
     /// Copies of the trainable weights the optimizer keeps as state: SGD with momentum one
     /// (the momentum buffer), Adam and AdamW two (the moments), plain SGD none.
     pub fn state_copies(&self) -> u64 {
@@ -143,8 +190,56 @@ impl From<&OptimizerSpec> for OptimizerSpec {
 }
 
 impl OptimizerSpec {
-    /// 8 bits for an optimizer that keeps no state is an error naming `state_dtype`.
+    /// Checks the values as PyTorch's optimizers do (errors name the parameter); 8 bits for an
+    /// optimizer that keeps no state is an error naming `state_dtype`.
     pub fn validate(&self) -> Result<()> {
+        let non_negative = |name: &str, value: f64| {
+            if value.is_finite() && value >= 0.0 {
+                Ok(())
+            } else {
+                Err(Error::invalid(
+                    name,
+                    format!("must be a finite number, at least 0, got {value}"),
+                ))
+            }
+        };
+        match &self.kind {
+            OptimizerKind::Sgd {
+                momentum,
+                weight_decay,
+                nesterov,
+            } => {
+                non_negative("momentum", *momentum)?;
+                non_negative("weight_decay", *weight_decay)?;
+                if *nesterov && *momentum == 0.0 {
+                    return Err(Error::invalid(
+                        "nesterov",
+                        "Nesterov momentum needs a momentum above 0 (PyTorch's rule)",
+                    ));
+                }
+            }
+            OptimizerKind::Adam {
+                betas,
+                eps,
+                weight_decay,
+            }
+            | OptimizerKind::AdamW {
+                betas,
+                eps,
+                weight_decay,
+            } => {
+                for (i, beta) in [betas.0, betas.1].into_iter().enumerate() {
+                    if !(0.0..1.0).contains(&beta) {
+                        return Err(Error::invalid(
+                            "betas",
+                            format!("beta{} must be in [0, 1), got {beta}", i + 1),
+                        ));
+                    }
+                }
+                non_negative("eps", *eps)?;
+                non_negative("weight_decay", *weight_decay)?;
+            }
+        }
         if self.state_dtype == StateDtype::Int8 && self.kind.state_copies() == 0 {
             return Err(Error::invalid(
                 "state_dtype",

@@ -86,3 +86,40 @@ pub(crate) fn param_shapes<B: AutodiffBackend, M: AutodiffModule<B>>(
     model.visit(&mut shapes);
     shapes.0
 }
+
+/// The module path of the first float parameter of `model` that is not fp32 (a model wrapped by
+/// `wrap_fp16_model`), if any.
+pub fn first_half_param<B: AutodiffBackend, M: AutodiffModule<B>>(model: &M) -> Option<String> {
+    struct Find {
+        path: Vec<String>,
+        found: Option<String>,
+    }
+    impl<B: burn::prelude::Backend> burn::module::ModuleVisitor<B> for Find {
+        fn enter_module(&mut self, name: &str, _container_type: &str) {
+            self.path.push(name.to_string());
+        }
+        fn exit_module(&mut self, _name: &str, _container_type: &str) {
+            self.path.pop();
+        }
+        fn visit_float<const D: usize>(
+            &mut self,
+            param: &burn::module::Param<burn::prelude::Tensor<B, D>>,
+        ) {
+            if self.found.is_none() && param.val().dtype() != burn::tensor::DType::F32 {
+                let parts: Vec<&str> = self
+                    .path
+                    .iter()
+                    .map(String::as_str)
+                    .filter(|part| !part.is_empty())
+                    .collect();
+                self.found = Some(parts.join("."));
+            }
+        }
+    }
+    let mut find = Find {
+        path: Vec::new(),
+        found: None,
+    };
+    model.visit(&mut find);
+    find.found
+}

@@ -15,10 +15,22 @@ use super::params::{param_bytes, param_shapes};
 use super::snapshot::codec::{load_bytes, record_bytes};
 use super::snapshot::{Snapshot, SnapshotMeta};
 use super::state::{DataSource, IterLog, TrainModel, TrainState};
+use crate::hooks::LrUpdaterHook;
 use crate::{Error, Result};
 
+/// The error of a run that no hook gave a learning rate.
+fn no_learning_rate() -> Error {
+    Error::invalid(
+        "lr",
+        "no learning rate was set, so the run would train at 0: call `Runner::set_lr(0.01)` \
+         for a constant rate, register an `LrUpdaterHook` with a schedule \
+         (`LrUpdaterHook::new(LrSchedule { base_lr: 0.01, ..Default::default() })`), or set `state.lr` in a \
+         hook's `before_iter`",
+    )
+}
+
 /// The training loop.
-pub struct Runner<B: AutodiffBackend, M: TrainModel<B>, D: DataSource<M::Batch>> {
+pub struct Runner<B: AutodiffBackend, M: TrainModel<B>, D: DataSource<B, M::Batch>> {
     state: TrainState<B, M>,
     data: D,
     hooks: Hooks<B, M>,
@@ -28,7 +40,7 @@ impl<B, M, D> Runner<B, M, D>
 where
     B: AutodiffBackend,
     M: TrainModel<B>,
-    D: DataSource<M::Batch>,
+    D: DataSource<B, M::Batch>,
 {
     /// A runner for `model` on `data`; `optimizer_hook` does the backward pass and the step
     /// (at [`Priority::AboveNormal`], MMCV's).
@@ -63,6 +75,16 @@ where
         let mut hooks = Hooks::new();
         hooks.insert(optimizer_hook, Priority::AboveNormal);
         Ok(Runner { state, data, hooks })
+    }
+
+    /// Trains at the constant learning rate `lr` (an [`LrUpdaterHook`] at MMCV's `VERY_HIGH`
+    /// priority). A run needs a learning rate: this, or an [`LrUpdaterHook`] with a schedule,
+    /// or a hook of the user's that sets [`TrainState::lr`]; without one it stops with an
+    /// error before its first step. Errors, naming `lr`, on a negative or non-finite rate.
+    pub fn set_lr(&mut self, lr: f64) -> Result<()> {
+        let hook = LrUpdaterHook::constant(lr)?;
+        self.register_hook_at(Box::new(hook), Priority::VeryHigh);
+        Ok(())
     }
 
     /// Adds a hook at [`Priority::Normal`]: after the optimizer hook, after the hooks added
@@ -113,8 +135,11 @@ where
             self.state.forward_passes = 1;
             self.state.pass = 0;
             self.call(|hook, state| hook.before_iter(state))?;
+            if self.state.lr.is_nan() {
+                return Err(no_learning_rate());
+            }
 
-            let batch = self.data.batch(epoch, index)?;
+            let batch = self.data.batch(epoch, index, &self.state.device)?;
             self.step(batch, epoch, index)?;
             self.save_if_requested()?;
 
@@ -162,7 +187,7 @@ where
                 return self.call(|hook, state| hook.after_iter(state));
             }
             self.state.pass = 1;
-            let batch = self.data.batch(epoch, index)?;
+            let batch = self.data.batch(epoch, index, &self.state.device)?;
             crate::checkpoint::context::repeating(draws, || self.forward(batch));
             self.call(|hook, state| hook.after_iter(state))
         }));

@@ -4,7 +4,7 @@
 use std::path::PathBuf;
 
 use burn::module::AutodiffModule;
-use burn::prelude::Tensor;
+use burn::prelude::{Backend, Tensor};
 use burn::tensor::backend::AutodiffBackend;
 
 use super::optim::Optim;
@@ -35,13 +35,14 @@ pub trait TrainModel<B: AutodiffBackend>: AutodiffModule<B> + Fp16Module + 'stat
 }
 
 /// Training batches, the same for the same `(epoch, index)`: a resumed run sees exactly the
-/// batches the uninterrupted run saw.
-pub trait DataSource<Batch> {
+/// batches the uninterrupted run saw. Like Burn's `Batcher<B, I, O>`, it is told the device to
+/// make each batch on (the runner's; each data-parallel peer's own).
+pub trait DataSource<B: Backend, Batch> {
     /// Batches in one epoch (at least 1).
     fn batches_per_epoch(&self) -> usize;
 
-    /// Batch `index` of `epoch`.
-    fn batch(&self, epoch: usize, index: usize) -> Result<Batch>;
+    /// Batch `index` of `epoch`, on `device`.
+    fn batch(&self, epoch: usize, index: usize, device: &B::Device) -> Result<Batch>;
 
     /// The memory the largest batch takes, when it is known before any batch is made; the
     /// runner checks it against the memory available before training starts.
@@ -122,7 +123,9 @@ pub struct TrainState<B: AutodiffBackend, M: TrainModel<B>> {
     pub iters_per_epoch: usize,
     /// Whether the run is counted in epochs (MMCV's `EpochBasedRunner`).
     pub by_epoch: bool,
-    /// The learning rate for this iteration.
+    /// The learning rate for this iteration, set by the learning-rate hook before each
+    /// iteration (NaN until a hook sets it: the runner then stops with an error, never trains
+    /// at a silent 0).
     pub lr: f64,
     /// The loss of this iteration, until the optimizer hook consumes it.
     pub loss: Option<Tensor<B, 1>>,
@@ -173,7 +176,7 @@ impl<B: AutodiffBackend, M: TrainModel<B>> TrainState<B, M> {
             max_iters: 0,
             iters_per_epoch: 1,
             by_epoch: true,
-            lr: 0.0,
+            lr: f64::NAN,
             loss: None,
             log: IterLog::default(),
             save_request: None,

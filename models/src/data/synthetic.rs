@@ -77,6 +77,12 @@ pub struct SyntheticClassification<B: Backend> {
 }
 
 impl<B: Backend> SyntheticClassification<B> {
+    /// The device it was made for: where direct calls (evaluation) make batches; the runner
+    /// passes its own to [`DataSource::batch`].
+    pub fn device(&self) -> &B::Device {
+        &self.device
+    }
+
     /// Checks the configuration.
     pub fn new(
         config: SyntheticClassificationConfig,
@@ -163,7 +169,7 @@ impl<B: Backend> SyntheticClassification<B> {
     }
 }
 
-impl<B: Backend> DataSource<ClassificationBatch<B>> for SyntheticClassification<B> {
+impl<B: Backend> DataSource<B, ClassificationBatch<B>> for SyntheticClassification<B> {
     fn batches_per_epoch(&self) -> usize {
         self.shard
             .len(self.config.num_samples)
@@ -189,7 +195,12 @@ impl<B: Backend> DataSource<ClassificationBatch<B>> for SyntheticClassification<
         })
     }
 
-    fn batch(&self, epoch: usize, index: usize) -> Result<ClassificationBatch<B>> {
+    fn batch(
+        &self,
+        epoch: usize,
+        index: usize,
+        device: &B::Device,
+    ) -> Result<ClassificationBatch<B>> {
         let order = self.shard.select(&self.order(epoch));
         let start = index * self.config.samples_per_gpu;
         let ids = order
@@ -205,14 +216,8 @@ impl<B: Backend> DataSource<ClassificationBatch<B>> for SyntheticClassification<
             labels.push(label);
         }
         Ok(ClassificationBatch {
-            images: Tensor::from_data(
-                TensorData::new(pixels, [ids.len(), 3, size, size]),
-                &self.device,
-            ),
-            labels: Tensor::<B, 1, Int>::from_data(
-                TensorData::new(labels, [ids.len()]),
-                &self.device,
-            ),
+            images: Tensor::from_data(TensorData::new(pixels, [ids.len(), 3, size, size]), device),
+            labels: Tensor::<B, 1, Int>::from_data(TensorData::new(labels, [ids.len()]), device),
         })
     }
 }

@@ -23,7 +23,7 @@ pub fn detect<B: crate::memsave::Backend>(
 ) -> Result<Vec<DetectionRecord>> {
     let mut records = Vec::new();
     for index in 0..data.batches_per_epoch() {
-        let batch = data.batch(0, index)?;
+        let batch = data.batch(0, index, data.device())?;
         let detections = model.predict(batch.images, &batch.metas);
         for (meta, dets) in batch.metas.iter().zip(detections) {
             for d in dets {
@@ -94,14 +94,7 @@ where
             "evaluation at {unit} {at} ({} images):\n{result}",
             self.data.images().len()
         );
-        eprintln!("{text}");
-        let path = state.work_dir.join("train.log");
-        let mut file = std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(&path)
-            .map_err(|e| Error::Data(format!("{}: {e}", path.display())))?;
-        writeln!(file, "{text}").map_err(|e| Error::Data(format!("{}: {e}", path.display())))?;
+        log(&state.work_dir, &text)?;
         self.history.push((at, result.map));
         Ok(())
     }
@@ -117,24 +110,45 @@ where
     }
 
     fn after_iter(&mut self, state: &mut TrainState<B, RetinaNet<B>>) -> Result<()> {
-        if !state.is_main() {
-            // Rank 0 evaluates a data-parallel run.
-            return Ok(());
+        match due(state, self.by_epoch, false, self.interval) {
+            Some(at) => self.run(state, at),
+            None => Ok(()),
         }
-        if !self.by_epoch && (state.iter + 1) % self.interval == 0 {
-            self.run(state, state.iter + 1)?;
-        }
-        Ok(())
     }
 
     fn after_epoch(&mut self, state: &mut TrainState<B, RetinaNet<B>>) -> Result<()> {
-        if !state.is_main() {
-            // Rank 0 evaluates a data-parallel run.
-            return Ok(());
+        match due(state, self.by_epoch, true, self.interval) {
+            Some(at) => self.run(state, at),
+            None => Ok(()),
         }
-        if self.by_epoch && (state.epoch + 1) % self.interval == 0 {
-            self.run(state, state.epoch + 1)?;
-        }
-        Ok(())
     }
+}
+
+/// The epoch (`at_epoch_end`) or iteration an evaluation is due at now, if one is: every
+/// `interval` epochs of an epoch-based run (`by_epoch`) or iterations of an iteration-based one,
+/// on rank 0 only (it evaluates a data-parallel run).
+pub(crate) fn due<B: AutodiffBackend, M: crate::memsave::train::TrainModel<B>>(
+    state: &TrainState<B, M>,
+    by_epoch: bool,
+    at_epoch_end: bool,
+    interval: usize,
+) -> Option<usize> {
+    let at = if at_epoch_end {
+        state.epoch + 1
+    } else {
+        state.iter + 1
+    };
+    (state.is_main() && by_epoch == at_epoch_end && at % interval == 0).then_some(at)
+}
+
+/// An evaluation's text, to stderr and appended to `train.log` in `work_dir`.
+pub(crate) fn log(work_dir: &std::path::Path, text: &str) -> Result<()> {
+    eprintln!("{text}");
+    let path = work_dir.join("train.log");
+    let mut file = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(&path)
+        .map_err(|e| Error::Data(format!("{}: {e}", path.display())))?;
+    writeln!(file, "{text}").map_err(|e| Error::Data(format!("{}: {e}", path.display())))
 }

@@ -142,11 +142,11 @@ fn split<B: burn::prelude::Backend>(
 /// Batches made before the run, served in turn: no decoding in the measured steps.
 struct Preloaded<B: burn::prelude::Backend>(Vec<DetectionBatch<B>>);
 
-impl<B: burn::prelude::Backend> DataSource<DetectionBatch<B>> for Preloaded<B> {
+impl<B: burn::prelude::Backend> DataSource<B, DetectionBatch<B>> for Preloaded<B> {
     fn batches_per_epoch(&self) -> usize {
         self.0.len()
     }
-    fn batch(&self, _epoch: usize, index: usize) -> Result<DetectionBatch<B>> {
+    fn batch(&self, _epoch: usize, index: usize, _device: &B::Device) -> Result<DetectionBatch<B>> {
         Ok(self.0[index % self.0.len()].clone())
     }
 }
@@ -242,7 +242,7 @@ where
     }
     let mut batches = Vec::new();
     for index in 0..steps {
-        batches.extend(split(loader.batch(0, index)?, micro));
+        batches.extend(split(loader.batch(0, index, &device)?, micro));
     }
     drop(loader);
 

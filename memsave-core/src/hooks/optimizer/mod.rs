@@ -244,6 +244,9 @@ impl<R> OptimizerHook<R> {
                 self.pending = 0;
                 if let Some(mixed) = &mut self.mixed {
                     let scale = mixed.scaler.loss_scale();
+                    if let Some(advice) = mixed.scaler.first_overflow_advice(true) {
+                        state.warn(advice);
+                    }
                     mixed.scaler.update_scale(true);
                     state.warn(format!(
                         "iteration {}: gradient overflow (inf or NaN) at loss scale {scale}; the \
@@ -335,6 +338,9 @@ impl<R> OptimizerHook<R> {
             .reducer
             .any(norm.is_some_and(|norm| !norm.is_finite()))?;
         if overflow {
+            if let Some(advice) = mixed.scaler.first_overflow_advice(true) {
+                state.warn(advice);
+            }
             mixed.scaler.update_scale(true);
             state.log.overflow = true;
             state.warn(format!(
@@ -420,6 +426,17 @@ impl<B: AutodiffBackend, M: TrainModel<B>, R: Reducer<B>> Hook<B, M> for Optimiz
         }
         self.groups.warn(state);
         if let Some(mixed) = &self.mixed {
+            if let Some(half) = crate::train::params::first_half_param::<B, M>(&state.model) {
+                return Err(Error::invalid(
+                    "model",
+                    format!(
+                        "the runner was given a model already in half precision (`{half}` is \
+                         half): under mixed precision the optimizer hook keeps the weights in \
+                         fp32 as the masters and makes the half copy for the forward itself. \
+                         Pass the fp32 model, without `wrap_fp16_model`"
+                    ),
+                ));
+            }
             state.forward_model = Some(memory::scope(memory::phase::HALF_WEIGHTS, || {
                 wrap_fp16_model(state.model.clone(), mixed.precision)
             }));

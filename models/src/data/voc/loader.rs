@@ -209,6 +209,12 @@ pub struct VocDetection<B: Backend> {
 }
 
 impl<B: Backend> VocDetection<B> {
+    /// The device it was made for: where direct calls (evaluation) make batches; the runner
+    /// passes its own to [`DataSource::batch`].
+    pub fn device(&self) -> &B::Device {
+        &self.device
+    }
+
     /// Reads the split of `config` (`field` names it in errors) for batches of `batch_size`,
     /// shuffled and flipped by `seed` when `training`, made by `workers` background threads.
     pub fn new(
@@ -375,7 +381,7 @@ impl<B: Backend> Drop for VocDetection<B> {
     }
 }
 
-impl<B: Backend> DataSource<DetectionBatch<B>> for VocDetection<B> {
+impl<B: Backend> DataSource<B, DetectionBatch<B>> for VocDetection<B> {
     fn batches_per_epoch(&self) -> usize {
         self.plan.batches_per_epoch()
     }
@@ -396,10 +402,10 @@ impl<B: Backend> DataSource<DetectionBatch<B>> for VocDetection<B> {
         })
     }
 
-    fn batch(&self, epoch: usize, index: usize) -> Result<DetectionBatch<B>> {
+    fn batch(&self, epoch: usize, index: usize, device: &B::Device) -> Result<DetectionBatch<B>> {
         let host = self.host(epoch, index)?;
         Ok(DetectionBatch {
-            images: Tensor::from_data(TensorData::new(host.pixels, host.shape), &self.device),
+            images: Tensor::from_data(TensorData::new(host.pixels, host.shape), device),
             metas: host.metas,
             gt_bboxes: host.boxes,
             gt_labels: host.labels,
