@@ -69,6 +69,12 @@ fn trains_saves_and_resumes_with_each_strategy() {
             .unwrap();
         assert!(last.contains("loss: "), "{name}: {last}");
         assert!(last.contains("  memory: "), "{name}: {last}");
+        // The base config's evaluation: top-1 accuracy on held-out samples after each epoch.
+        let val = log
+            .lines()
+            .find(|line| line.starts_with("Epoch(val) [2]"))
+            .unwrap_or_else(|| panic!("{name}: no evaluation in {log}"));
+        assert!(val.contains("accuracy_top-1: "), "{name}: {val}");
     }
 
     // Resume the plain run from its first epoch: one more epoch to go.
@@ -110,6 +116,14 @@ fn bad_input_is_an_error_not_a_panic() {
         (
             vec!["--set".into(), "data.image_size=2".into()],
             "data.image_size",
+        ),
+        (
+            vec!["--set".into(), "evaluation.metric=\"mAP\"".into()],
+            "evaluation.metric",
+        ),
+        (
+            vec!["--set".into(), "evaluation.num_samples=0".into()],
+            "evaluation.num_samples",
         ),
         (
             vec!["--resume".into(), config.to_str().unwrap().into()],

@@ -141,8 +141,11 @@ fn two_local_peers_log_and_save_once_and_a_resume_restores_every_peer() {
     assert!(stderr.contains("data parallel: 2 peers"), "{stderr}");
     // 8 samples over 2 peers at 2 a batch: 2 iterations an epoch, logged once each.
     let log = std::fs::read_to_string(whole.join("train.log")).unwrap();
-    let lines = log.lines().filter(|l| l.starts_with("Epoch")).count();
+    let lines = log.lines().filter(|l| l.starts_with("Epoch [")).count();
     assert_eq!(lines, 4, "{log}");
+    // The base config's evaluation: once per epoch, by rank 0 only.
+    let evaluations = log.lines().filter(|l| l.starts_with("Epoch(val)")).count();
+    assert_eq!(evaluations, 2, "{log}");
     assert_eq!(stderr.matches("Epoch [").count(), 4, "{stderr}");
     let last = std::fs::read(whole.join("epoch_2.ckpt")).unwrap();
 
