@@ -75,6 +75,7 @@ fn trains_saves_and_resumes_with_each_strategy() {
             .find(|line| line.starts_with("Epoch(val) [2]"))
             .unwrap_or_else(|| panic!("{name}: no evaluation in {log}"));
         assert!(val.contains("accuracy_top-1: "), "{name}: {val}");
+        assert!(val.contains("(128 held-out samples)"), "{name}: {val}");
     }
 
     // Resume the plain run from its first epoch: one more epoch to go.
@@ -87,9 +88,17 @@ fn trains_saves_and_resumes_with_each_strategy() {
         work_dir.to_str().unwrap(),
         "--resume",
         checkpoint.to_str().unwrap(),
+        "--set",
+        "evaluation.num_samples=8",
     ]);
     assert!(output.status.success(), "{}", text(&output));
     assert!(text(&output).contains("resumed from"), "{}", text(&output));
+    // The held-out set's size is read (128 by default, as the first runs logged).
+    assert!(
+        text(&output).contains("(8 held-out samples)"),
+        "{}",
+        text(&output)
+    );
     assert!(
         !text(&output).contains("Epoch [1]"),
         "epoch 1 is not run again: {}",

@@ -534,33 +534,10 @@ fn materialise<B: AutodiffBackend, M: AutodiffModule<B>>(model: M) -> M {
 
 /// Each float parameter's module path, by id.
 fn param_names<B: Backend, M: Module<B>>(model: &M) -> HashMap<ParamId, String> {
-    struct Names {
-        path: Vec<String>,
-        names: HashMap<ParamId, String>,
-    }
-    impl<B: Backend> ModuleVisitor<B> for Names {
-        fn enter_module(&mut self, name: &str, _container_type: &str) {
-            self.path.push(name.to_string());
-        }
-        fn exit_module(&mut self, _name: &str, _container_type: &str) {
-            self.path.pop();
-        }
-        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
-            let path: Vec<&str> = self
-                .path
-                .iter()
-                .map(String::as_str)
-                .filter(|part| !part.is_empty())
-                .collect();
-            self.names.insert(param.id, path.join("."));
-        }
-    }
-    let mut names = Names {
-        path: Vec::new(),
-        names: HashMap::new(),
-    };
-    model.visit(&mut names);
-    names.names
+    crate::train::params::param_paths(model)
+        .into_iter()
+        .map(|(id, path, _)| (id, path))
+        .collect()
 }
 
 /// Every parameter's gradient as fp32 values, by id.

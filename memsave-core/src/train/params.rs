@@ -87,39 +87,46 @@ pub(crate) fn param_shapes<B: AutodiffBackend, M: AutodiffModule<B>>(
     shapes.0
 }
 
-/// The module path of the first float parameter of `model` that is not fp32 (a model wrapped by
-/// `wrap_fp16_model`), if any.
-pub fn first_half_param<B: AutodiffBackend, M: AutodiffModule<B>>(model: &M) -> Option<String> {
-    struct Find {
+/// Each float parameter of `model` in visiting order: its id, module path
+/// (`backbone.layer1.0.conv1.weight`) and dtype.
+pub fn param_paths<B: burn::prelude::Backend, M: burn::module::Module<B>>(
+    model: &M,
+) -> Vec<(ParamId, String, burn::tensor::DType)> {
+    struct Paths {
         path: Vec<String>,
-        found: Option<String>,
+        params: Vec<(ParamId, String, burn::tensor::DType)>,
     }
-    impl<B: burn::prelude::Backend> burn::module::ModuleVisitor<B> for Find {
+    impl<B: burn::prelude::Backend> ModuleVisitor<B> for Paths {
         fn enter_module(&mut self, name: &str, _container_type: &str) {
             self.path.push(name.to_string());
         }
         fn exit_module(&mut self, _name: &str, _container_type: &str) {
             self.path.pop();
         }
-        fn visit_float<const D: usize>(
-            &mut self,
-            param: &burn::module::Param<burn::prelude::Tensor<B, D>>,
-        ) {
-            if self.found.is_none() && param.val().dtype() != burn::tensor::DType::F32 {
-                let parts: Vec<&str> = self
-                    .path
-                    .iter()
-                    .map(String::as_str)
-                    .filter(|part| !part.is_empty())
-                    .collect();
-                self.found = Some(parts.join("."));
-            }
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+            let parts: Vec<&str> = self
+                .path
+                .iter()
+                .map(String::as_str)
+                .filter(|part| !part.is_empty())
+                .collect();
+            self.params
+                .push((param.id, parts.join("."), param.val().dtype()));
         }
     }
-    let mut find = Find {
+    let mut paths = Paths {
         path: Vec::new(),
-        found: None,
+        params: Vec::new(),
     };
-    model.visit(&mut find);
-    find.found
+    model.visit(&mut paths);
+    paths.params
+}
+
+/// The module path of the first float parameter of `model` that is not fp32 (a model wrapped by
+/// `wrap_fp16_model`), if any.
+pub fn first_half_param<B: AutodiffBackend, M: AutodiffModule<B>>(model: &M) -> Option<String> {
+    param_paths(model)
+        .into_iter()
+        .find(|(_, _, dtype)| *dtype != burn::tensor::DType::F32)
+        .map(|(_, path, _)| path)
 }
