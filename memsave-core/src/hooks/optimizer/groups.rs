@@ -55,6 +55,12 @@ impl Groups {
         state.every_n_iters(self.cumulative_iters) || state.is_last_iter()
     }
 
+    /// Whether iteration `iter` (from 0) of a run of `max_iters` ends a group: the optimizer
+    /// steps after it (MMCV's `every_n_iters(cumulative_iters) or is_last_iter`).
+    pub fn ends_group(self, iter: usize, max_iters: usize) -> bool {
+        (iter + 1).is_multiple_of(self.cumulative_iters) || iter + 1 == max_iters
+    }
+
     /// MMCV's two warnings, at the start of a run.
     pub(super) fn warn<B: AutodiffBackend, M: TrainModel<B>>(self, state: &mut TrainState<B, M>) {
         if self.cumulative_iters == 1 {
