@@ -38,7 +38,7 @@ use burn::train::renderer::{
     EvaluationName, EvaluationProgress, MetricState, MetricsRenderer, MetricsRendererEvaluation,
     MetricsRendererTraining, ProgressType, TrainingProgress,
 };
-use burn::train::{ClassificationOutput, InferenceStep, SupervisedTraining};
+use burn::train::{ClassificationOutput, InferenceStep, SupervisedTraining, TrainStep};
 use memsave::burn_train::{ForwardStep, Memsave};
 use memsave::checkpoint::set_with_cp;
 use memsave::fp16::Fp16;
@@ -49,7 +49,7 @@ use memsave::{auto_fp16, force_fp32, with_cp};
 
 type B = Autodiff<Flex>;
 
-/// Counts the heap, for the peak the run reports.
+/// Counts the heap, for the step's peak the run reports.
 #[global_allocator]
 static ALLOCATOR: CountingAllocator = CountingAllocator;
 
@@ -304,18 +304,46 @@ fn run(args: Args) -> memsave::Result<()> {
             seed: 2,
         });
 
-    let mut model = Model::<B>::new(128, 0.1, &device);
+    // Burn initialises weights lazily: materialised, the probe below and training share them.
+    let mut model = memsave::check::materialise(Model::<B>::new(128, 0.1, &device));
     if args.with_cp {
         model = set_with_cp(model, true); // MMCV's with_cp=True: lives in the model
     }
     // The strategies, for the whole run; each is one call.
     let total_iters = args.epochs * TRAIN_SAMPLES.div_ceil(micro_batch);
-    let mut memsave = Memsave::new()
-        .accumulate(args.accumulate, total_iters)?
-        .clip_grad_norm(5.0)?;
-    if args.fp16 {
-        memsave = memsave.fp16(LossScaler::new(65536.0, ScaleMode::Dynamic, 2.0, 1000)?);
-    }
+    let strategies = || -> memsave::Result<Memsave> {
+        let memsave = Memsave::new()
+            .accumulate(args.accumulate, total_iters)?
+            .clip_grad_norm(5.0)?;
+        Ok(if args.fp16 {
+            memsave.fp16(LossScaler::new(65536.0, ScaleMode::Dynamic, 2.0, 1000)?)
+        } else {
+            memsave
+        })
+    };
+
+    // What one micro-batch's forward and backward take above what was live before it (the
+    // counting allocator), measured on a separate copy of the strategies.
+    let step_peak = {
+        let probe = strategies()?.model(model.clone())?;
+        let items: Vec<DigitItem> = (0..micro_batch)
+            .filter_map(|i| {
+                Digits {
+                    len: TRAIN_SAMPLES,
+                    seed: 1,
+                }
+                .get(i)
+            })
+            .collect();
+        let batch = DigitBatcher.batch(items, &device);
+        let baseline = memsave::memory::reset_peak();
+        let output = TrainStep::step(&probe, batch);
+        let peak = memsave::memory::peak_bytes().saturating_sub(baseline);
+        drop(output);
+        peak
+    };
+
+    let memsave = strategies()?;
     // Was `Learner::new(model, optimizer, lr)`.
     let learner = memsave.learner(model, AdamConfig::new().init(), 1e-3)?;
 
@@ -345,10 +373,8 @@ fn run(args: Args) -> memsave::Result<()> {
         },
     );
     let started = Instant::now();
-    memsave::memory::reset_peak();
     let result = training.launch(learner);
     let seconds = started.elapsed().as_secs_f64();
-    let peak = memsave::memory::peak_bytes();
 
     // The final model on the validation split, counted here.
     let model = result.model;
@@ -374,10 +400,11 @@ fn run(args: Args) -> memsave::Result<()> {
             .elem::<i64>() as usize;
     }
     println!(
-        "{} optimizer steps in {seconds:.1} s; held-out accuracy {:.1}%; peak heap {:.1} MiB{}",
+        "{} optimizer steps in {seconds:.1} s; held-out accuracy {:.1}%; a micro-batch's forward \
+         and backward: {:.2} MiB above the weights and state{}",
         memsave.iterations().div_ceil(args.accumulate),
         100.0 * correct as f64 / VALID_SAMPLES as f64,
-        memsave::memory::mib(peak),
+        memsave::memory::mib(step_peak),
         match memsave.loss_scale() {
             Some(scale) => format!("; loss scale {scale}"),
             None => String::new(),

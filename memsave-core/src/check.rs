@@ -525,8 +525,10 @@ fn segments<M: CheckpointModule>(
         .collect()
 }
 
-/// Initialises every lazy parameter, so that clones share their values.
-fn materialise<B: AutodiffBackend, M: AutodiffModule<B>>(model: M) -> M {
+/// Initialises every lazy parameter, so that clones share their values. Burn initialises a
+/// fresh model's weights on first use, and each clone of a fresh model draws its own: compare
+/// two runs (with and without a strategy) from `materialise(model)` and its clones.
+pub fn materialise<B: Backend, M: Module<B>>(model: M) -> M {
     struct Materialise;
     impl<B: Backend> ModuleMapper<B> for Materialise {}
     model.map(&mut Materialise)
