@@ -367,7 +367,10 @@ struct Comparison {
 /// Trains `setup` both ways.
 fn compare(setup: Setup, name: &str) -> Comparison {
     let dir = common::fresh_dir("burn-train", name);
+    // One draw of the initial weights (the backend's generator is shared by the tests running
+    // beside this one), cloned for both runs.
     let model = initial_model();
+    let start = weights(&model.valid());
     take_losses();
     let (runner_model, runner_scale) = through_runner(setup, model.clone(), &dir.join("runner"));
     let runner_losses = take_losses();
@@ -376,7 +379,7 @@ fn compare(setup: Setup, name: &str) -> Comparison {
     let burn_losses = take_losses();
     assert_eq!(runner_losses.len(), setup.total_iters());
     assert_eq!(burn_losses.len(), setup.total_iters());
-    let moved = max_abs_difference(&weights(&burn_model), &weights(&initial_model().valid()));
+    let moved = max_abs_difference(&weights(&burn_model), &start);
     let _ = std::fs::remove_dir_all(&dir);
     Comparison {
         losses: max_abs_difference(&burn_losses, &runner_losses),
@@ -447,14 +450,15 @@ fn burn_checkpoints_resume_the_scaler_the_groups_and_the_schedule() {
     };
     common::watchdog(300, move || {
         let dir = common::fresh_dir("burn-train", "resume");
+        // One draw of the initial weights, cloned for both runs.
+        let start = initial_model();
         let whole = setup.memsave();
-        let uninterrupted =
-            through_burn_train(setup, &whole, initial_model(), &dir.join("a"), None);
+        let uninterrupted = through_burn_train(setup, &whole, start.clone(), &dir.join("a"), None);
 
         let first = setup.memsave();
         let two = Setup { epochs: 2, ..setup };
         // The first part is told the whole run's length: its groups are the same.
-        let _ = through_burn_train(two, &first, initial_model(), &dir.join("b"), None);
+        let _ = through_burn_train(two, &first, start, &dir.join("b"), None);
         let scale_at_two = first.loss_scale();
         // A fresh start: a fresh model (other weights) and scaler, all restored from the files.
         let second = setup.memsave();
