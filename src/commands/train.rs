@@ -373,10 +373,20 @@ where
         ),
         None => None,
     };
+    let zero = config.optimizer_config.zero()?;
+    if zero != memsave::parallel::ZeroStage::Off && peer.is_none() && main {
+        eprintln!(
+            "memsave: warning: optimizer_config.zero_stage = {} shards the optimizer state \
+             across data-parallel peers, and this run trains alone (--devices 1, --nodes 1): \
+             nothing is sharded",
+            zero.number()
+        );
+    }
     let optimizer_hook = config.optimizer_hook_of()?;
     let optimizer_hook: Box<dyn Hook<B, M>> = match &peer {
         Some(peer) => {
-            let reducer = PeerReducer::<B::InnerBackend>::new(peer.clone(), peer.device());
+            let reducer = PeerReducer::<B::InnerBackend>::new(peer.clone(), peer.device())
+                .with_zero_stage(config.optimizer_config.zero()?);
             Box::new(optimizer_hook.with_reducer(reducer))
         }
         None => Box::new(optimizer_hook),

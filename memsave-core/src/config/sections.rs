@@ -45,9 +45,23 @@ pub struct OptimizerHookSection {
     /// (PyTorch's optimizer hooks in backward): the whole gradient set never exists. Exact;
     /// with `grad_clip` or `[fp16]`, each step runs its forward and backward twice.
     pub step_in_backward: bool,
+    /// Shard across the data-parallel peers (ZeRO, PyTorch's `ZeroRedundancyOptimizer`): 0
+    /// off, 1 the optimizer state, 2 the optimizer state and the averaged gradients. Each peer
+    /// steps its part of the parameters and sends every peer the new values. Exact.
+    pub zero_stage: u8,
 }
 
 impl OptimizerHookSection {
+    /// The ZeRO stage this section asks for; errors name `optimizer_config.zero_stage`.
+    pub fn zero(&self) -> crate::Result<crate::parallel::ZeroStage> {
+        crate::parallel::ZeroStage::from_number(self.zero_stage).map_err(|error| match error {
+            crate::Error::InvalidValue { message, .. } => {
+                crate::Error::invalid("optimizer_config.zero_stage", message)
+            }
+            other => other,
+        })
+    }
+
     /// The grouping of micro-batches this section asks for: `cumulative_iters` for the
     /// accumulating hooks (1 when unset), a step every iteration for the others. Errors name
     /// `cumulative_iters`.

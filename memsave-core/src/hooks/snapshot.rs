@@ -65,18 +65,20 @@ impl SnapshotHook {
     }
 
     fn request<B: AutodiffBackend, M: TrainModel<B>>(&mut self, state: &mut TrainState<B, M>) {
+        let completed = (state.iter + 1).min(state.max_iters);
+        // Every peer knows a snapshot is due (a sharded state is gathered by all of them).
+        self.saved_at = Some(completed);
+        state.snapshot_due = true;
         if !state.is_main() {
             // Rank 0 writes the snapshots of a data-parallel run.
             return;
         }
-        let completed = (state.iter + 1).min(state.max_iters);
         let name = if self.by_epoch {
             format!("epoch_{}.ckpt", completed / state.iters_per_epoch)
         } else {
             format!("iter_{completed}.ckpt")
         };
         state.save_request = Some(state.work_dir.join(name));
-        self.saved_at = Some(completed);
     }
 }
 

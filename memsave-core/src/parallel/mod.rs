@@ -25,6 +25,7 @@ mod parts;
 pub mod peer;
 mod sampler;
 mod topology;
+pub mod zero;
 
 use std::sync::Arc;
 
@@ -40,6 +41,7 @@ pub use peer::{
     report_network_failure, run_local, serve_orchestrator, BurnPeer, Topology, DEFAULT_TIMEOUT,
 };
 pub use sampler::Shard;
+pub use zero::ZeroStage;
 
 use crate::Result;
 

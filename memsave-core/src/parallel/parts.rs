@@ -8,20 +8,25 @@ use burn::module::AutodiffModule;
 use burn::optim::GradientsParams;
 use burn::tensor::backend::AutodiffBackend;
 
-use super::{agree_any, all_reduce_grads, broadcast_module, mean_for_log, SharedCollective};
+use super::zero::{self, ZeroStage};
+use super::{
+    agree_any, all_reduce_grads, broadcast_module, mean_for_log, SharedCollective, BUCKET_BYTES,
+};
 use crate::hooks::Reducer;
 use crate::train::{
-    DataSource, Hook, IterLog, PeerPlace, Priority, Runner, TrainModel, TrainState,
+    DataSource, Hook, IterLog, Optim, PeerPlace, Priority, Runner, TrainModel, TrainState,
 };
 use crate::Result;
 
 /// The optimizer hook's reduction over the peers of `collective`
 /// ([`crate::hooks::OptimizerHook::with_reducer`]): gradients averaged once per optimizer step
 /// in buckets ([`all_reduce_grads`]), an overflow on any peer skips the step on all, the log
-/// shows the mean loss.
+/// shows the mean loss. With a [`ZeroStage`], each peer steps only its part of the parameters
+/// (see [`super::zero`]).
 pub struct PeerReducer<B: burn::prelude::Backend> {
     collective: SharedCollective<B>,
     device: B::Device,
+    zero: ZeroStage,
 }
 
 impl<B: burn::prelude::Backend> PeerReducer<B> {
@@ -30,7 +35,28 @@ impl<B: burn::prelude::Backend> PeerReducer<B> {
         PeerReducer {
             collective,
             device: device.clone(),
+            zero: ZeroStage::Off,
         }
+    }
+
+    /// The same reducer sharding the optimizer state (stage 1), and the gradients (stage 2),
+    /// across the peers (ZeRO).
+    pub fn with_zero_stage(mut self, stage: ZeroStage) -> Self {
+        self.zero = stage;
+        self
+    }
+
+    /// What is sharded.
+    pub fn zero_stage(&self) -> ZeroStage {
+        self.zero
+    }
+
+    fn owned<A, M>(&self, model: &M) -> std::collections::HashSet<burn::module::ParamId>
+    where
+        A: AutodiffBackend<InnerBackend = B>,
+        M: AutodiffModule<A>,
+    {
+        zero::owned::<A, M>(model, self.collective.rank(), self.collective.world_size())
     }
 }
 
@@ -38,9 +64,10 @@ impl<B: burn::prelude::Backend> std::fmt::Debug for PeerReducer<B> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(
             f,
-            "PeerReducer(rank {} of {})",
+            "PeerReducer(rank {} of {}, ZeRO stage {})",
             self.collective.rank(),
-            self.collective.world_size()
+            self.collective.world_size(),
+            self.zero.number()
         )
     }
 }
@@ -52,6 +79,10 @@ impl<A: AutodiffBackend> Reducer<A> for PeerReducer<A::InnerBackend> {
         grads: &mut GradientsParams,
     ) -> Result<()> {
         all_reduce_grads::<A, M>(&*self.collective, model, grads, &self.device)
+    }
+
+    fn zero_stage(&self) -> ZeroStage {
+        self.zero
     }
 
     fn any(&self, flag: bool) -> Result<bool> {
@@ -68,6 +99,69 @@ impl<A: AutodiffBackend> Reducer<A> for PeerReducer<A::InnerBackend> {
             *part = *value;
         }
         Ok(())
+    }
+
+    fn global_norm<M: AutodiffModule<A>>(
+        &self,
+        model: &M,
+        grads: &GradientsParams,
+        norm_type: f64,
+    ) -> Result<Option<f64>> {
+        if self.zero >= ZeroStage::Gradients {
+            zero::sharded_norm::<A, M>(&*self.collective, model, grads, norm_type, &self.device)
+        } else {
+            Ok(crate::train::grads::global_norm::<A, M>(
+                model, grads, norm_type,
+            ))
+        }
+    }
+
+    fn keep_own<M: AutodiffModule<A>>(&self, model: &M, grads: &mut GradientsParams) {
+        if self.zero > ZeroStage::Off {
+            zero::keep_owned::<A, M>(model, grads, &self.owned::<A, M>(model));
+        }
+    }
+
+    fn share_stepped<M: AutodiffModule<A>>(&self, model: M) -> Result<M> {
+        if self.zero == ZeroStage::Off {
+            return Ok(model);
+        }
+        let owned = self.owned::<A, M>(&model);
+        zero::share_stepped::<A, M>(&*self.collective, model, &owned, BUCKET_BYTES)
+    }
+
+    fn own_state<M: AutodiffModule<A>>(&self, model: &M, optimizer: &mut Optim<A, M>) {
+        if self.zero > ZeroStage::Off {
+            optimizer.retain(&self.owned::<A, M>(model));
+        }
+    }
+
+    fn whole_state<M: AutodiffModule<A>>(
+        &self,
+        model: &M,
+        optimizer: &Optim<A, M>,
+    ) -> Result<Option<Vec<u8>>> {
+        use crate::train::snapshot::codec::{merge_by_param, rename_by_param};
+        if self.zero == ZeroStage::Off {
+            return Ok(None);
+        }
+        let bad = |error: crate::train::snapshot::codec::CodecError| {
+            crate::Error::invalid("optimizer state", error.to_string())
+        };
+        // Each peer's parameters have their own ids: the parts travel keyed by position.
+        let positions = zero::positions::<A, M>(model);
+        let ids: std::collections::HashMap<u64, burn::module::ParamId> = positions
+            .iter()
+            .map(|(id, position)| (*position, *id))
+            .collect();
+        let mine = optimizer.to_bytes().map_err(bad)?;
+        let mine =
+            rename_by_param(&mine, |id| positions.get(&id).map(|&p| p.into())).map_err(bad)?;
+        let parts = zero::gather_bytes(&*self.collective, &mine, &self.device)?;
+        let whole = merge_by_param(&parts).map_err(bad)?;
+        rename_by_param(&whole, |position| ids.get(&position.val()).copied())
+            .map(Some)
+            .map_err(bad)
     }
 }
 

@@ -52,6 +52,13 @@ pub trait Hook<B: AutodiffBackend, M: TrainModel<B>> {
         Ok(())
     }
 
+    /// On every peer, when a snapshot is due after this iteration, before rank 0 writes it
+    /// ([`TrainState::snapshot_due`]): the optimizer hook gathers an optimizer state sharded
+    /// across the peers here. Every peer calls the same collectives.
+    fn before_snapshot(&mut self, _state: &mut TrainState<B, M>) -> Result<()> {
+        Ok(())
+    }
+
     /// State to keep in snapshots.
     fn state_dict(&self) -> Option<serde_json::Value> {
         None

@@ -385,6 +385,33 @@ impl<B: AutodiffBackend, M: AutodiffModule<B>> Optim<B, M> {
         }
     }
 
+    /// Keeps the state of the parameters in `owned` only: a peer's part of a state sharded
+    /// across data-parallel peers (ZeRO), after a resume from a whole one.
+    pub fn retain(&mut self, owned: &std::collections::HashSet<ParamId>) {
+        fn keep<O, M, B>(
+            optim: &mut OptimizerAdaptor<O, M, B>,
+            owned: &std::collections::HashSet<ParamId>,
+        ) where
+            O: SimpleOptimizer<B::InnerBackend>,
+            M: AutodiffModule<B>,
+            B: AutodiffBackend,
+        {
+            let record = optim
+                .to_record()
+                .into_iter()
+                .filter(|(id, _)| owned.contains(id))
+                .collect();
+            *optim = optim.clone().load_record(record);
+        }
+        match self {
+            Optim::Sgd(optim) => keep(optim, owned),
+            Optim::Adam(optim) => keep(optim, owned),
+            Optim::AdamW(optim) => keep(optim, owned),
+            Optim::Sgd8(optim) => keep(optim, owned),
+            Optim::Adam8(optim) => keep(optim, owned),
+        }
+    }
+
     /// The optimizer's state (momentum buffers, moments) as bytes; the same state always gives
     /// the same bytes (entries in parameter order, not in hash-map order).
     pub fn to_bytes(&self) -> Result<Vec<u8>, CodecError> {

@@ -289,6 +289,9 @@ where
     }
 
     fn save_if_requested(&mut self) -> Result<()> {
+        if std::mem::take(&mut self.state.snapshot_due) {
+            self.call(|hook, state| hook.before_snapshot(state))?;
+        }
         if let Some(path) = self.state.save_request.take() {
             self.save_snapshot(&path)?;
             self.call(|hook, state| hook.after_save(state, &path))?;
@@ -299,11 +302,21 @@ where
     /// Writes a snapshot of the run as it stands after the current iteration, to `path` and to
     /// `latest.ckpt` beside it.
     pub fn save_snapshot(&mut self, path: &Path) -> Result<()> {
+        let whole = self.state.whole_optimizer.take();
+        if whole.is_none() && self.state.sharded_optimizer {
+            return Err(Error::Snapshot {
+                path: path.to_path_buf(),
+                message: "the optimizer state is sharded across the data-parallel peers \
+                          (zero_stage): a snapshot is written through the SnapshotHook, whose \
+                          request has every peer gather it first"
+                    .into(),
+            });
+        }
         // Serialising is not training: keep it out of the peak memory the log reports.
-        crate::memory::without_peak(|| self.write_snapshot(path))
+        crate::memory::without_peak(|| self.write_snapshot(path, whole))
     }
 
-    fn write_snapshot(&self, path: &Path) -> Result<()> {
+    fn write_snapshot(&self, path: &Path, whole_optimizer: Option<Vec<u8>>) -> Result<()> {
         let bad = |error: super::snapshot::codec::CodecError| Error::Snapshot {
             path: path.to_path_buf(),
             message: error.to_string(),
@@ -329,7 +342,10 @@ where
         let snapshot = Snapshot {
             meta,
             model: record_bytes::<B, _>(self.state.model.clone().into_record()).map_err(bad)?,
-            optimizer: self.state.optimizer.to_bytes().map_err(bad)?,
+            optimizer: match whole_optimizer {
+                Some(bytes) => bytes,
+                None => self.state.optimizer.to_bytes().map_err(bad)?,
+            },
         };
         snapshot.save(path)?;
         let latest = path.with_file_name("latest.ckpt");

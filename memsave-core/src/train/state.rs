@@ -133,6 +133,15 @@ pub struct TrainState<B: AutodiffBackend, M: TrainModel<B>> {
     pub log: IterLog,
     /// Set by a hook to have the runner write a checkpoint there after this iteration.
     pub save_request: Option<PathBuf>,
+    /// Set on every peer when a snapshot is due after this iteration (rank 0 alone writes it):
+    /// the hooks' `before_snapshot` runs everywhere first.
+    pub snapshot_due: bool,
+    /// The whole optimizer state, gathered for the snapshot being written when each peer
+    /// holds a part of it (ZeRO); rank 0's own state otherwise.
+    pub whole_optimizer: Option<Vec<u8>>,
+    /// Whether each peer holds only a part of the optimizer state (ZeRO): a snapshot then
+    /// needs [`TrainState::whole_optimizer`].
+    pub sharded_optimizer: bool,
     /// The run's directory: checkpoints and the log file.
     pub work_dir: PathBuf,
     /// Bytes of optimizer state per byte of trainable weights (for the memory check):
@@ -180,6 +189,9 @@ impl<B: AutodiffBackend, M: TrainModel<B>> TrainState<B, M> {
             loss: None,
             log: IterLog::default(),
             save_request: None,
+            snapshot_due: false,
+            whole_optimizer: None,
+            sharded_optimizer: false,
             work_dir,
             optimizer_state_per_weight: 0.0,
             step_group_bytes: STEP_GROUP_BYTES,

@@ -26,6 +26,7 @@ use burn::tensor::DType;
 
 use crate::fp16::{wrap_fp16_model, Precision};
 use crate::memory;
+use crate::parallel::ZeroStage;
 use crate::scaler::LossScaler;
 use crate::train::grads::{self, GradClip};
 use crate::train::{Hook, SnapshotMeta, TrainModel, TrainState};
@@ -320,10 +321,28 @@ impl<R> OptimizerHook<R> {
             let missing = grads::params_without_grad::<B, M>(&state.model, &grads);
             warn_without_gradient(state, missing);
         }
+        // ZeRO: the gradients another peer steps go, at once at stage 2 (the norm is then
+        // gathered from the owners), after the norm at stage 1.
+        let sharded = self.reducer.zero_stage();
+        if sharded >= ZeroStage::Gradients {
+            self.reducer.keep_own(&state.model, &mut grads);
+        }
+        let norm_type = self.grad_clip.as_ref().map_or(2.0, |clip| clip.norm_type);
         let Some(mixed) = &mut self.mixed else {
-            state.log.grad_norm =
-                grads::norm_and_clip::<B, M>(&state.model, &mut grads, self.grad_clip.as_ref());
+            let norm = self.reducer.global_norm(&state.model, &grads, norm_type)?;
+            self.reducer.keep_own(&state.model, &mut grads);
+            if let (Some(clip), Some(norm)) = (&self.grad_clip, norm) {
+                let coefficient = clip.max_norm / (norm + 1e-6);
+                if norm.is_finite() && coefficient < 1.0 {
+                    grads::scale::<B, M>(&state.model, &mut grads, coefficient);
+                }
+            }
+            state.log.grad_norm = norm;
             state.step(grads);
+            if sharded > ZeroStage::Off {
+                let model = state.model.clone();
+                state.model = self.reducer.share_stepped(model)?;
+            }
             return Ok(());
         };
         // The gradients are still half (one micro-batch) or fp32 sums (accumulation), and
@@ -331,8 +350,10 @@ impl<R> OptimizerHook<R> {
         // power-of-two scale); each chunk of parameters is then cast, unscaled and clipped just
         // before it steps, in the order a full fp32 copy would have been.
         let scale = mixed.scaler.loss_scale();
-        let norm_type = self.grad_clip.as_ref().map_or(2.0, |clip| clip.norm_type);
-        let norm = grads::global_norm::<B, M>(&state.model, &grads, norm_type).map(|n| n / scale);
+        let norm = self
+            .reducer
+            .global_norm(&state.model, &grads, norm_type)?
+            .map(|n| n / scale);
         // One non-finite gradient on any peer skips the step on every peer.
         let overflow = self
             .reducer
@@ -356,6 +377,7 @@ impl<R> OptimizerHook<R> {
                 _ => None,
             }
             .filter(|&coefficient| coefficient < 1.0);
+            self.reducer.keep_own(&state.model, &mut grads);
             // Each chunk of parameters the optimizer steps at once.
             state.step_with(grads, &mut |model, chunk| {
                 grads::to_f32::<B, M>(model, chunk);
@@ -364,6 +386,10 @@ impl<R> OptimizerHook<R> {
                     grads::scale::<B, M>(model, chunk, coefficient);
                 }
             });
+            if sharded > ZeroStage::Off {
+                let model = state.model.clone();
+                state.model = self.reducer.share_stepped(model)?;
+            }
             // The old half copy goes before the new one is made.
             state.forward_model = None;
             state.forward_model = Some(memory::scope(memory::phase::HALF_WEIGHTS, || {
@@ -425,6 +451,9 @@ impl<B: AutodiffBackend, M: TrainModel<B>, R: Reducer<B>> Hook<B, M> for Optimiz
             }
         }
         self.groups.warn(state);
+        // ZeRO: this peer keeps the state of its part only (a resumed state is whole).
+        self.reducer.own_state(&state.model, &mut state.optimizer);
+        state.sharded_optimizer = self.reducer.zero_stage() > ZeroStage::Off;
         if let Some(mixed) = &self.mixed {
             if let Some(half) = crate::train::params::first_half_param::<B, M>(&state.model) {
                 return Err(Error::invalid(
@@ -512,6 +541,15 @@ impl<B: AutodiffBackend, M: TrainModel<B>, R: Reducer<B>> Hook<B, M> for Optimiz
             self.summed = Some(grads);
             if let Some(mixed) = &self.mixed {
                 state.log.loss_scale = Some(mixed.scaler.loss_scale());
+            }
+        }
+        Ok(())
+    }
+
+    fn before_snapshot(&mut self, state: &mut TrainState<B, M>) -> Result<()> {
+        if let Some(whole) = self.reducer.whole_state(&state.model, &state.optimizer)? {
+            if state.is_main() {
+                state.whole_optimizer = Some(whole);
             }
         }
         Ok(())

@@ -6,7 +6,8 @@ use burn::module::AutodiffModule;
 use burn::optim::GradientsParams;
 use burn::tensor::backend::AutodiffBackend;
 
-use crate::train::IterLog;
+use crate::parallel::ZeroStage;
+use crate::train::{grads, IterLog, Optim};
 use crate::Result;
 
 /// How the optimizer hook combines what each peer computed. Every peer makes the same calls in
@@ -25,6 +26,49 @@ pub trait Reducer<B: AutodiffBackend> {
 
     /// The iteration's logged loss and its parts become their means over the peers.
     fn mean_for_log(&self, log: &mut IterLog) -> Result<()>;
+
+    /// What is sharded across the peers: the optimizer hook drops the gradients another peer
+    /// steps ([`Reducer::keep_own`]) as soon as they are averaged at stage 2, after the norm
+    /// at stage 1.
+    fn zero_stage(&self) -> ZeroStage {
+        ZeroStage::Off
+    }
+
+    /// The global `norm_type`-norm of the gradients of every peer's part: where each peer
+    /// holds only its part (ZeRO stage 2), the others' are gathered. Alone, or holding them
+    /// all: [`grads::global_norm`].
+    fn global_norm<M: AutodiffModule<B>>(
+        &self,
+        model: &M,
+        grads: &GradientsParams,
+        norm_type: f64,
+    ) -> Result<Option<f64>> {
+        Ok(grads::global_norm::<B, M>(model, grads, norm_type))
+    }
+
+    /// Drops the gradients of the parameters another peer steps (ZeRO); all are kept alone.
+    fn keep_own<M: AutodiffModule<B>>(&self, _model: &M, _grads: &mut GradientsParams) {}
+
+    /// After a step: every parameter's new value from the peer that stepped it, on every peer
+    /// (ZeRO); as it is alone.
+    fn share_stepped<M: AutodiffModule<B>>(&self, model: M) -> Result<M> {
+        Ok(model)
+    }
+
+    /// Drops the optimizer state of the parameters another peer steps (ZeRO, after a resume
+    /// from a whole state).
+    fn own_state<M: AutodiffModule<B>>(&self, _model: &M, _optimizer: &mut Optim<B, M>) {}
+
+    /// The whole optimizer state as [`Optim::to_bytes`] writes it, gathered from every peer's
+    /// part and keyed by this peer's parameter ids, for a snapshot (every peer calls it); `None`
+    /// where each peer holds it whole.
+    fn whole_state<M: AutodiffModule<B>>(
+        &self,
+        _model: &M,
+        _optimizer: &Optim<B, M>,
+    ) -> Result<Option<Vec<u8>>> {
+        Ok(None)
+    }
 }
 
 /// Training alone: nothing to combine.

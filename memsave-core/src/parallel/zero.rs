@@ -1,0 +1,432 @@
+//! Optimizer state and gradients sharded across the peers (ZeRO stages 1 and 2, Rajbhandari et
+//! al. 2020; PyTorch's `ZeroRedundancyOptimizer` is stage 1). The parameters are split, in the
+//! model's order, into one contiguous run per peer, balanced by bytes ([`partition`]). Each peer
+//! steps only its run: the optimizer keeps state for it alone (1/N of what Adam keeps), and at
+//! stage 2 the other peers' averaged gradients are dropped as soon as their bucket is reduced.
+//! After the step every peer receives every run's new values ([`share_stepped`]).
+//!
+//! burn-collective 0.21 has no reduce-scatter or all-gather: both are all-reduces here, in which
+//! the peers that do not own a value contribute -0.0. Adding -0.0 changes no float (not even
+//! -0.0 itself), so the result is the owner's bits: exact, at twice an all-gather's traffic.
+//!
+//! Exactness: every peer reduces the same gradients as plain data parallelism, in the same
+//! buckets; the global norm is combined from the owners' per-parameter parts in the model's
+//! order (the same additions as one peer makes over all of them); each parameter is stepped by
+//! its owner with those gradients and its own state. The weights after each step are plain data
+//! parallelism's, bit for bit.
+
+use std::collections::HashSet;
+
+use burn::module::{AutodiffModule, ModuleMapper, ModuleVisitor, Param, ParamId};
+use burn::optim::GradientsParams;
+use burn::tensor::backend::AutodiffBackend;
+use burn::tensor::{DType, Tensor, TensorData};
+
+use super::{all_reduce_tensor, all_reduce_values, Collective, Reduce};
+use crate::train::grads;
+use crate::{Error, Result};
+
+/// What is sharded across the peers (`[optimizer_config] zero_stage`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord)]
+pub enum ZeroStage {
+    /// Nothing: every peer keeps the whole optimizer state and every gradient (plain data
+    /// parallelism).
+    #[default]
+    Off,
+    /// Stage 1: each peer keeps the optimizer state of its run of parameters only.
+    OptimizerState,
+    /// Stage 2: the optimizer state, and the averaged gradients, of its run only.
+    Gradients,
+}
+
+impl ZeroStage {
+    /// The stage of `zero_stage = n` (0, 1 or 2); errors name `zero_stage`.
+    pub fn from_number(stage: u8) -> Result<Self> {
+        match stage {
+            0 => Ok(ZeroStage::Off),
+            1 => Ok(ZeroStage::OptimizerState),
+            2 => Ok(ZeroStage::Gradients),
+            other => Err(Error::invalid(
+                "zero_stage",
+                format!(
+                    "must be 0 (off), 1 (optimizer state sharded across the peers) or 2 (and \
+                     the gradients), got {other}; stage 3 (the weights too, FSDP) is not \
+                     available"
+                ),
+            )),
+        }
+    }
+
+    /// The stage's number.
+    pub fn number(self) -> u8 {
+        match self {
+            ZeroStage::Off => 0,
+            ZeroStage::OptimizerState => 1,
+            ZeroStage::Gradients => 2,
+        }
+    }
+}
+
+/// The owner of each parameter, given their sizes in the model's order: `world` contiguous
+/// runs, each as close to `total / world` bytes as the parameters' boundaries allow (a
+/// parameter goes to the run its middle byte falls in).
+pub fn partition(sizes: &[u64], world: usize) -> Vec<usize> {
+    let world = world.max(1);
+    let total: u64 = sizes.iter().sum();
+    let mut owners = Vec::with_capacity(sizes.len());
+    let mut before = 0u64;
+    for &size in sizes {
+        let middle = before as u128 * 2 + size as u128;
+        // The run whose share [r T / w, (r + 1) T / w) holds the middle byte.
+        let owner = if total == 0 {
+            0
+        } else {
+            ((middle * world as u128) / (2 * total as u128)) as usize
+        };
+        owners.push(owner.min(world - 1));
+        before += size;
+    }
+    owners
+}
+
+/// The trainable parameters of `model`, in its order, with their bytes (fp32 masters: 4 a
+/// value).
+fn trainable<B: AutodiffBackend, M: AutodiffModule<B>>(model: &M) -> Vec<(ParamId, u64)> {
+    struct Collect(Vec<(ParamId, u64)>);
+    impl<B: AutodiffBackend> ModuleVisitor<B> for Collect {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+            if param.is_require_grad() {
+                let elements: usize = param.lazy_shape().iter().product();
+                self.0.push((param.id, elements as u64 * 4));
+            }
+        }
+    }
+    let mut collect = Collect(Vec::new());
+    model.visit(&mut collect);
+    collect.0
+}
+
+/// Each trainable parameter's position in `model`'s order, by id (the same position on every
+/// peer, unlike the ids).
+pub(crate) fn positions<B: AutodiffBackend, M: AutodiffModule<B>>(
+    model: &M,
+) -> std::collections::HashMap<ParamId, u64> {
+    trainable::<B, M>(model)
+        .into_iter()
+        .enumerate()
+        .map(|(position, (id, _))| (id, position as u64))
+        .collect()
+}
+
+/// The trainable parameters peer `rank` of `world` owns.
+pub fn owned<B: AutodiffBackend, M: AutodiffModule<B>>(
+    model: &M,
+    rank: usize,
+    world: usize,
+) -> HashSet<ParamId> {
+    let params = trainable::<B, M>(model);
+    let sizes: Vec<u64> = params.iter().map(|(_, bytes)| *bytes).collect();
+    partition(&sizes, world)
+        .into_iter()
+        .zip(params)
+        .filter(|(owner, _)| *owner == rank)
+        .map(|(_, (id, _))| id)
+        .collect()
+}
+
+/// Bytes of trainable parameters each peer owns.
+pub fn owned_bytes<B: AutodiffBackend, M: AutodiffModule<B>>(model: &M, world: usize) -> Vec<u64> {
+    let params = trainable::<B, M>(model);
+    let sizes: Vec<u64> = params.iter().map(|(_, bytes)| *bytes).collect();
+    let mut bytes = vec![0; world.max(1)];
+    for (owner, size) in partition(&sizes, world).into_iter().zip(sizes) {
+        bytes[owner] += size;
+    }
+    bytes
+}
+
+/// Drops the gradients of the parameters this peer does not own.
+pub(crate) fn keep_owned<B: AutodiffBackend, M: AutodiffModule<B>>(
+    model: &M,
+    grads: &mut GradientsParams,
+    owned: &HashSet<ParamId>,
+) {
+    struct Drop<'a> {
+        grads: &'a mut GradientsParams,
+        owned: &'a HashSet<ParamId>,
+    }
+    impl<B: AutodiffBackend> ModuleVisitor<B> for Drop<'_> {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+            if !self.owned.contains(&param.id) {
+                self.grads.remove::<B::InnerBackend, D>(param.id);
+            }
+        }
+    }
+    model.visit(&mut Drop { grads, owned });
+}
+
+/// The global `norm_type`-norm of the gradients, each held by one peer (its owner): the
+/// per-parameter parts are gathered and added in the model's order, as one peer holding them
+/// all adds them ([`grads::global_norm`]). `None` when no peer has a gradient.
+pub(crate) fn sharded_norm<B: AutodiffBackend, M: AutodiffModule<B>>(
+    collective: &dyn Collective<B::InnerBackend>,
+    model: &M,
+    grads: &GradientsParams,
+    norm_type: f64,
+    device: &burn::tensor::Device<B::InnerBackend>,
+) -> Result<Option<f64>> {
+    struct Parts<'a, B: AutodiffBackend> {
+        grads: &'a GradientsParams,
+        norm_type: f64,
+        // (this peer's part, whether it has one)
+        parts: Vec<(Option<Tensor<B::InnerBackend, 1>>, bool)>,
+    }
+    impl<B: AutodiffBackend> ModuleVisitor<B> for Parts<'_, B> {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+            let part = self
+                .grads
+                .get::<B::InnerBackend, D>(param.id)
+                .map(|grad| grads::norm_part(grad, self.norm_type));
+            let here = part.is_some();
+            self.parts.push((part, here));
+        }
+    }
+    let mut parts = Parts::<B> {
+        grads,
+        norm_type,
+        parts: Vec::new(),
+    };
+    model.visit(&mut parts);
+    let count = parts.parts.len();
+    // Each part's value where this peer has it, -0.0 elsewhere; then whether it has it.
+    let mine: Vec<Tensor<B::InnerBackend, 1>> = parts
+        .parts
+        .iter()
+        .map(|(part, _)| match part {
+            Some(part) => part.clone().cast(DType::F32),
+            None => Tensor::from_data(TensorData::new(vec![-0.0f32], [1]), device),
+        })
+        .chain(parts.parts.iter().map(|(_, here)| {
+            Tensor::from_data(TensorData::new(vec![*here as u8 as f32], [1]), device)
+        }))
+        .collect();
+    if mine.is_empty() {
+        return Ok(None);
+    }
+    let gathered = all_reduce_tensor(collective, Tensor::cat(mine, 0), Reduce::Sum)?;
+    let values = gathered
+        .into_data()
+        .convert::<f32>()
+        .to_vec::<f32>()
+        .map_err(|error| Error::invalid("gradient norm", format!("{error:?}")))?;
+    let (values, present) = values.split_at(count);
+    let mut total: Option<f32> = None;
+    for (value, present) in values.iter().zip(present) {
+        if *present == 0.0 {
+            continue;
+        }
+        total = Some(match total {
+            None => *value,
+            Some(total) if norm_type.is_infinite() => total.max(*value),
+            Some(total) => total + value,
+        });
+    }
+    Ok(total.map(|total| {
+        let total = total as f64;
+        if norm_type.is_infinite() {
+            total
+        } else {
+            total.powf(1.0 / norm_type)
+        }
+    }))
+}
+
+/// Every trainable parameter's value from its owner, on every peer: an all-reduce of the
+/// parameters in buckets of `bucket_bytes`, the others contributing -0.0 (exact).
+pub(crate) fn share_stepped<B: AutodiffBackend, M: AutodiffModule<B>>(
+    collective: &dyn Collective<B::InnerBackend>,
+    model: M,
+    owned: &HashSet<ParamId>,
+    bucket_bytes: usize,
+) -> Result<M> {
+    // The values to send, flattened, in the model's order.
+    struct Take<'a, B: AutodiffBackend> {
+        owned: &'a HashSet<ParamId>,
+        flat: Vec<Tensor<B::InnerBackend, 1>>,
+    }
+    impl<B: AutodiffBackend> ModuleVisitor<B> for Take<'_, B> {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+            if !param.is_require_grad() {
+                return;
+            }
+            let value = param.val().inner();
+            let elements = value.shape().num_elements();
+            let value = value.reshape([elements]);
+            let sent = if self.owned.contains(&param.id) {
+                value
+            } else {
+                value.zeros_like().neg()
+            };
+            self.flat.push(sent);
+        }
+    }
+    let mut take = Take::<B> {
+        owned,
+        flat: Vec::new(),
+    };
+    model.visit(&mut take);
+    let mut received: Vec<Tensor<B::InnerBackend, 1>> = Vec::with_capacity(take.flat.len());
+    let mut bucket: Vec<Tensor<B::InnerBackend, 1>> = Vec::new();
+    let mut bytes = 0;
+    let flush = |bucket: &mut Vec<Tensor<B::InnerBackend, 1>>,
+                 received: &mut Vec<Tensor<B::InnerBackend, 1>>|
+     -> Result<()> {
+        if bucket.is_empty() {
+            return Ok(());
+        }
+        let lengths: Vec<usize> = bucket.iter().map(|t| t.dims()[0]).collect();
+        let joined = Tensor::cat(std::mem::take(bucket), 0);
+        let sum = all_reduce_tensor(collective, joined, Reduce::Sum)?;
+        let mut start = 0;
+        for length in lengths {
+            received.push(sum.clone().slice([start..start + length]));
+            start += length;
+        }
+        Ok(())
+    };
+    for value in std::mem::take(&mut take.flat) {
+        let size = value.dims()[0] * value.dtype().size();
+        let same_dtype = bucket
+            .first()
+            .is_none_or(|first| first.dtype() == value.dtype());
+        if !bucket.is_empty() && (!same_dtype || bytes + size > bucket_bytes) {
+            flush(&mut bucket, &mut received)?;
+            bytes = 0;
+        }
+        bytes += size;
+        bucket.push(value);
+    }
+    flush(&mut bucket, &mut received)?;
+
+    // Back in place: the new values, still trainable leaves.
+    struct Put<B: AutodiffBackend> {
+        received: std::vec::IntoIter<Tensor<B::InnerBackend, 1>>,
+    }
+    impl<B: AutodiffBackend> ModuleMapper<B> for Put<B> {
+        fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
+            if !param.is_require_grad() {
+                return param;
+            }
+            let Some(value) = self.received.next() else {
+                return param;
+            };
+            param.map(|tensor| {
+                let shape = tensor.shape();
+                Tensor::<B, D>::from_inner(value.reshape(shape)).require_grad()
+            })
+        }
+    }
+    Ok(model.map(&mut Put::<B> {
+        received: received.into_iter(),
+    }))
+}
+
+/// Elements of one all-reduce when bytes are gathered: 4 Mi values (16 MiB in fp32).
+const GATHER_CHUNK: usize = 4 << 20;
+
+/// Every peer's `mine`, on every peer, in rank order (an all-gather of bytes: two bytes a
+/// value, exact in fp32; the others contribute -0.0).
+pub(crate) fn gather_bytes<B: burn::prelude::Backend>(
+    collective: &dyn Collective<B>,
+    mine: &[u8],
+    device: &B::Device,
+) -> Result<Vec<Vec<u8>>> {
+    let world = collective.world_size();
+    let rank = collective.rank();
+    // Each peer's length, as two 24-bit halves (exact in fp32).
+    let mut lengths = vec![0.0; 2 * world];
+    lengths[2 * rank] = (mine.len() >> 24) as f64;
+    lengths[2 * rank + 1] = (mine.len() & 0xFF_FFFF) as f64;
+    let lengths = all_reduce_values(collective, &lengths, Reduce::Sum, device)?;
+    let lengths: Vec<usize> = lengths
+        .chunks(2)
+        .map(|pair| ((pair[0] as usize) << 24) + pair[1] as usize)
+        .collect();
+    // Two bytes a value; each peer's values start where the previous peer's end.
+    let values: Vec<usize> = lengths.iter().map(|length| length.div_ceil(2)).collect();
+    let starts: Vec<usize> = values
+        .iter()
+        .scan(0, |start, count| {
+            let this = *start;
+            *start += count;
+            Some(this)
+        })
+        .collect();
+    let total: usize = values.iter().sum();
+    let my_values: Vec<f32> = mine
+        .chunks(2)
+        .map(|pair| (pair[0] as u32 + ((*pair.get(1).unwrap_or(&0) as u32) << 8)) as f32)
+        .collect();
+    let mut all = Vec::with_capacity(total);
+    let mut offset = 0;
+    while offset < total {
+        let end = (offset + GATHER_CHUNK).min(total);
+        let mut chunk = vec![-0.0f32; end - offset];
+        let (mine_from, mine_to) = (starts[rank], starts[rank] + values[rank]);
+        for (i, slot) in chunk.iter_mut().enumerate() {
+            let at = offset + i;
+            if at >= mine_from && at < mine_to {
+                *slot = my_values[at - mine_from];
+            }
+        }
+        let length = chunk.len();
+        let tensor = Tensor::<B, 1>::from_data(TensorData::new(chunk, [length]), device);
+        let summed = all_reduce_tensor(collective, tensor, Reduce::Sum)?;
+        let summed = summed
+            .into_data()
+            .convert::<f32>()
+            .to_vec::<f32>()
+            .map_err(|error| Error::invalid("optimizer state", format!("{error:?}")))?;
+        all.extend(summed);
+        offset = end;
+    }
+    Ok((0..world)
+        .map(|peer| {
+            let mut bytes = Vec::with_capacity(lengths[peer]);
+            for value in &all[starts[peer]..starts[peer] + values[peer]] {
+                let value = *value as u32;
+                bytes.push((value & 0xFF) as u8);
+                bytes.push((value >> 8) as u8);
+            }
+            bytes.truncate(lengths[peer]);
+            bytes
+        })
+        .collect())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn runs_are_contiguous_and_balanced_by_bytes() {
+        let owners = partition(&[10, 10, 10, 10], 2);
+        assert_eq!(owners, vec![0, 0, 1, 1]);
+        // A large parameter goes where its middle byte falls.
+        let owners = partition(&[1, 100, 1, 1, 50, 50], 2);
+        assert_eq!(owners, vec![0, 0, 1, 1, 1, 1]);
+        let owners = partition(&[5; 7], 3);
+        assert!(owners.windows(2).all(|pair| pair[0] <= pair[1]));
+        assert_eq!(owners.first(), Some(&0));
+        assert_eq!(owners.last(), Some(&2));
+        // One peer owns everything.
+        assert_eq!(partition(&[3, 4], 1), vec![0, 0]);
+    }
+
+    #[test]
+    fn the_stage_numbers_are_checked() {
+        assert_eq!(ZeroStage::from_number(2).unwrap(), ZeroStage::Gradients);
+        let error = ZeroStage::from_number(3).unwrap_err().to_string();
+        assert!(error.contains("zero_stage"), "{error}");
+    }
+}

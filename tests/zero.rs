@@ -1,0 +1,284 @@
+//! ZeRO stages 1 and 2 on burn-collective (peers as threads of this process, on Flex): the
+//! weights after every step are plain data parallelism's, bit for bit, with SGD, Adam and AdamW,
+//! clipping, f16 with a dynamic scale, and accumulation; each peer keeps the optimizer state of
+//! its part only; a snapshot holds the whole state, and resumes with 2 peers, 1 process, or from
+//! a single process's snapshot into 2 peers.
+
+mod common;
+
+use std::path::Path;
+use std::sync::atomic::AtomicUsize;
+use std::sync::Arc;
+
+use common::dp::*;
+use common::watchdog;
+use memsave::hooks::{
+    Fp16OptimizerHook, GradientCumulativeOptimizerHook, OptimizerHook, SnapshotHook,
+};
+use memsave::parallel::{Collective, Shard, ZeroStage};
+use memsave::scaler::{LossScaler, ScaleMode};
+use memsave::train::{IterLog, OptimizerKind, RunLength};
+
+/// What one peer ends with: its final weights, its trace, and how many parameters its
+/// optimizer keeps state for.
+type PeerRun = (Vec<f32>, Vec<(Vec<f32>, IterLog)>, u64);
+
+/// Entries in an optimizer state as `Optim::to_bytes` writes it (a count first).
+fn entries(bytes: &[u8]) -> u64 {
+    u64::from_le_bytes(bytes[..8].try_into().unwrap())
+}
+
+/// Two peers at batch 2 (16 samples, 2 epochs) with `optimizer` at `stage`.
+fn run(
+    name: &str,
+    optimizer: &OptimizerKind,
+    stage: ZeroStage,
+    hook: impl Fn() -> OptimizerHook + Sync,
+) -> Vec<PeerRun> {
+    let dir = work_dir(name);
+    peers(2, |peer| {
+        let shard = peer.shard();
+        let mut runner = peer_runner_with(
+            net(),
+            optimizer,
+            stage,
+            hook(),
+            data(2, 16, shard),
+            RunLength::Epochs(2),
+            &dir,
+            peer,
+        );
+        let trace = Trace::default();
+        runner.register_hook(Box::new(trace.clone()));
+        runner.run()?;
+        let state = entries(&runner.state().optimizer.to_bytes().unwrap());
+        Ok((weights(&runner.into_model()), trace.take(), state))
+    })
+    .unwrap()
+}
+
+/// Every step's weights, loss, norm and scale are the same bits in `a` and `b`.
+fn assert_same_steps(a: &[PeerRun], b: &[PeerRun], what: &str) {
+    for (peer_a, peer_b) in a.iter().zip(b) {
+        assert_eq!(peer_a.1.len(), peer_b.1.len());
+        for (step, (x, y)) in peer_a.1.iter().zip(&peer_b.1).enumerate() {
+            assert!(
+                x.0 == y.0,
+                "{what}: the weights differ after iteration {step}"
+            );
+            assert_eq!(x.1.grad_norm, y.1.grad_norm, "{what}: iteration {step}");
+            assert_eq!(x.1.loss_scale, y.1.loss_scale, "{what}: iteration {step}");
+            assert_eq!(x.1.overflow, y.1.overflow, "{what}: iteration {step}");
+        }
+        assert!(peer_a.0 == peer_b.0, "{what}: the final weights differ");
+    }
+}
+
+#[test]
+fn stages_1_and_2_step_like_plain_data_parallelism_bit_for_bit() {
+    let _turn = turn();
+    let optimizers = [
+        ("sgd", sgd()),
+        ("adam", OptimizerKind::adam().with_weight_decay(1e-4)),
+        ("adamw", OptimizerKind::adamw()),
+    ];
+    for (name, optimizer) in optimizers {
+        let hook = || OptimizerHook::new().with_grad_clip(clip());
+        let optimizer = Arc::new(optimizer);
+        let (plain, one, two) = {
+            let optimizer = optimizer.clone();
+            watchdog(120, move || {
+                (
+                    run(&format!("{name}-0"), &optimizer, ZeroStage::Off, hook),
+                    run(
+                        &format!("{name}-1"),
+                        &optimizer,
+                        ZeroStage::OptimizerState,
+                        hook,
+                    ),
+                    run(&format!("{name}-2"), &optimizer, ZeroStage::Gradients, hook),
+                )
+            })
+        };
+        assert_ne!(
+            plain[0].0,
+            weights(&net()),
+            "{name}: training moved the weights"
+        );
+        assert_same_steps(&plain, &one, &format!("{name}, stage 1"));
+        assert_same_steps(&plain, &two, &format!("{name}, stage 2"));
+        // TinyNet's 4 parameters: conv.weight (216 values) on peer 0, the other 3 on peer 1.
+        let whole = plain[0].2;
+        if optimizer.state_copies() > 0 {
+            assert_eq!(whole, 4, "{name}: plain keeps state for every parameter");
+            for sharded in [&one, &two] {
+                assert_eq!(
+                    (sharded[0].2, sharded[1].2),
+                    (1, 3),
+                    "{name}: state per peer"
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn f16_and_accumulation_under_stage_2_step_like_plain_data_parallelism() {
+    let _turn = turn();
+    let adam = OptimizerKind::adam();
+    let runs = watchdog(120, move || {
+        // From 2^17 the first steps overflow (on either peer: agreed), then it trains.
+        let fp16 = || {
+            let scaler = LossScaler::new(131072.0, ScaleMode::Dynamic, 2.0, 1000).unwrap();
+            Fp16OptimizerHook::new(scaler).with_grad_clip(clip())
+        };
+        let accumulate = || {
+            GradientCumulativeOptimizerHook::new(3)
+                .unwrap()
+                .with_grad_clip(clip())
+        };
+        [
+            (
+                run("fp16-0", &adam, ZeroStage::Off, fp16),
+                run("fp16-2", &adam, ZeroStage::Gradients, fp16),
+            ),
+            (
+                run("acc-0", &adam, ZeroStage::Off, accumulate),
+                run("acc-2", &adam, ZeroStage::Gradients, accumulate),
+            ),
+        ]
+    });
+    let [(plain16, zero16), (plain_acc, zero_acc)] = runs;
+    assert_same_steps(&plain16, &zero16, "f16, stage 2");
+    assert_same_steps(&plain_acc, &zero_acc, "accumulation, stage 2");
+    assert!(
+        plain16[0].1.iter().any(|(_, log)| log.overflow),
+        "no step overflowed: the scale was never tested"
+    );
+}
+
+/// Peers (or one process: `peers == 1`) at stage 1 with Adam, 4 epochs in all, resuming from
+/// `resume` when given and writing a snapshot after every epoch in `dir`; the final weights.
+fn train(peers_n: usize, dir: &Path, epochs: usize, resume: Option<&Path>) -> Vec<f32> {
+    train_at(ZeroStage::OptimizerState, peers_n, dir, epochs, resume)
+}
+
+fn train_at(
+    stage: ZeroStage,
+    peers_n: usize,
+    dir: &Path,
+    epochs: usize,
+    resume: Option<&Path>,
+) -> Vec<f32> {
+    let adam = OptimizerKind::adam();
+    let dir = dir.to_path_buf();
+    let resume = resume.map(Path::to_path_buf);
+    let finals = peers(peers_n, |peer| {
+        let shard = peer.shard();
+        // One process at batch 4 sees what 2 peers at batch 2 see together.
+        let batch = 4 / peers_n;
+        let mut runner = peer_runner_with(
+            net(),
+            &adam,
+            stage,
+            OptimizerHook::new().with_grad_clip(clip()),
+            data(batch, 16, shard),
+            RunLength::Epochs(epochs),
+            &dir,
+            peer,
+        );
+        runner.register_hook(Box::new(SnapshotHook::new(1, true)));
+        if let Some(resume) = &resume {
+            runner.resume(resume)?;
+        }
+        runner.run()?;
+        Ok(weights(&runner.into_model()))
+    })
+    .unwrap();
+    finals.into_iter().next().unwrap()
+}
+
+#[test]
+fn a_snapshot_holds_the_whole_state_and_resumes_with_2_peers_1_process_or_from_1_into_2() {
+    let _turn = turn();
+    let dir = work_dir("zero-resume");
+    let (whole, two_two, two_one, one_two, single, state) = watchdog(300, move || {
+        let whole = train(2, &dir.join("whole"), 4, None);
+        let _ = train(2, &dir.join("half"), 2, None);
+        let snapshot = dir.join("half").join("epoch_2.ckpt");
+        let state = memsave::train::Snapshot::load(&snapshot).unwrap().optimizer;
+        let two_two = train(2, &dir.join("2-2"), 4, Some(&snapshot));
+        let two_one = train(1, &dir.join("2-1"), 4, Some(&snapshot));
+        let single = train(1, &dir.join("single"), 4, None);
+        let _ = train(1, &dir.join("single-half"), 2, None);
+        let from_one = dir.join("single-half").join("epoch_2.ckpt");
+        let one_two = train(2, &dir.join("1-2"), 4, Some(&from_one));
+        let _ = std::fs::remove_dir_all(&dir);
+        (whole, two_two, two_one, one_two, single, entries(&state))
+    });
+    assert_eq!(
+        state, 4,
+        "the snapshot of 2 peers holds every parameter's state"
+    );
+    assert!(
+        two_two == whole,
+        "2 -> 2 differs from the uninterrupted run"
+    );
+    // One process at batch 4 against 2 peers at batch 2: the tolerance of the plain
+    // data-parallel test.
+    let d21 = assert_close(&two_one, &whole, 1e-6);
+    let d12 = assert_close(&one_two, &single, 1e-6);
+    eprintln!("resume 2 -> 1: {d21:e}; 1 -> 2: {d12:e} (max relative difference)");
+}
+
+#[test]
+fn the_stage_traffic_per_step_is_the_gradients_and_the_parameters() {
+    let _turn = turn();
+    let adam = OptimizerKind::adam();
+    let per_step = watchdog(120, move || {
+        [
+            ZeroStage::Off,
+            ZeroStage::OptimizerState,
+            ZeroStage::Gradients,
+        ]
+        .map(|stage| {
+            let dir = work_dir(&format!("traffic-{}", stage.number()));
+            let counts = peers(2, |peer| {
+                let counting = Arc::new(Counting {
+                    inner: peer,
+                    elements: AtomicUsize::new(0),
+                });
+                let shard: Shard = counting.shard();
+                let mut runner = peer_runner_with(
+                    net(),
+                    &adam,
+                    stage,
+                    OptimizerHook::new().with_grad_clip(clip()),
+                    data(2, 16, shard),
+                    RunLength::Iters(4),
+                    &dir,
+                    counting.clone(),
+                );
+                runner.run()?;
+                Ok(counting.elements.load(std::sync::atomic::Ordering::SeqCst))
+            })
+            .unwrap();
+            counts[0] / 4
+        })
+    });
+    let params = weights(&net()).len();
+    eprintln!("elements all-reduced per step with {params} parameters: {per_step:?}");
+    // Plain: the gradients, the start's broadcast of the weights over the 4 steps, and a few
+    // values of bookkeeping. Stage 1: the parameters once more each step (the owners' new
+    // values, -0.0 from the others). Stage 2: and each parameter's norm part with a flag (2
+    // values a parameter).
+    assert!(per_step[0] >= params + params / 4 && per_step[0] < params + params / 4 + 64);
+    assert_eq!(per_step[1], per_step[0] + params);
+    assert_eq!(per_step[2], per_step[1] + 2 * 4);
+}
+
+#[test]
+fn a_bad_stage_is_an_error_naming_the_key() {
+    let error = ZeroStage::from_number(3).unwrap_err().to_string();
+    assert!(error.contains("zero_stage"), "{error}");
+}
