@@ -18,7 +18,7 @@ use common::tiny::TinyNet;
 use common::{watchdog, AB};
 use memsave::hooks::{Fp16OptimizerHook, GradientCumulativeOptimizerHook, OptimizerHook};
 use memsave::models::classifier::ClassificationBatch;
-use memsave::parallel::{Collective, Topology};
+use memsave::parallel::{Collective, Topology, ZeroStage};
 use memsave::scaler::{LossScaler, ScaleMode};
 use memsave::train::{DataSource, Hook, IterLog, RunLength, TrainState};
 
@@ -242,8 +242,14 @@ impl DataSource<AB, ClassificationBatch<AB>> for FailsOnRank1 {
 #[test]
 fn a_failing_peer_ends_every_peer_with_an_error_naming_it_and_the_checkpoints_stay_whole() {
     let _turn = turn();
-    for panic in [false, true] {
-        let dir = work_dir(if panic { "fail-panic" } else { "fail-error" });
+    // Plain, an error; plain, a panic; the optimizer state sharded (ZeRO stage 1), a panic of
+    // the peer that holds the only copy of its part.
+    for (panic, stage) in [
+        (false, ZeroStage::Off),
+        (true, ZeroStage::Off),
+        (true, ZeroStage::OptimizerState),
+    ] {
+        let dir = work_dir(&format!("fail-{panic}-{}", stage.number()));
         let run_dir = dir.clone();
         let result = watchdog(120, move || {
             peers(2, |peer| {
@@ -255,7 +261,8 @@ fn a_failing_peer_ends_every_peer_with_an_error_naming_it_and_the_checkpoints_st
                 };
                 let plain = OptimizerHook::new();
                 let length = RunLength::Iters(8);
-                let mut runner = peer_runner(net(), plain, source, length, &run_dir, peer);
+                let mut runner =
+                    peer_runner_with(net(), &sgd(), stage, plain, source, length, &run_dir, peer);
                 runner.register_hook(Box::new(memsave::hooks::SnapshotHook::new(2, false)));
                 runner.run()
             })
@@ -274,6 +281,9 @@ fn a_failing_peer_ends_every_peer_with_an_error_naming_it_and_the_checkpoints_st
         let latest = dir.join("latest.ckpt");
         let snapshot = memsave::train::Snapshot::load(&latest).expect("the last checkpoint loads");
         assert_eq!(snapshot.meta.iter, 4);
+        // Every parameter's momentum, the sharded run's gathered from both peers.
+        let entries = u64::from_le_bytes(snapshot.optimizer[..8].try_into().unwrap());
+        assert_eq!(entries, 4, "stage {}", stage.number());
         let _ = std::fs::remove_dir_all(&dir);
     }
 }
