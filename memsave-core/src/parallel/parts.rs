@@ -9,9 +9,7 @@ use burn::optim::GradientsParams;
 use burn::tensor::backend::AutodiffBackend;
 
 use super::zero::{self, ZeroStage};
-use super::{
-    agree_any, all_reduce_grads, broadcast_module, mean_for_log, SharedCollective, BUCKET_BYTES,
-};
+use super::{agree_any, all_reduce_grads, broadcast_module, mean_for_log, SharedCollective};
 use crate::hooks::Reducer;
 use crate::train::{
     DataSource, Hook, IterLog, Optim, PeerPlace, Priority, Runner, TrainModel, TrainState,
@@ -127,7 +125,7 @@ impl<A: AutodiffBackend> Reducer<A> for PeerReducer<A::InnerBackend> {
             return Ok(model);
         }
         let owned = self.owned::<A, M>(&model);
-        zero::share_stepped::<A, M>(&*self.collective, model, &owned, BUCKET_BYTES)
+        zero::share_stepped::<A, M>(&*self.collective, model, &owned)
     }
 
     fn own_state<M: AutodiffModule<A>>(&self, model: &M, optimizer: &mut Optim<A, M>) {

@@ -3,7 +3,8 @@
 //! model's order, into one contiguous run per peer, balanced by bytes ([`partition`]). Each peer
 //! steps only its run: the optimizer keeps state for it alone (1/N of what Adam keeps), and at
 //! stage 2 the other peers' averaged gradients are dropped as soon as their bucket is reduced.
-//! After the step every peer receives every run's new values ([`share_stepped`]).
+//! After the step every peer receives every run's new values ([`share_stepped`]), one parameter
+//! at a time.
 //!
 //! burn-collective 0.21 has no reduce-scatter or all-gather: both are all-reduces here, in which
 //! the peers that do not own a value contribute -0.0. Adding -0.0 changes no float (not even
@@ -241,94 +242,56 @@ pub(crate) fn sharded_norm<B: AutodiffBackend, M: AutodiffModule<B>>(
     }))
 }
 
-/// Every trainable parameter's value from its owner, on every peer: an all-reduce of the
-/// parameters in buckets of `bucket_bytes`, the others contributing -0.0 (exact).
+/// Every trainable parameter's value from its owner, on every peer: an all-reduce per
+/// parameter, the others contributing -0.0 (exact), each value replaced as it arrives, so that
+/// no second set of weights (nor of zeros) is ever made.
 pub(crate) fn share_stepped<B: AutodiffBackend, M: AutodiffModule<B>>(
     collective: &dyn Collective<B::InnerBackend>,
     model: M,
     owned: &HashSet<ParamId>,
-    bucket_bytes: usize,
 ) -> Result<M> {
-    // The values to send, flattened, in the model's order.
-    struct Take<'a, B: AutodiffBackend> {
+    struct Share<'a, B: AutodiffBackend> {
+        collective: &'a dyn Collective<B::InnerBackend>,
         owned: &'a HashSet<ParamId>,
-        flat: Vec<Tensor<B::InnerBackend, 1>>,
+        error: Option<Error>,
     }
-    impl<B: AutodiffBackend> ModuleVisitor<B> for Take<'_, B> {
-        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
-            if !param.is_require_grad() {
-                return;
-            }
-            let value = param.val().inner();
-            let elements = value.shape().num_elements();
-            let value = value.reshape([elements]);
-            let sent = if self.owned.contains(&param.id) {
-                value
-            } else {
-                value.zeros_like().neg()
-            };
-            self.flat.push(sent);
-        }
-    }
-    let mut take = Take::<B> {
-        owned,
-        flat: Vec::new(),
-    };
-    model.visit(&mut take);
-    let mut received: Vec<Tensor<B::InnerBackend, 1>> = Vec::with_capacity(take.flat.len());
-    let mut bucket: Vec<Tensor<B::InnerBackend, 1>> = Vec::new();
-    let mut bytes = 0;
-    let flush = |bucket: &mut Vec<Tensor<B::InnerBackend, 1>>,
-                 received: &mut Vec<Tensor<B::InnerBackend, 1>>|
-     -> Result<()> {
-        if bucket.is_empty() {
-            return Ok(());
-        }
-        let lengths: Vec<usize> = bucket.iter().map(|t| t.dims()[0]).collect();
-        let joined = Tensor::cat(std::mem::take(bucket), 0);
-        let sum = all_reduce_tensor(collective, joined, Reduce::Sum)?;
-        let mut start = 0;
-        for length in lengths {
-            received.push(sum.clone().slice([start..start + length]));
-            start += length;
-        }
-        Ok(())
-    };
-    for value in std::mem::take(&mut take.flat) {
-        let size = value.dims()[0] * value.dtype().size();
-        let same_dtype = bucket
-            .first()
-            .is_none_or(|first| first.dtype() == value.dtype());
-        if !bucket.is_empty() && (!same_dtype || bytes + size > bucket_bytes) {
-            flush(&mut bucket, &mut received)?;
-            bytes = 0;
-        }
-        bytes += size;
-        bucket.push(value);
-    }
-    flush(&mut bucket, &mut received)?;
-
-    // Back in place: the new values, still trainable leaves.
-    struct Put<B: AutodiffBackend> {
-        received: std::vec::IntoIter<Tensor<B::InnerBackend, 1>>,
-    }
-    impl<B: AutodiffBackend> ModuleMapper<B> for Put<B> {
+    impl<B: AutodiffBackend> ModuleMapper<B> for Share<'_, B> {
         fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
-            if !param.is_require_grad() {
+            if self.error.is_some() || !param.is_require_grad() {
                 return param;
             }
-            let Some(value) = self.received.next() else {
-                return param;
-            };
-            param.map(|tensor| {
-                let shape = tensor.shape();
-                Tensor::<B, D>::from_inner(value.reshape(shape)).require_grad()
-            })
+            let mine = self.owned.contains(&param.id);
+            let collective = self.collective;
+            let mut error = None;
+            let param = param.map(|tensor| {
+                let value = tensor.inner();
+                let sent = if mine {
+                    value.clone()
+                } else {
+                    value.zeros_like().neg()
+                };
+                match all_reduce_tensor(collective, sent, Reduce::Sum) {
+                    Ok(received) => Tensor::<B, D>::from_inner(received).require_grad(),
+                    Err(e) => {
+                        error = Some(e);
+                        Tensor::<B, D>::from_inner(value).require_grad()
+                    }
+                }
+            });
+            self.error = error;
+            param
         }
     }
-    Ok(model.map(&mut Put::<B> {
-        received: received.into_iter(),
-    }))
+    let mut share = Share::<B> {
+        collective,
+        owned,
+        error: None,
+    };
+    let model = model.map(&mut share);
+    match share.error {
+        Some(error) => Err(error),
+        None => Ok(model),
+    }
 }
 
 /// Elements of one all-reduce when bytes are gathered: 4 Mi values (16 MiB in fp32).

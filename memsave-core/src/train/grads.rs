@@ -441,6 +441,7 @@ pub(crate) fn combine_norm<K: Backend>(
 /// The global norm of `grads` (`clip`'s `p`, else 2), clipping them to `clip.max_norm`. The
 /// norm before clipping is returned (for the log, and as the overflow test: it is not finite
 /// when a gradient is inf or NaN).
+#[cfg_attr(not(feature = "burn-train"), allow(dead_code))]
 pub(crate) fn norm_and_clip<B: AutodiffBackend, M: AutodiffModule<B>>(
     model: &M,
     grads: &mut GradientsParams,
