@@ -176,54 +176,63 @@ fn two_nodes_on_loopback_reach_the_weights_of_two_local_peers() {
     let local = root.join("local");
     let output = train(&config, &local, &["--devices", "2"]);
     assert!(output.status.success(), "{}", text(&output.stderr));
-
-    let port = free_port();
-    let orchestrator = format!("ws://127.0.0.1:{port}");
-    let mut children = Reaper(vec![spawn(
-        &strings(&["orchestrator", "--port", &port.to_string()]),
-        &root.join("orchestrator.log"),
-    )]);
-    std::thread::sleep(Duration::from_millis(500));
-    for rank in 0..2 {
-        let work = root.join(format!("node{rank}"));
-        let args = strings(&[
-            "train",
-            config.to_str().unwrap(),
-            "--work-dir",
-            work.to_str().unwrap(),
-            "--nodes",
-            "2",
-            "--node-rank",
-            &rank.to_string(),
-            "--orchestrator",
-            &orchestrator,
-            "--data-port",
-            &free_port().to_string(),
-            "--peer-timeout",
-            "60",
-        ]);
-        children
-            .0
-            .push(spawn(&args, &root.join(format!("node{rank}.log"))));
-    }
-    for rank in 0..2 {
-        let status = wait(&mut children, 1 + rank, 120, &format!("node {rank}"));
-        let log = std::fs::read_to_string(root.join(format!("node{rank}.log"))).unwrap();
-        assert!(status.success(), "node {rank}: {log}");
-    }
     let a = checkpoint_weights(&local.join("epoch_2.ckpt"));
-    let b = checkpoint_weights(&root.join("node0/epoch_2.ckpt"));
-    let difference = common::max_relative_difference(&a, &b);
-    eprintln!("2 nodes vs 2 local peers: max relative difference {difference:e}");
-    assert!(
-        a == b,
-        "2 nodes ended with other weights than 2 local peers"
-    );
-    assert!(
-        !root.join("node1/epoch_2.ckpt").exists(),
-        "only rank 0 writes checkpoints"
-    );
-    drop(children);
+    // Plain, and ZeRO stage 2 (its gradients averaged in backward, the new values shared
+    // between the processes): the same bits.
+    for stage in [0, 2] {
+        let nodes = root.join(format!("stage{stage}"));
+        std::fs::create_dir_all(&nodes).unwrap();
+        let port = free_port();
+        let orchestrator = format!("ws://127.0.0.1:{port}");
+        let mut children = Reaper(vec![spawn(
+            &strings(&["orchestrator", "--port", &port.to_string()]),
+            &nodes.join("orchestrator.log"),
+        )]);
+        std::thread::sleep(Duration::from_millis(500));
+        for rank in 0..2 {
+            let work = nodes.join(format!("node{rank}"));
+            let args = strings(&[
+                "train",
+                config.to_str().unwrap(),
+                "--work-dir",
+                work.to_str().unwrap(),
+                "--nodes",
+                "2",
+                "--node-rank",
+                &rank.to_string(),
+                "--orchestrator",
+                &orchestrator,
+                "--data-port",
+                &free_port().to_string(),
+                "--peer-timeout",
+                "60",
+                "--set",
+                &format!("optimizer_config.zero_stage={stage}"),
+            ]);
+            children
+                .0
+                .push(spawn(&args, &nodes.join(format!("node{rank}.log"))));
+        }
+        for rank in 0..2 {
+            let status = wait(&mut children, 1 + rank, 120, &format!("node {rank}"));
+            let log = std::fs::read_to_string(nodes.join(format!("node{rank}.log"))).unwrap();
+            assert!(status.success(), "stage {stage}, node {rank}: {log}");
+        }
+        let b = checkpoint_weights(&nodes.join("node0/epoch_2.ckpt"));
+        let difference = common::max_relative_difference(&a, &b);
+        eprintln!(
+            "2 nodes at stage {stage} vs 2 local peers: max relative difference {difference:e}"
+        );
+        assert!(
+            a == b,
+            "2 nodes at stage {stage} ended with other weights than 2 local peers"
+        );
+        assert!(
+            !nodes.join("node1/epoch_2.ckpt").exists(),
+            "only rank 0 writes checkpoints"
+        );
+        drop(children);
+    }
     let _ = std::fs::remove_dir_all(&root);
 }
 

@@ -529,7 +529,7 @@ fn the_step_in_backward_frees_the_gradients_and_lowers_the_peak() {
 }
 
 #[test]
-fn the_step_in_backward_with_data_parallel_peers_is_an_error_naming_it() {
+fn the_step_in_backward_with_peers_but_no_peer_reducer_is_an_error_naming_it() {
     let _serial = serial();
     let dir = work_dir("ddp");
     let mut runner = Runner::new(
@@ -548,7 +548,7 @@ fn the_step_in_backward_with_data_parallel_peers_is_an_error_naming_it() {
     };
     let message = runner.run().unwrap_err().to_string();
     assert!(
-        message.contains("step_in_backward") && message.contains("data parallelism"),
+        message.contains("step_in_backward") && message.contains("PeerReducer"),
         "{message}"
     );
     let _ = std::fs::remove_dir_all(&dir);

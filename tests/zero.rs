@@ -157,6 +157,66 @@ fn f16_and_accumulation_under_stage_2_step_like_plain_data_parallelism() {
     );
 }
 
+#[test]
+fn the_step_in_backward_with_peers_steps_like_plain_data_parallelism_at_every_stage() {
+    let _turn = turn();
+    let adam = OptimizerKind::adam().with_weight_decay(1e-4);
+    let in_backward = |hook: OptimizerHook| hook.with_step_in_backward(true);
+    let runs = watchdog(300, move || {
+        let plain = || OptimizerHook::new();
+        let clipped = || OptimizerHook::new().with_grad_clip(clip());
+        let fp16 = || {
+            let scaler = LossScaler::new(131072.0, ScaleMode::Dynamic, 2.0, 1000).unwrap();
+            Fp16OptimizerHook::new(scaler).with_grad_clip(clip())
+        };
+        let accumulate = || {
+            GradientCumulativeOptimizerHook::new(3)
+                .unwrap()
+                .with_grad_clip(clip())
+        };
+        let off = ZeroStage::Off;
+        let one = ZeroStage::OptimizerState;
+        let two = ZeroStage::Gradients;
+        [
+            // One pass: each parameter steps as its averaged gradient arrives.
+            (
+                "one pass",
+                run("sib-ref", &adam, off, plain),
+                vec![
+                    run("sib-0", &adam, off, || in_backward(plain())),
+                    run("sib-1", &adam, one, || in_backward(plain())),
+                    run("sib-2", &adam, two, || in_backward(plain())),
+                ],
+            ),
+            // Two passes: the norm (gathered from the owners when sharded), then the step.
+            (
+                "clipping",
+                run("sib-clip-ref", &adam, off, clipped),
+                vec![
+                    run("sib-clip-0", &adam, off, || in_backward(clipped())),
+                    run("sib-clip-2", &adam, two, || in_backward(clipped())),
+                ],
+            ),
+            (
+                "f16",
+                run("sib-f16-ref", &adam, off, fp16),
+                vec![run("sib-f16-2", &adam, two, || in_backward(fp16()))],
+            ),
+            (
+                "accumulation",
+                run("sib-acc-ref", &adam, off, accumulate),
+                vec![run("sib-acc-2", &adam, two, || in_backward(accumulate()))],
+            ),
+        ]
+    });
+    for (what, reference, others) in runs {
+        assert_ne!(reference[0].0, weights(&net()), "{what}: training moved");
+        for (index, other) in others.iter().enumerate() {
+            assert_same_steps(&reference, other, &format!("{what}, run {index}"));
+        }
+    }
+}
+
 /// Peers (or one process: `peers == 1`) at stage 1 with Adam, 4 epochs in all, resuming from
 /// `resume` when given and writing a snapshot after every epoch in `dir`; the final weights.
 fn train(peers_n: usize, dir: &Path, epochs: usize, resume: Option<&Path>) -> Vec<f32> {

@@ -350,14 +350,6 @@ where
             device,
         );
     }
-    if config.optimizer_config.step_in_backward && peer.is_some() {
-        return Err(memsave::Error::invalid(
-            "optimizer_config.step_in_backward",
-            "is not available with data parallelism (--devices or --nodes above 1): the \
-             gradients would have to be averaged over the peers as backward makes them; train \
-             on one device, or set it to false",
-        ));
-    }
     if budget.is_some() && args.dist.devices > 1 {
         return Err(memsave::Error::invalid(
             keys.with_cp,

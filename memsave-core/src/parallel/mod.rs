@@ -21,6 +21,7 @@
 //! - A peer that fails ends the run on every peer with an [`Error::Peer`] naming it
 //!   ([`peer::run_local`]); a remote node that stops answering ends it after the peer timeout.
 
+pub(crate) mod in_backward;
 mod parts;
 pub mod peer;
 mod sampler;
@@ -36,6 +37,7 @@ use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::ops::FloatTensor;
 use burn::tensor::{DType, Tensor, TensorData, TensorPrimitive};
 
+pub use in_backward::TapPeers;
 pub use parts::{attach, BroadcastHook, PeerReducer};
 pub use peer::{
     report_network_failure, run_local, serve_orchestrator, BurnPeer, Topology, DEFAULT_TIMEOUT,

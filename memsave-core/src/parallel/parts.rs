@@ -9,7 +9,9 @@ use burn::optim::GradientsParams;
 use burn::tensor::backend::AutodiffBackend;
 
 use super::zero::{self, ZeroStage};
-use super::{agree_any, all_reduce_grads, broadcast_module, mean_for_log, SharedCollective};
+use super::{
+    agree_any, all_reduce_grads, broadcast_module, mean_for_log, SharedCollective, TapPeers,
+};
 use crate::hooks::Reducer;
 use crate::train::{
     DataSource, Hook, IterLog, Optim, PeerPlace, Priority, Runner, TrainModel, TrainState,
@@ -120,12 +122,17 @@ impl<A: AutodiffBackend> Reducer<A> for PeerReducer<A::InnerBackend> {
         }
     }
 
-    fn share_stepped<M: AutodiffModule<A>>(&self, model: M) -> Result<M> {
+    fn share_stepped<M: AutodiffModule<A>>(&self, model: &mut M) -> Result<()> {
         if self.zero == ZeroStage::Off {
-            return Ok(model);
+            return Ok(());
         }
-        let owned = self.owned::<A, M>(&model);
+        let owned = self.owned::<A, M>(model);
         zero::share_stepped::<A, M>(&*self.collective, model, &owned)
+    }
+
+    fn tap_peers<M: AutodiffModule<A>>(&self, model: &M) -> Option<TapPeers<A::InnerBackend>> {
+        let owned = (self.zero > ZeroStage::Off).then(|| self.owned::<A, M>(model));
+        Some(TapPeers::new(self.collective.clone(), owned))
     }
 
     fn own_state<M: AutodiffModule<A>>(&self, model: &M, optimizer: &mut Optim<A, M>) {

@@ -1,20 +1,21 @@
 //! Optimizer state and gradients sharded across the peers (ZeRO stages 1 and 2, Rajbhandari et
 //! al. 2020; PyTorch's `ZeroRedundancyOptimizer` is stage 1). The parameters are split, in the
 //! model's order, into one contiguous run per peer, balanced by bytes ([`partition`]). Each peer
-//! steps only its run: the optimizer keeps state for it alone (1/N of what Adam keeps), and at
-//! stage 2 the other peers' averaged gradients are dropped as soon as their bucket is reduced.
-//! After the step every peer receives every run's new values ([`share_stepped`]), one parameter
-//! at a time.
+//! steps only its run: the optimizer keeps state for it alone (1/N of what Adam keeps). At stage
+//! 2 the gradients are averaged as backward makes them, each kept by its owner only and dropped
+//! by the others at once ([`super::in_backward`]), so that no peer ever holds the whole set (on
+//! Burn's autodiff; on another backend they are averaged after backward, then dropped). After
+//! the step every peer receives every run's new values ([`share_stepped`]).
 //!
 //! burn-collective 0.21 has no reduce-scatter or all-gather: both are all-reduces here, in which
 //! the peers that do not own a value contribute -0.0. Adding -0.0 changes no float (not even
 //! -0.0 itself), so the result is the owner's bits: exact, at twice an all-gather's traffic.
 //!
-//! Exactness: every peer reduces the same gradients as plain data parallelism, in the same
-//! buckets; the global norm is combined from the owners' per-parameter parts in the model's
-//! order (the same additions as one peer makes over all of them); each parameter is stepped by
-//! its owner with those gradients and its own state. The weights after each step are plain data
-//! parallelism's, bit for bit.
+//! Exactness: every peer averages the same gradients as plain data parallelism (an all-reduce
+//! adds element by element, alone or in a bucket); the global norm is combined from the
+//! owners' per-parameter parts in the model's order (the same additions as one peer makes over
+//! all of them); each parameter is stepped by its owner with those gradients and its own state.
+//! The weights after each step are plain data parallelism's, bit for bit.
 
 use std::collections::HashSet;
 
@@ -179,8 +180,8 @@ pub(crate) fn sharded_norm<B: AutodiffBackend, M: AutodiffModule<B>>(
     struct Parts<'a, B: AutodiffBackend> {
         grads: &'a GradientsParams,
         norm_type: f64,
-        // (this peer's part, whether it has one)
-        parts: Vec<(Option<Tensor<B::InnerBackend, 1>>, bool)>,
+        // This peer's part of each, where it has the gradient.
+        parts: Vec<Option<Tensor<B::InnerBackend, 1>>>,
     }
     impl<B: AutodiffBackend> ModuleVisitor<B> for Parts<'_, B> {
         fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
@@ -188,8 +189,7 @@ pub(crate) fn sharded_norm<B: AutodiffBackend, M: AutodiffModule<B>>(
                 .grads
                 .get::<B::InnerBackend, D>(param.id)
                 .map(|grad| grads::norm_part(grad, self.norm_type));
-            let here = part.is_some();
-            self.parts.push((part, here));
+            self.parts.push(part);
         }
     }
     let mut parts = Parts::<B> {
@@ -198,17 +198,31 @@ pub(crate) fn sharded_norm<B: AutodiffBackend, M: AutodiffModule<B>>(
         parts: Vec::new(),
     };
     model.visit(&mut parts);
-    let count = parts.parts.len();
+    gather_norm(collective, parts.parts, norm_type, device)
+}
+
+/// The global `norm_type`-norm from per-parameter parts in the model's order, each held by one
+/// peer (`None` on the others): gathered (the others contribute -0.0, with whether they hold
+/// it) and added in that order in f32, as [`grads::combine_norm`] adds them on one peer.
+pub(crate) fn gather_norm<K: burn::prelude::Backend>(
+    collective: &dyn Collective<K>,
+    parts: Vec<Option<Tensor<K, 1>>>,
+    norm_type: f64,
+    device: &K::Device,
+) -> Result<Option<f64>> {
+    let count = parts.len();
     // Each part's value where this peer has it, -0.0 elsewhere; then whether it has it.
-    let mine: Vec<Tensor<B::InnerBackend, 1>> = parts
-        .parts
+    let mine: Vec<Tensor<K, 1>> = parts
         .iter()
-        .map(|(part, _)| match part {
+        .map(|part| match part {
             Some(part) => part.clone().cast(DType::F32),
             None => Tensor::from_data(TensorData::new(vec![-0.0f32], [1]), device),
         })
-        .chain(parts.parts.iter().map(|(_, here)| {
-            Tensor::from_data(TensorData::new(vec![*here as u8 as f32], [1]), device)
+        .chain(parts.iter().map(|part| {
+            Tensor::from_data(
+                TensorData::new(vec![part.is_some() as u8 as f32], [1]),
+                device,
+            )
         }))
         .collect();
     if mine.is_empty() {
@@ -242,22 +256,29 @@ pub(crate) fn sharded_norm<B: AutodiffBackend, M: AutodiffModule<B>>(
     }))
 }
 
+/// Bytes of parameters shared between two replacements of the model in
+/// [`share_stepped`]: the old values of one run of this size live beside the new ones.
+const SHARE_BYTES: u64 = 8 << 20;
+
 /// Every trainable parameter's value from its owner, on every peer: an all-reduce per
-/// parameter, the others contributing -0.0 (exact), each value replaced as it arrives, so that
-/// no second set of weights (nor of zeros) is ever made.
+/// parameter, the others contributing -0.0 (exact). The model is replaced a run of about
+/// [`SHARE_BYTES`] at a time, so that only one run's old values live beside their new ones (the
+/// model mapped is a clone of `model`'s handles: until `model` is replaced, it keeps every old
+/// value of the run alive).
 pub(crate) fn share_stepped<B: AutodiffBackend, M: AutodiffModule<B>>(
     collective: &dyn Collective<B::InnerBackend>,
-    model: M,
+    model: &mut M,
     owned: &HashSet<ParamId>,
-) -> Result<M> {
+) -> Result<()> {
     struct Share<'a, B: AutodiffBackend> {
         collective: &'a dyn Collective<B::InnerBackend>,
         owned: &'a HashSet<ParamId>,
+        run: &'a HashSet<ParamId>,
         error: Option<Error>,
     }
     impl<B: AutodiffBackend> ModuleMapper<B> for Share<'_, B> {
         fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
-            if self.error.is_some() || !param.is_require_grad() {
+            if self.error.is_some() || !self.run.contains(&param.id) {
                 return param;
             }
             let mine = self.owned.contains(&param.id);
@@ -282,16 +303,30 @@ pub(crate) fn share_stepped<B: AutodiffBackend, M: AutodiffModule<B>>(
             param
         }
     }
-    let mut share = Share::<B> {
-        collective,
-        owned,
-        error: None,
-    };
-    let model = model.map(&mut share);
-    match share.error {
-        Some(error) => Err(error),
-        None => Ok(model),
+    let mut run = HashSet::new();
+    let mut bytes = 0;
+    let params = trainable::<B, M>(model);
+    let last = params.len().saturating_sub(1);
+    for (index, (id, size)) in params.into_iter().enumerate() {
+        run.insert(id);
+        bytes += size;
+        if bytes < SHARE_BYTES && index < last {
+            continue;
+        }
+        let mut share = Share::<B> {
+            collective,
+            owned,
+            run: &run,
+            error: None,
+        };
+        *model = model.clone().map(&mut share);
+        if let Some(error) = share.error {
+            return Err(error);
+        }
+        run.clear();
+        bytes = 0;
     }
+    Ok(())
 }
 
 /// Elements of one all-reduce when bytes are gathered: 4 Mi values (16 MiB in fp32).

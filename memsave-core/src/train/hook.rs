@@ -95,6 +95,12 @@ pub trait Hook<B: AutodiffBackend, M: TrainModel<B>> {
     fn out_of_memory_advice(&self, _state: &TrainState<B, M>) -> Option<String> {
         None
     }
+
+    /// The shares of the gradients and of the optimizer state this peer holds (ZeRO: 1/N of
+    /// what it shards), for the memory check before the run; `(1.0, 1.0)`: all of both.
+    fn held_shares(&self, _state: &TrainState<B, M>) -> (f64, f64) {
+        (1.0, 1.0)
+    }
 }
 
 /// When a hook runs at each hook point, before or after the others (MMCV's `Priority`): hooks
@@ -161,6 +167,14 @@ impl<B: AutodiffBackend, M: TrainModel<B>> Hooks<B, M> {
             f(&mut **hook, state)?;
         }
         Ok(())
+    }
+
+    /// The shares of the gradients and of the optimizer state this peer holds (the smallest
+    /// any hook says).
+    pub(super) fn held_shares(&self, state: &TrainState<B, M>) -> (f64, f64) {
+        self.iter()
+            .map(|hook| hook.held_shares(state))
+            .fold((1.0, 1.0), |(g, s), (hg, hs)| (g.min(hg), s.min(hs)))
     }
 
     /// Every hook's advice for a step that does not fit, joined.

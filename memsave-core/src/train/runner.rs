@@ -231,8 +231,11 @@ where
             return Ok(());
         };
         let (_, trainable) = param_bytes::<B, M>(&self.state.model);
-        // Gradients, and the optimizer state once it exists (the first step makes it).
-        let states = trainable + (trainable as f64 * self.state.optimizer_state_per_weight) as u64;
+        // Gradients, and the optimizer state once it exists (the first step makes it): this
+        // peer's shares of them (ZeRO).
+        let (gradients, state) = self.hooks.held_shares(&self.state);
+        let states = (trainable as f64 * gradients) as u64
+            + (trainable as f64 * self.state.optimizer_state_per_weight * state) as u64;
         let needed = batch.bytes + states;
         if needed <= available {
             return Ok(());

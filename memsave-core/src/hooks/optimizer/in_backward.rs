@@ -33,10 +33,14 @@ use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::ops::FloatTensor;
 use burn::tensor::{DType, Tensor, TensorPrimitive};
 
+use crate::parallel::in_backward::{take_sum, BackwardReduce, Tapped};
+use crate::parallel::zero::gather_norm;
+use crate::parallel::TapPeers;
 use crate::train::grads;
 use crate::train::optim::ParamSteps;
 use crate::train::taps::{self, DepthChain, Extract, Insert, Sink, Tapper, Untap};
 use crate::train::{TrainModel, TrainState};
+use crate::Result;
 
 /// How deep apart the taps of two consecutive parameters are (see [`crate::train::taps`]): more
 /// than the ops between two parameters' first uses in the models memsave knows (a convolution,
@@ -50,6 +54,8 @@ pub(super) enum Phase {
     Norm,
     /// Step its parameter with it.
     Step,
+    /// Keep it (data parallelism: averaged over the peers first, and kept by its owner only).
+    Reduce,
 }
 
 /// The table the taps of one pass share.
@@ -81,6 +87,10 @@ struct TableInner<B: AutodiffBackend> {
     unscale: Option<f64>,
     /// The clipping coefficient (below 1), when the norm is over `max_norm`.
     coefficient: Option<f64>,
+    /// Data parallelism: each gradient averaged over the peers as its tap hands it over.
+    peers: Option<BackwardReduce<K<B>>>,
+    /// A reduce pass's gradients (those this peer keeps).
+    kept: GradientsParams,
 }
 
 fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -94,45 +104,67 @@ impl<B: AutodiffBackend> Sink<K<B>> for Table<B> {
         let mut table = lock(&self.inner);
         let table = &mut *table;
         table.reached.insert(id);
+        // A norm pass keeps the group's sums for the step pass.
+        let keep = table.phase == Phase::Norm;
         let grad = match &mut table.sums {
             // Mixed precision with accumulation: the group's sum with this micro-batch's part.
             Some(sums) => {
-                let sum = match table.phase {
-                    Phase::Norm => sums.get::<K<B>, D>(id),
-                    Phase::Step => sums.remove::<K<B>, D>(id),
+                let sum = if keep {
+                    sums.get::<K<B>, D>(id)
+                } else {
+                    sums.remove::<K<B>, D>(id)
                 };
                 grads::add_to_sum(sum, grad)
             }
             None => grad,
         };
-        if table.phase == Phase::Norm || table.log_norm {
-            let part = grads::norm_part(grad.clone(), table.norm_type);
-            table.parts.insert(id, part);
+        let grad = match &mut table.peers {
+            Some(peers) => match peers.reduce(id, grad, table.sums.as_mut(), keep) {
+                Some(mean) => mean,
+                // Another peer's part, or the pass failed (said after backward).
+                None => return,
+            },
+            None => grad,
+        };
+        table.use_grad(id, grad);
+    }
+}
+
+impl<B: AutodiffBackend> TableInner<B> {
+    /// What the pass does with parameter `id`'s final gradient (averaged over the peers).
+    fn use_grad<const D: usize>(&mut self, id: ParamId, grad: Tensor<K<B>, D>) {
+        if self.phase == Phase::Reduce {
+            self.kept.register::<K<B>, D>(id, grad);
+            return;
         }
-        if table.phase == Phase::Norm {
+        if self.phase == Phase::Norm || self.log_norm {
+            let part = grads::norm_part(grad.clone(), self.norm_type);
+            self.parts.insert(id, part);
+        }
+        if self.phase == Phase::Norm {
             return;
         }
         // The ordinary step's preparation (`grads::to_f32`, `grads::scale`), then its step.
         let mut grad = grad;
-        if let Some(unscale) = table.unscale {
+        if let Some(unscale) = self.unscale {
             grad = grad.cast(DType::F32).mul_scalar(unscale);
         }
-        if let Some(coefficient) = table.coefficient {
+        if let Some(coefficient) = self.coefficient {
             grad = grad.mul_scalar(coefficient);
         }
-        let Some(weight) = table.weights.remove(&id) else {
+        let Some(weight) = self.weights.remove(&id) else {
             return;
         };
         let weight = Tensor::<K<B>, D>::from_primitive(TensorPrimitive::Float(weight));
-        let steps = table
+        let steps = self
             .steps
             .as_mut()
             .expect("a step pass holds the optimizer's steps");
-        let lr = table.lr;
+        let lr = self.lr;
         let stepped = crate::memory::scope(crate::memory::phase::STEP, || {
             steps.step::<D>(lr, id, weight, grad)
         });
-        if let Some(forward) = &mut table.forward {
+        if let Some(forward) = &mut self.forward {
             // The forward copy as `wrap_fp16_model` makes it: cast where it was cast.
             if let Some(old) = forward.remove(&id) {
                 let old = Tensor::<K<B>, D>::from_primitive(TensorPrimitive::Float(old));
@@ -147,7 +179,55 @@ impl<B: AutodiffBackend> Sink<K<B>> for Table<B> {
                 forward.insert(id, value.into_primitive().tensor());
             }
         }
-        table.weights.insert(id, stepped.into_primitive().tensor());
+        self.weights.insert(id, stepped.into_primitive().tensor());
+    }
+
+    /// After backward with peers: the gradients whose taps did not run are reduced, `reached`
+    /// becomes the parameters some peer had a gradient of, and the means this peer keeps but
+    /// had no gradient of are used (`model`: any model with the tapped parameters' ids).
+    fn finish_peers<M: AutodiffModule<B>>(&mut self, model: &M) -> Result<()> {
+        let Some(peers) = &mut self.peers else {
+            return Ok(());
+        };
+        let keep = self.phase == Phase::Norm;
+        let (reached, deferred) = peers.finish(self.sums.as_mut(), keep)?;
+        self.reached = reached;
+        struct UseDeferred<'a, B: AutodiffBackend> {
+            table: &'a mut TableInner<B>,
+            deferred: HashMap<ParamId, FloatTensor<K<B>>>,
+        }
+        impl<B: AutodiffBackend> ModuleVisitor<B> for UseDeferred<'_, B> {
+            fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+                if let Some(mean) = self.deferred.remove(&param.id) {
+                    let mean = Tensor::<K<B>, D>::from_primitive(TensorPrimitive::Float(mean));
+                    self.table.use_grad::<D>(param.id, mean);
+                }
+            }
+        }
+        if !deferred.is_empty() {
+            model.visit(&mut UseDeferred {
+                table: self,
+                deferred,
+            });
+        }
+        Ok(())
+    }
+
+    /// The global norm of the pass's parts, added in `model`'s visiting order (gathered from
+    /// their owners where each peer holds its part).
+    fn norm<M: AutodiffModule<B>>(
+        &mut self,
+        model: &M,
+        device: &burn::tensor::Device<K<B>>,
+    ) -> Result<Option<f64>> {
+        let norm_type = self.norm_type;
+        match &self.peers {
+            Some(peers) if peers.sharded() => {
+                let parts = in_model_order(model, &mut self.parts);
+                gather_norm(peers.collective(), parts, norm_type, device)
+            }
+            _ => Ok(combine(model, &mut self.parts, norm_type)),
+        }
     }
 }
 
@@ -184,13 +264,15 @@ impl<B: AutodiffBackend> InBackward<B> {
     }
 
     /// Taps the model the forward runs on (`state.model`, or the half copy under mixed
-    /// precision) for a pass of `phase`.
+    /// precision) for a pass of `phase`; with `peers`, each gradient is averaged over them as
+    /// its tap hands it over.
     pub(super) fn tap<M: TrainModel<B>>(
         &mut self,
         state: &mut TrainState<B, M>,
         phase: Phase,
         norm_type: f64,
         log_norm: bool,
+        peers: Option<TapPeers<K<B>>>,
     ) {
         let device = state.device.clone();
         let chain = self.chain.get_or_insert_with(|| DepthChain::new(&device));
@@ -208,6 +290,8 @@ impl<B: AutodiffBackend> InBackward<B> {
                 lr: state.lr,
                 unscale: None,
                 coefficient: None,
+                peers: None,
+                kept: GradientsParams::new(),
             }),
         });
         let mut tapper = Tapper::<B, Table<B>>::new(chain, TAP_GAP, table.clone());
@@ -216,6 +300,10 @@ impl<B: AutodiffBackend> InBackward<B> {
             None => state.model = state.model.clone().map(&mut tapper),
         }
         let ids = std::mem::take(&mut tapper.ids);
+        if let Some(peers) = peers {
+            let order = tapped_order::<B, M>(state.forward_model(), &ids);
+            lock(&table.inner).peers = Some(BackwardReduce::new(peers, &device, order));
+        }
         self.pass = Some((table, ids));
     }
 
@@ -241,7 +329,7 @@ impl<B: AutodiffBackend> InBackward<B> {
         loss: Tensor<B, 1>,
         summed: Option<&GradientsParams>,
         mixed: bool,
-    ) -> (Option<f64>, HashSet<ParamId>) {
+    ) -> Result<(Option<f64>, HashSet<ParamId>)> {
         let (table, ids) = self.pass.take().expect("a pass was tapped");
         let forward = state.forward_model();
         let loss = match summed {
@@ -255,14 +343,47 @@ impl<B: AutodiffBackend> InBackward<B> {
         drop(loss.backward());
         crate::checkpoint::join_helpers();
         let mut inner = lock(&table.inner);
-        let norm_type = inner.norm_type;
-        let norm = combine(forward, &mut inner.parts, norm_type);
+        let finished = inner.finish_peers(forward);
+        let norm = finished.and_then(|()| inner.norm(forward, &state.device));
         let reached = std::mem::take(&mut inner.reached);
         inner.sums = None;
         drop(inner);
         // The taps are spent; `untap` makes the model plain.
         self.pass = Some((table, ids));
-        (norm, reached)
+        Ok((norm?, reached))
+    }
+
+    /// A reduce pass (data parallelism): backward of `loss` (the group's earlier gradients,
+    /// `summed`, added as in [`Self::norm_pass`]), each gradient averaged over the peers as it
+    /// is made and kept by its owner only. Returns the gradients this peer keeps and the
+    /// parameters some peer had a gradient of.
+    pub(super) fn reduce_pass<M: TrainModel<B>>(
+        &mut self,
+        state: &TrainState<B, M>,
+        loss: Tensor<B, 1>,
+        summed: Option<GradientsParams>,
+        mixed: bool,
+    ) -> Result<(GradientsParams, HashSet<ParamId>)> {
+        let (table, ids) = self.pass.take().expect("a pass was tapped");
+        let forward = state.forward_model();
+        let loss = match summed {
+            Some(sums) if mixed => {
+                lock(&table.inner).sums = Some(sums);
+                loss
+            }
+            Some(sums) => seed(loss, forward, sums),
+            None => loss,
+        };
+        drop(loss.backward());
+        crate::checkpoint::join_helpers();
+        let mut inner = lock(&table.inner);
+        let finished = inner.finish_peers(forward);
+        let kept = std::mem::take(&mut inner.kept);
+        let reached = std::mem::take(&mut inner.reached);
+        inner.sums = None;
+        drop(inner);
+        self.pass = Some((table, ids));
+        finished.map(|()| (kept, reached))
     }
 
     /// Keeps the norm a first pass found for the second.
@@ -286,7 +407,7 @@ impl<B: AutodiffBackend> InBackward<B> {
         summed: Option<GradientsParams>,
         unscale: Option<f64>,
         coefficient: Option<f64>,
-    ) -> (Option<f64>, HashSet<ParamId>) {
+    ) -> Result<(Option<f64>, HashSet<ParamId>)> {
         let (table, ids) = self.pass.take().expect("a pass was tapped");
         let mixed = state.forward_model.is_some();
         // Seeding reads the tapped parameters' nodes: before the weights are taken out.
@@ -316,6 +437,7 @@ impl<B: AutodiffBackend> InBackward<B> {
         drop(loss.backward());
         crate::checkpoint::join_helpers();
         let mut inner = lock(&table.inner);
+        let finished = inner.finish_peers(&state.model);
         if let Some(steps) = inner.steps.take() {
             state.optimizer.put_back(steps);
         }
@@ -327,14 +449,14 @@ impl<B: AutodiffBackend> InBackward<B> {
                 state.forward_model = Some(forward.map(&mut Insert { values: &values }));
             }
         }
+        finished?;
         let norm = if inner.log_norm {
-            let norm_type = inner.norm_type;
-            combine(&state.model, &mut inner.parts, norm_type)
+            inner.norm(&state.model, &state.device)?
         } else {
             None
         };
         let reached = std::mem::take(&mut inner.reached);
-        (norm, reached)
+        Ok((norm, reached))
     }
 }
 
@@ -375,6 +497,64 @@ fn combine<B: AutodiffBackend, M: AutodiffModule<B>>(
     };
     model.visit(&mut order);
     grads::combine_norm(order.ordered, norm_type)
+}
+
+/// The parts of the float parameters of `model`, in its visiting order (`None` where this peer
+/// has none).
+fn in_model_order<B: AutodiffBackend, M: AutodiffModule<B>>(
+    model: &M,
+    parts: &mut HashMap<ParamId, Tensor<K<B>, 1>>,
+) -> Vec<Option<Tensor<K<B>, 1>>> {
+    struct Order<'a, K: Backend> {
+        parts: &'a mut HashMap<ParamId, Tensor<K, 1>>,
+        ordered: Vec<Option<Tensor<K, 1>>>,
+    }
+    impl<B: AutodiffBackend> ModuleVisitor<B> for Order<'_, B::InnerBackend> {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+            self.ordered.push(self.parts.remove(&param.id));
+        }
+    }
+    let mut order = Order {
+        parts,
+        ordered: Vec::new(),
+    };
+    model.visit(&mut order);
+    order.ordered
+}
+
+/// The tapped parameters `ids` of `model` in its visiting order, with their shapes and
+/// precisions (for [`BackwardReduce`]).
+fn tapped_order<B: AutodiffBackend, M: AutodiffModule<B>>(
+    model: &M,
+    ids: &[ParamId],
+) -> Vec<Tapped<K<B>>> {
+    struct Collect<'a, K: Backend> {
+        ids: &'a [ParamId],
+        found: HashMap<ParamId, Tapped<K>>,
+    }
+    impl<B: AutodiffBackend> ModuleVisitor<B> for Collect<'_, B::InnerBackend> {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+            if self.ids.contains(&param.id) && !self.found.contains_key(&param.id) {
+                self.found.insert(
+                    param.id,
+                    Tapped {
+                        id: param.id,
+                        shape: param.lazy_shape(),
+                        dtype: param.val().dtype(),
+                        take_sum: take_sum::<B::InnerBackend, D>,
+                    },
+                );
+            }
+        }
+    }
+    let mut collect = Collect {
+        ids,
+        found: HashMap::new(),
+    };
+    model.visit(&mut collect);
+    ids.iter()
+        .filter_map(|id| collect.found.remove(id))
+        .collect()
 }
 
 /// Whether the step in backward can run on the backend `B`.

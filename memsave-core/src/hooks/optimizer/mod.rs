@@ -226,7 +226,7 @@ impl<R> OptimizerHook<R> {
             let (norm, reached) = memory::in_phase(memory::phase::BACKWARD, || {
                 self.part::<B>()
                     .norm_pass(state, loss, summed.as_ref(), mixed)
-            });
+            })?;
             self.summed = summed;
             self.warn_missing(state, &reached);
             let norm = match &self.mixed {
@@ -260,9 +260,10 @@ impl<R> OptimizerHook<R> {
                 state.log.overflow = true;
                 return Ok(());
             }
+            let peers = self.reducer.tap_peers(&state.model);
             let part = self.part::<B>();
             part.set_norm(norm);
-            part.tap(state, Phase::Step, norm_type, false);
+            part.tap(state, Phase::Step, norm_type, false, peers);
             return Ok(());
         }
         // The step pass (the only one, or the second).
@@ -289,7 +290,18 @@ impl<R> OptimizerHook<R> {
         let (norm, reached) = memory::in_phase(memory::phase::BACKWARD, || {
             self.part::<B>()
                 .step_pass(state, loss, summed, unscale, coefficient)
-        });
+        })?;
+        if self.reducer.zero_stage() > ZeroStage::Off {
+            // Each peer stepped its part: every peer takes the others' new values, and the
+            // forward copy is made again from them.
+            self.reducer.share_stepped(&mut state.model)?;
+            if let Some(mixed) = &self.mixed {
+                state.forward_model = None;
+                state.forward_model = Some(memory::scope(memory::phase::HALF_WEIGHTS, || {
+                    wrap_fp16_model(state.model.clone(), mixed.precision)
+                }));
+            }
+        }
         if two {
             state.log.grad_norm = self.part::<B>().norm();
         } else {
@@ -305,21 +317,76 @@ impl<R> OptimizerHook<R> {
         Ok(())
     }
 
-    /// The end of a group: unscale (half precision), check for overflow, clip, step or skip.
-    fn step<B: AutodiffBackend, M: TrainModel<B>>(
+    /// Whether the group's last backward averages the gradients over the peers as it makes
+    /// them, each kept by its owner only (ZeRO stage 2, without the step in backward).
+    fn reduces_in_backward<B: AutodiffBackend, M: TrainModel<B>>(
+        &self,
+        state: &TrainState<B, M>,
+    ) -> bool
+    where
+        R: Reducer<B>,
+    {
+        !self.step_in_backward
+            && self.reducer.zero_stage() >= ZeroStage::Gradients
+            && state.world_size() > 1
+            && in_backward::supported::<B>()
+    }
+
+    /// `after_iter` of a group's last iteration whose gradients are averaged in backward (see
+    /// [`Self::reduces_in_backward`]): the backward pass, then the ordinary step of the
+    /// gradients this peer kept.
+    fn after_iter_reduced<B: AutodiffBackend, M: TrainModel<B>>(
         &mut self,
         state: &mut TrainState<B, M>,
-        mut grads: GradientsParams,
     ) -> Result<()>
     where
         R: Reducer<B>,
     {
-        // The mean over the peers, once per group, before anything reads the gradients (the
-        // norm, the overflow check, clipping); every peer gets the same bits.
-        self.reducer.mean_grads(&state.model, &mut grads)?;
-        if self.detect_anomalous_params {
-            let missing = grads::params_without_grad::<B, M>(&state.model, &grads);
-            warn_without_gradient(state, missing);
+        let Some(loss) = state.loss.take() else {
+            self.part::<B>().untap(state);
+            return Ok(());
+        };
+        state.log.loss = Some(grads::scalar(&loss));
+        self.reducer.mean_for_log(&mut state.log)?;
+        let divisor = self.groups.loss_factor(state.iter, state.max_iters) as f64;
+        let loss = match &self.mixed {
+            None => loss.div_scalar(divisor),
+            Some(mixed) => loss
+                .cast(DType::F32)
+                .mul_scalar(mixed.scaler.loss_scale() / divisor),
+        };
+        let mixed = self.mixed.is_some();
+        let summed = self.summed.take();
+        self.pending = 0;
+        let reduced = memory::in_phase(memory::phase::BACKWARD, || {
+            self.part::<B>().reduce_pass(state, loss, summed, mixed)
+        });
+        self.part::<B>().untap(state);
+        let (grads, reached) = reduced?;
+        self.warn_missing(state, &reached);
+        memory::scope(memory::phase::STEP, || self.step(state, grads, true))
+    }
+
+    /// The end of a group: unscale (half precision), check for overflow, clip, step or skip.
+    /// `reduced`: the gradients were averaged over the peers in backward, and only this peer's
+    /// part kept.
+    fn step<B: AutodiffBackend, M: TrainModel<B>>(
+        &mut self,
+        state: &mut TrainState<B, M>,
+        mut grads: GradientsParams,
+        reduced: bool,
+    ) -> Result<()>
+    where
+        R: Reducer<B>,
+    {
+        if !reduced {
+            // The mean over the peers, once per group, before anything reads the gradients
+            // (the norm, the overflow check, clipping); every peer gets the same bits.
+            self.reducer.mean_grads(&state.model, &mut grads)?;
+            if self.detect_anomalous_params {
+                let missing = grads::params_without_grad::<B, M>(&state.model, &grads);
+                warn_without_gradient(state, missing);
+            }
         }
         // ZeRO: the gradients another peer steps go, at once at stage 2 (the norm is then
         // gathered from the owners), after the norm at stage 1.
@@ -340,8 +407,7 @@ impl<R> OptimizerHook<R> {
             state.log.grad_norm = norm;
             state.step(grads);
             if sharded > ZeroStage::Off {
-                let model = state.model.clone();
-                state.model = self.reducer.share_stepped(model)?;
+                self.reducer.share_stepped(&mut state.model)?;
             }
             return Ok(());
         };
@@ -387,8 +453,7 @@ impl<R> OptimizerHook<R> {
                 }
             });
             if sharded > ZeroStage::Off {
-                let model = state.model.clone();
-                state.model = self.reducer.share_stepped(model)?;
+                self.reducer.share_stepped(&mut state.model)?;
             }
             // The old half copy goes before the new one is made.
             state.forward_model = None;
@@ -438,13 +503,13 @@ impl<B: AutodiffBackend, M: TrainModel<B>, R: Reducer<B>> Hook<B, M> for Optimiz
                     ),
                 ));
             }
-            if state.world_size() > 1 {
+            if state.world_size() > 1 && self.reducer.tap_peers(&state.model).is_none() {
                 return Err(Error::invalid(
                     "step_in_backward",
                     format!(
-                        "is not available with data parallelism ({} peers): the gradients \
-                         would have to be averaged over the peers as backward makes them; \
-                         train on one device, or switch it off",
+                        "is on in a data-parallel run of {} peers whose optimizer hook cannot \
+                         average the gradients over them as backward makes them: give it the \
+                         peers' reducer (`OptimizerHook::with_reducer(PeerReducer::new(..))`)",
                         state.world_size()
                     ),
                 ));
@@ -474,7 +539,16 @@ impl<B: AutodiffBackend, M: TrainModel<B>, R: Reducer<B>> Hook<B, M> for Optimiz
     }
 
     fn before_iter(&mut self, state: &mut TrainState<B, M>) -> Result<()> {
-        if !self.step_in_backward || !self.groups.boundary(state) {
+        if !self.groups.boundary(state) {
+            return Ok(());
+        }
+        if self.reduces_in_backward(state) {
+            let peers = self.reducer.tap_peers(&state.model);
+            self.part::<B>()
+                .tap(state, Phase::Reduce, 2.0, false, peers);
+            return Ok(());
+        }
+        if !self.step_in_backward {
             return Ok(());
         }
         // Clipping and the overflow check need every gradient's norm first: two passes.
@@ -484,7 +558,8 @@ impl<B: AutodiffBackend, M: TrainModel<B>, R: Reducer<B>> Hook<B, M> for Optimiz
         }
         let norm_type = self.grad_clip.as_ref().map_or(2.0, |clip| clip.norm_type);
         let phase = if two { Phase::Norm } else { Phase::Step };
-        self.part::<B>().tap(state, phase, norm_type, !two);
+        let peers = self.reducer.tap_peers(&state.model);
+        self.part::<B>().tap(state, phase, norm_type, !two, peers);
         Ok(())
     }
 
@@ -496,7 +571,10 @@ impl<B: AutodiffBackend, M: TrainModel<B>, R: Reducer<B>> Hook<B, M> for Optimiz
     }
 
     fn after_iter(&mut self, state: &mut TrainState<B, M>) -> Result<()> {
-        if self.step_in_backward && self.part::<B>().active() {
+        if self.part::<B>().active() {
+            if self.part::<B>().phase() == Some(Phase::Reduce) {
+                return self.after_iter_reduced(state);
+            }
             return self.after_iter_in_backward(state);
         }
         let Some(loss) = state.loss.take() else {
@@ -529,7 +607,7 @@ impl<B: AutodiffBackend, M: TrainModel<B>, R: Reducer<B>> Hook<B, M> for Optimiz
         self.pending += 1;
         if self.groups.boundary(state) {
             self.pending = 0;
-            memory::scope(memory::phase::STEP, || self.step(state, grads))?;
+            memory::scope(memory::phase::STEP, || self.step(state, grads, false))?;
         } else {
             let mut grads = grads;
             if self.mixed.is_some() {
@@ -544,6 +622,15 @@ impl<B: AutodiffBackend, M: TrainModel<B>, R: Reducer<B>> Hook<B, M> for Optimiz
             }
         }
         Ok(())
+    }
+
+    fn held_shares(&self, state: &TrainState<B, M>) -> (f64, f64) {
+        let share = 1.0 / state.world_size().max(1) as f64;
+        match self.reducer.zero_stage() {
+            ZeroStage::Off => (1.0, 1.0),
+            ZeroStage::OptimizerState => (1.0, share),
+            ZeroStage::Gradients => (share, share),
+        }
     }
 
     fn before_snapshot(&mut self, state: &mut TrainState<B, M>) -> Result<()> {

@@ -6,7 +6,7 @@ use burn::module::AutodiffModule;
 use burn::optim::GradientsParams;
 use burn::tensor::backend::AutodiffBackend;
 
-use crate::parallel::ZeroStage;
+use crate::parallel::{TapPeers, ZeroStage};
 use crate::train::{grads, IterLog, Optim};
 use crate::Result;
 
@@ -51,13 +51,20 @@ pub trait Reducer<B: AutodiffBackend> {
 
     /// After a step: every parameter's new value from the peer that stepped it, on every peer
     /// (ZeRO); as it is alone.
-    fn share_stepped<M: AutodiffModule<B>>(&self, model: M) -> Result<M> {
-        Ok(model)
+    fn share_stepped<M: AutodiffModule<B>>(&self, _model: &mut M) -> Result<()> {
+        Ok(())
     }
 
     /// Drops the optimizer state of the parameters another peer steps (ZeRO, after a resume
     /// from a whole state).
     fn own_state<M: AutodiffModule<B>>(&self, _model: &M, _optimizer: &mut Optim<B, M>) {}
+
+    /// The peers a backward pass averages each gradient over as its tap hands it over, and the
+    /// parameters this peer keeps (the step in backward, and ZeRO stage 2's reduction to the
+    /// owners); `None` alone.
+    fn tap_peers<M: AutodiffModule<B>>(&self, _model: &M) -> Option<TapPeers<B::InnerBackend>> {
+        None
+    }
 
     /// The whole optimizer state as [`Optim::to_bytes`] writes it, gathered from every peer's
     /// part and keyed by this peer's parameter ids, for a snapshot (every peer calls it); `None`
