@@ -103,6 +103,65 @@ fn plan_says_nothing_is_needed_above_the_unplanned_peak() {
 }
 
 #[test]
+fn plan_shows_each_peers_share_under_zero() {
+    let dir = common::fresh_dir("plan_cli", "zero");
+    let config = tiny_config(&dir);
+    let config = config.to_str().unwrap();
+    let plan = |stage: &str, devices: &str| {
+        let set = format!("optimizer_config.zero_stage={stage}");
+        memsave(&[
+            "plan",
+            config,
+            "--budget",
+            "100%",
+            "--devices",
+            devices,
+            "--set",
+            &set,
+            "--json",
+        ])
+    };
+    let output = plan("2", "2");
+    assert!(output.status.success(), "{}", stderr(&output));
+    let report: serde_json::Value = serde_json::from_str(&stdout(&output)).unwrap();
+    let whole = &report["unplanned"];
+    let peer = &report["per_peer"];
+    let bytes = |v: &serde_json::Value, key: &str| v[key].as_u64().unwrap();
+    assert!(
+        bytes(whole, "optimizer_state") > 0,
+        "SGD with momentum keeps state"
+    );
+    assert_eq!(
+        bytes(peer, "optimizer_state"),
+        bytes(whole, "optimizer_state").div_ceil(2)
+    );
+    assert_eq!(
+        bytes(peer, "gradients_at_backward_end"),
+        bytes(whole, "gradients_at_backward_end").div_ceil(2)
+    );
+    assert_eq!(
+        bytes(peer, "peak"),
+        bytes(whole, "peak")
+            - (bytes(whole, "optimizer_state") - bytes(peer, "optimizer_state"))
+            - (bytes(whole, "gradients") - bytes(peer, "gradients"))
+    );
+    // One process: no share to show; a bad stage or no peer is an error naming it.
+    let alone = plan("2", "1");
+    let report: serde_json::Value = serde_json::from_str(&stdout(&alone)).unwrap();
+    assert!(report["per_peer"].is_null());
+    for (stage, devices, expected) in [
+        ("3", "2", "optimizer_config.zero_stage"),
+        ("1", "0", "--devices"),
+    ] {
+        let output = plan(stage, devices);
+        assert!(!output.status.success());
+        let text = stderr(&output);
+        assert!(text.contains(expected), "{text}");
+        assert!(!text.contains("panicked"), "{text}");
+    }
+}
+
+#[test]
 fn plan_with_a_budget_nothing_fits_prints_the_report_and_exits_1() {
     let dir = common::fresh_dir("plan_cli", "unfit");
     let config = tiny_config(&dir);

@@ -48,6 +48,11 @@ pub struct PlanArgs {
     /// Where to run.
     #[arg(long, value_enum, default_value = "cpu")]
     device: Device,
+    /// Data-parallel peers the run will have: the breakdown adds each peer's share of the
+    /// optimizer state (and, at stage 2, of the gradients) under `optimizer_config.zero_stage`.
+    /// The measuring runs and the candidates are one process holding all of it.
+    #[arg(long, default_value_t = 1)]
+    devices: usize,
 }
 
 /// `memsave plan-worker`: one measuring run (started by `memsave plan`).
@@ -104,6 +109,47 @@ pub struct Breakdown {
     pub step_seconds: f64,
 }
 
+/// One data-parallel peer's share of the unplanned breakdown (`--devices N` above 1): ZeRO
+/// stage 1 holds 1/N of the optimizer state, stage 2 also 1/N of the gradients; the rest is
+/// every peer's. Estimated from the measured parts, at the moment of the measured peak.
+#[derive(Clone, Debug, Serialize)]
+pub struct PerPeer {
+    pub peers: usize,
+    pub zero_stage: u8,
+    pub gradients: u64,
+    pub gradients_at_backward_end: u64,
+    pub optimizer_state: u64,
+    pub peak: u64,
+}
+
+impl PerPeer {
+    fn of(breakdown: &Breakdown, peers: usize, stage: memsave::parallel::ZeroStage) -> Self {
+        use memsave::parallel::ZeroStage;
+        let share = |bytes: u64, sharded: bool| {
+            if sharded {
+                bytes.div_ceil(peers.max(1) as u64)
+            } else {
+                bytes
+            }
+        };
+        let state_sharded = stage >= ZeroStage::OptimizerState;
+        let grads_sharded = stage >= ZeroStage::Gradients;
+        let optimizer_state = share(breakdown.optimizer_state, state_sharded);
+        let gradients = share(breakdown.gradients, grads_sharded);
+        let peak = breakdown.peak
+            - (breakdown.optimizer_state - optimizer_state)
+            - (breakdown.gradients - gradients);
+        PerPeer {
+            peers,
+            zero_stage: stage.number(),
+            gradients,
+            gradients_at_backward_end: share(breakdown.gradients_at_backward_end, grads_sharded),
+            optimizer_state,
+            peak,
+        }
+    }
+}
+
 /// What `--verify` measured.
 #[derive(Clone, Debug, Serialize)]
 pub struct Verified {
@@ -121,6 +167,8 @@ pub struct PlanReport {
     pub budget: String,
     pub budget_bytes: u64,
     pub unplanned: Breakdown,
+    /// One peer's share of it, with `--devices` above 1.
+    pub per_peer: Option<PerPeer>,
     pub nothing_needed: bool,
     pub segments: Vec<SegmentProfile>,
     pub floor: u64,
@@ -232,7 +280,10 @@ pub fn plan(args: PlanArgs) -> Result<()> {
     let batch = memsave::models::registry::batch_size(&args.config, &args.set)?;
     // The model's own settings, where its registry entry says they are.
     let keys = memsave::models::registry::entry(&args.config, &args.set)?.keys;
-    let (setting, allow_approximate): (Setting, bool) = {
+    if args.devices == 0 {
+        return Err(Error::invalid("--devices", "at least one peer"));
+    }
+    let (setting, allow_approximate, zero): (Setting, bool, memsave::parallel::ZeroStage) = {
         let config =
             Config::<memsave::models::config::ModelKind, memsave::models::config::AnyData>::load(
                 &args.config,
@@ -241,6 +292,7 @@ pub fn plan(args: PlanArgs) -> Result<()> {
         (
             config.planner_setting(batch),
             args.allow_approximate || config.memory.allow_approximate,
+            config.optimizer_config.zero()?,
         )
     };
     let say = |line: &str| {
@@ -263,6 +315,7 @@ pub fn plan(args: PlanArgs) -> Result<()> {
         budget: budget.to_string(),
         budget_bytes,
         unplanned: unplanned_breakdown.clone(),
+        per_peer: (args.devices > 1).then(|| PerPeer::of(&unplanned_breakdown, args.devices, zero)),
         nothing_needed: budget_bytes >= unplanned_breakdown.peak,
         segments: Vec::new(),
         floor: 0,
@@ -519,6 +572,50 @@ fn print_report(report: &PlanReport, setting: &Setting) {
         mib(b.gradients_at_backward_end)
     );
     println!("  {:<16} {:>10.3} s", "step", b.step_seconds);
+    if let Some(peer) = &report.per_peer {
+        println!(
+            "\nper peer of {} (optimizer_config.zero_stage = {}; estimated from the parts \
+             above, at the same moment):",
+            peer.peers, peer.zero_stage
+        );
+        let of = |mine: u64, whole: u64| {
+            if mine == whole {
+                String::new()
+            } else {
+                format!("  (1/{} of {})", peer.peers, mib(whole))
+            }
+        };
+        let alone = |mine: u64, whole: u64| {
+            if mine == whole {
+                String::new()
+            } else {
+                format!("  ({} in one process)", mib(whole))
+            }
+        };
+        for (name, mine, whole) in [
+            ("parameters", b.parameters, b.parameters),
+            ("gradients", peer.gradients, b.gradients),
+            ("optimizer state", peer.optimizer_state, b.optimizer_state),
+            ("activations", b.activations, b.activations),
+            ("other", b.other, b.other),
+        ] {
+            println!("  {name:<16} {:>10} MiB{}", mib(mine), of(mine, whole));
+        }
+        println!(
+            "  {:<16} {:>10} MiB{}",
+            "peak",
+            mib(peer.peak),
+            alone(peer.peak, b.peak)
+        );
+        println!(
+            "  (gradients when backward ends: {} MiB{})",
+            mib(peer.gradients_at_backward_end),
+            of(peer.gradients_at_backward_end, b.gradients_at_backward_end)
+        );
+        if peer.zero_stage == 0 {
+            println!("  (zero_stage = 0: every peer holds all of it; set 1 or 2 to shard it)");
+        }
+    }
     println!(
         "\nbudget: {} = {} bytes ({} MiB)",
         report.budget,
