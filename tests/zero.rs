@@ -35,26 +35,7 @@ fn run(
     stage: ZeroStage,
     hook: impl Fn() -> OptimizerHook + Sync,
 ) -> Vec<PeerRun> {
-    let dir = work_dir(name);
-    peers(2, |peer| {
-        let shard = peer.shard();
-        let mut runner = peer_runner_with(
-            net(),
-            optimizer,
-            stage,
-            hook(),
-            data(2, 16, shard),
-            RunLength::Epochs(2),
-            &dir,
-            peer,
-        );
-        let trace = Trace::default();
-        runner.register_hook(Box::new(trace.clone()));
-        runner.run()?;
-        let state = entries(&runner.state().optimizer.to_bytes().unwrap());
-        Ok((weights(&runner.into_model()), trace.take(), state))
-    })
-    .unwrap()
+    two_peers_with(name, optimizer, stage, hook, 2, 16, RunLength::Epochs(2))
 }
 
 /// Every step's weights, loss, norm and scale are the same bits in `a` and `b`.

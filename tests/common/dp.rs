@@ -200,11 +200,30 @@ pub fn two_peers(
     samples: usize,
     length: RunLength,
 ) -> Vec<(Vec<f32>, Vec<(Vec<f32>, IterLog)>)> {
+    two_peers_with(name, &sgd(), ZeroStage::Off, hook, batch, samples, length)
+        .into_iter()
+        .map(|(weights, trace, _)| (weights, trace))
+        .collect()
+}
+
+/// [`two_peers`] with `optimizer` at ZeRO `stage`; each peer's run also gives the number of
+/// parameters its optimizer keeps state for.
+pub fn two_peers_with(
+    name: &str,
+    optimizer: &OptimizerKind,
+    stage: ZeroStage,
+    hook: impl Fn() -> OptimizerHook + Sync,
+    batch: usize,
+    samples: usize,
+    length: RunLength,
+) -> Vec<(Vec<f32>, Vec<(Vec<f32>, IterLog)>, u64)> {
     let dir = work_dir(name);
     peers(2, |peer| {
         let shard = peer.shard();
-        let mut runner = peer_runner(
+        let mut runner = peer_runner_with(
             net(),
+            optimizer,
+            stage,
             hook(),
             data(batch, samples, shard),
             length,
@@ -214,7 +233,10 @@ pub fn two_peers(
         let trace = Trace::default();
         runner.register_hook(Box::new(trace.clone()));
         runner.run()?;
-        Ok((weights(&runner.into_model()), trace.take()))
+        let state = runner.state().optimizer.to_bytes().unwrap();
+        // The number of entries comes first.
+        let entries = u64::from_le_bytes(state[..8].try_into().unwrap());
+        Ok((weights(&runner.into_model()), trace.take(), entries))
     })
     .unwrap()
 }
