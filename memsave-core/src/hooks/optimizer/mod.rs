@@ -212,13 +212,7 @@ impl<R> OptimizerHook<R> {
             state.log.loss = Some(grads::scalar(&loss));
             self.reducer.mean_for_log(&mut state.log)?;
         }
-        let divisor = self.groups.loss_factor(state.iter, state.max_iters) as f64;
-        let loss = match &self.mixed {
-            None => loss.div_scalar(divisor),
-            Some(mixed) => loss
-                .cast(DType::F32)
-                .mul_scalar(mixed.scaler.loss_scale() / divisor),
-        };
+        let loss = self.loss_to_backward(state, loss);
         let mixed = self.mixed.is_some();
         let norm_type = self.grad_clip.as_ref().map_or(2.0, |clip| clip.norm_type);
         if self.part::<B>().phase() == Some(Phase::Norm) {
@@ -317,6 +311,22 @@ impl<R> OptimizerHook<R> {
         Ok(())
     }
 
+    /// The loss backward starts from: divided by MMCV's loss factor, and scaled (in fp32) under
+    /// mixed precision.
+    fn loss_to_backward<B: AutodiffBackend, M: TrainModel<B>>(
+        &self,
+        state: &TrainState<B, M>,
+        loss: burn::tensor::Tensor<B, 1>,
+    ) -> burn::tensor::Tensor<B, 1> {
+        let divisor = self.groups.loss_factor(state.iter, state.max_iters) as f64;
+        match &self.mixed {
+            None => loss.div_scalar(divisor),
+            Some(mixed) => loss
+                .cast(DType::F32)
+                .mul_scalar(mixed.scaler.loss_scale() / divisor),
+        }
+    }
+
     /// Whether the group's last backward averages the gradients over the peers as it makes
     /// them, each kept by its owner only (ZeRO stage 2, without the step in backward).
     fn reduces_in_backward<B: AutodiffBackend, M: TrainModel<B>>(
@@ -348,13 +358,7 @@ impl<R> OptimizerHook<R> {
         };
         state.log.loss = Some(grads::scalar(&loss));
         self.reducer.mean_for_log(&mut state.log)?;
-        let divisor = self.groups.loss_factor(state.iter, state.max_iters) as f64;
-        let loss = match &self.mixed {
-            None => loss.div_scalar(divisor),
-            Some(mixed) => loss
-                .cast(DType::F32)
-                .mul_scalar(mixed.scaler.loss_scale() / divisor),
-        };
+        let loss = self.loss_to_backward(state, loss);
         let mixed = self.mixed.is_some();
         let summed = self.summed.take();
         self.pending = 0;
