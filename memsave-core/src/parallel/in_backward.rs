@@ -229,7 +229,7 @@ impl<K: Backend> BackwardReduce<K> {
     }
 }
 
-#[cfg(test)]
+#[cfg(all(test, feature = "parallel"))]
 mod tests {
     use burn::backend::Flex;
 

@@ -19,12 +19,18 @@
 //! - Peer 0 logs and writes checkpoints; the logged loss is the mean over peers (MMDetection's
 //!   `_parse_losses`).
 //! - A peer that fails ends the run on every peer with an [`Error::Peer`] naming it
-//!   ([`peer::run_local`]); a remote node that stops answering ends it after the peer timeout.
+//!   (`peer::run_local`); a remote node that stops answering ends it after the peer timeout.
+//!
+//! The transport, Burn's collective (peers as threads, `BurnPeer`; nodes through its
+//! orchestrator, over websockets on tokio), is behind the feature `parallel`; without it, the
+//! parts above run on any [`Collective`] of your own.
 
 pub(crate) mod in_backward;
 mod parts;
+#[cfg(feature = "parallel")]
 pub mod peer;
 mod sampler;
+#[cfg(feature = "parallel")]
 mod topology;
 pub mod zero;
 
@@ -39,6 +45,7 @@ use burn::tensor::{DType, Tensor, TensorData, TensorPrimitive};
 
 pub use in_backward::TapPeers;
 pub use parts::{attach, BroadcastHook, PeerReducer};
+#[cfg(feature = "parallel")]
 pub use peer::{
     report_network_failure, run_local, serve_orchestrator, BurnPeer, Topology, DEFAULT_TIMEOUT,
 };
