@@ -491,7 +491,16 @@ fn segments<M: CheckpointModule>(
             let captured = uncheckpointed
                 .iter()
                 .any(|name| name == &type_name || name.starts_with(&format!("{type_name}::")));
-            let why_plain = if !ran_checkpointed {
+            let ran = cp_events
+                .iter()
+                .any(|event| matches!(event, Event::Forward { id: f, .. } if *f == id));
+            let why_plain = if !ran {
+                Some(format!(
+                    "no `#[with_cp]` method of `{type_name}` ran: its `with_cp` flag is on, but \
+                     the method that computes it (its forward) is not marked `#[with_cp]` (or \
+                     it did not run in this step); mark it `#[with_cp]`"
+                ))
+            } else if !ran_checkpointed {
                 Some(
                     "its input is not in the autodiff graph (MMCV's guard: a segment that gets \
                      the network's input is never checkpointed)"

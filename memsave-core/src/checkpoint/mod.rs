@@ -18,6 +18,7 @@
 mod autodiff;
 pub(crate) mod context;
 pub mod profile;
+mod reached;
 mod segment;
 mod stream;
 mod threads;
@@ -29,6 +30,7 @@ use burn::tensor::ops::FloatTensor;
 
 pub(crate) use autodiff::{mark_ours, take_grad};
 pub use context::{is_recomputing, random};
+pub use reached::{no_segment_message, reached, switched_on_without_segment};
 pub use segment::{floats, Segment};
 pub use stream::RandomDraws;
 pub use threads::{join_helpers, live_helpers, recomputations};
@@ -38,6 +40,11 @@ pub use threads::{join_helpers, live_helpers, recomputations};
 pub mod __private {
     pub use super::join_path;
     pub use super::stream::__private::*;
+
+    /// The fields of a `#[memsave::model]` type `M` without a `with_cp` flag or a marked field:
+    /// the type its "no field marked" bound is on, so that the compiler reports that bound's
+    /// message (it names the fields) rather than `CheckpointModule`'s.
+    pub struct FieldsOf<M>(core::marker::PhantomData<M>);
 }
 
 /// A backend on which memsave can checkpoint segments. In generic model code, bound the backend
@@ -179,6 +186,7 @@ where
         }
         _ => None,
     };
+    reached::note(SegmentId::of(module));
     let checkpointed = with_cp && floats.iter().any(B::is_tracked);
     let device = floats.first().map(|first| B::float_device(first));
     let sync = || {
@@ -298,10 +306,11 @@ pub trait HasWithCp {
 /// marked `#[with_cp]` that lead to one.
 #[diagnostic::on_unimplemented(
     message = "`{Self}` cannot be checkpointed: nothing in it has a `with_cp` switch",
-    label = "`#[with_cp]` on this field switches checkpointing on inside it",
+    label = "checkpointing is switched on in this `{Self}`",
     note = "a checkpointable block is a `#[memsave::model]` struct with a field `with_cp: bool` \
-            and a `#[with_cp]` method (its forward); Burn's layers have no such switch: \
-            checkpoint the block that contains them"
+            and a `#[with_cp]` method (its forward), and a model reaches its blocks through \
+            fields marked `#[with_cp]`; Burn's layers have no such switch: checkpoint the block \
+            that contains them"
 )]
 pub trait CheckpointModule: Sized {
     /// Whether the module is itself a checkpointed segment ([`crate::fp16::__private::Marked`]:

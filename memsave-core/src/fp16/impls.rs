@@ -115,11 +115,21 @@ impl<T: Fp16Module> Fp16Module for Option<T> {
     fn wrap_fp16(self, precision: Precision) -> Self {
         self.map(|module| module.wrap_fp16(precision))
     }
+
+    fn visit_with_cp_flags(&self, visit: &mut dyn FnMut(crate::checkpoint::SegmentId, bool)) {
+        for module in self.iter() {
+            module.visit_with_cp_flags(visit);
+        }
+    }
 }
 
 impl<T: Fp16Module> Fp16Module for Box<T> {
     fn wrap_fp16(self, precision: Precision) -> Self {
         Box::new((*self).wrap_fp16(precision))
+    }
+
+    fn visit_with_cp_flags(&self, visit: &mut dyn FnMut(crate::checkpoint::SegmentId, bool)) {
+        (**self).visit_with_cp_flags(visit);
     }
 }
 
@@ -129,11 +139,23 @@ impl<T: Fp16Module> Fp16Module for Vec<T> {
             .map(|module| module.wrap_fp16(precision))
             .collect()
     }
+
+    fn visit_with_cp_flags(&self, visit: &mut dyn FnMut(crate::checkpoint::SegmentId, bool)) {
+        for module in self.iter() {
+            module.visit_with_cp_flags(visit);
+        }
+    }
 }
 
 impl<T: Fp16Module, const N: usize> Fp16Module for [T; N] {
     fn wrap_fp16(self, precision: Precision) -> Self {
         self.map(|module| module.wrap_fp16(precision))
+    }
+
+    fn visit_with_cp_flags(&self, visit: &mut dyn FnMut(crate::checkpoint::SegmentId, bool)) {
+        for module in self.iter() {
+            module.visit_with_cp_flags(visit);
+        }
     }
 }
 
@@ -144,6 +166,15 @@ macro_rules! tuple {
             fn wrap_fp16(self, precision: Precision) -> Self {
                 let ($($name,)+) = self;
                 ($($name.wrap_fp16(precision),)+)
+            }
+
+            #[allow(non_snake_case)]
+            fn visit_with_cp_flags(
+                &self,
+                visit: &mut dyn FnMut(crate::checkpoint::SegmentId, bool),
+            ) {
+                let ($($name,)+) = self;
+                $($name.visit_with_cp_flags(visit);)+
             }
         }
     };

@@ -240,6 +240,15 @@ pub trait Fp16Module: Sized {
     /// Switches mixed precision on for this module and its submodules (MMCV's
     /// `wrap_fp16_model` on this subtree).
     fn wrap_fp16(self, precision: Precision) -> Self;
+
+    /// Calls `visit` with the identity of each module at or below this one that has a `with_cp`
+    /// flag, and the flag (`#[memsave::model]` writes it; see
+    /// [`crate::checkpoint::switched_on_without_segment`]). Every module of a model the runner
+    /// trains is an `Fp16Module`, which is why this lives here.
+    #[doc(hidden)]
+    fn visit_with_cp_flags(&self, visit: &mut dyn FnMut(crate::checkpoint::SegmentId, bool)) {
+        let _ = visit;
+    }
 }
 
 /// Prepares `model` for mixed-precision training (MMCV's `wrap_fp16_model`).

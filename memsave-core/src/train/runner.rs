@@ -126,6 +126,7 @@ where
         self.preflight()?;
         self.position();
         self.call(|hook, state| hook.before_run(state))?;
+        let mut first_step = true;
         while self.state.iter < self.state.max_iters {
             let (epoch, index) = (self.state.epoch, self.state.inner_iter);
             if index == 0 {
@@ -141,6 +142,9 @@ where
 
             let batch = self.data.batch(epoch, index, &self.state.device)?;
             self.step(batch, epoch, index)?;
+            if std::mem::take(&mut first_step) {
+                self.check_segments_ran()?;
+            }
             self.save_if_requested()?;
 
             let end_of_epoch = index + 1 == self.state.iters_per_epoch;
@@ -222,6 +226,19 @@ where
                 })
             }
         }
+    }
+
+    /// After the first step: every module whose `with_cp` is on ran a `#[with_cp]` method
+    /// (see [`crate::checkpoint::switched_on_without_segment`]).
+    fn check_segments_ran(&self) -> Result<()> {
+        let missing = crate::checkpoint::switched_on_without_segment(&self.state.model);
+        if missing.is_empty() {
+            return Ok(());
+        }
+        Err(Error::invalid(
+            "with_cp",
+            crate::checkpoint::no_segment_message(&missing),
+        ))
     }
 
     /// The sizes known before the first step, against the memory available.

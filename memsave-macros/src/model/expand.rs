@@ -127,11 +127,79 @@ fn fp16_module(memsave: &TokenStream, model: &Model) -> TokenStream {
             }
         }
     });
+    let visits = visit_flags(memsave, model);
     quote! {
         #header {
             fn wrap_fp16(self, precision: #memsave::fp16::Precision) -> Self {
                 #body
             }
+
+            #visits
+        }
+    }
+}
+
+/// `Fp16Module::visit_with_cp_flags`: this module's `with_cp` flag, then every field that
+/// `wrap_fp16` reaches, in turn (what the first step's check of the switches reads).
+fn visit_flags(memsave: &TokenStream, model: &Model) -> TokenStream {
+    let wrapped = |field: &Field| {
+        !field.fp16_skip
+            && !field
+                .ident()
+                .is_some_and(|ident| ident == CP_FLAG || ident == FP16_FLAG)
+    };
+    let call = |value: TokenStream| {
+        quote! {
+            #memsave::fp16::Fp16Module::visit_with_cp_flags(#value, visit);
+        }
+    };
+    let own = model.cp_flag().map(|_| {
+        quote! {
+            visit(
+                #memsave::checkpoint::SegmentId::of(self),
+                #memsave::checkpoint::HasWithCp::with_cp(self),
+            );
+        }
+    });
+    let fields = match &model.body {
+        Body::Struct(fields) => {
+            let calls = fields.iter().filter(|field| wrapped(field)).map(|field| {
+                let member = &field.member;
+                call(quote_spanned!(field.ty.span()=> &self.#member))
+            });
+            quote!(#(#calls)*)
+        }
+        Body::Enum(variants) => {
+            let arms = variants.iter().map(|variant| {
+                let name = &variant.ident;
+                let bindings: Vec<_> = variant.fields.iter().map(binding).collect();
+                let calls = variant
+                    .fields
+                    .iter()
+                    .zip(&bindings)
+                    .filter(|(field, _)| wrapped(field))
+                    .map(|(_, bound)| call(quote!(#bound)));
+                let pattern = match variant.style {
+                    Style::Unit => quote!(Self::#name),
+                    Style::Unnamed => quote!(Self::#name(#(#bindings),*)),
+                    Style::Named => {
+                        let members = variant.fields.iter().map(|field| &field.member);
+                        quote!(Self::#name { #(#members: #bindings),* })
+                    }
+                };
+                quote!(#pattern => { #(#calls)* })
+            });
+            quote!(match self { #(#arms,)* })
+        }
+    };
+    quote! {
+        #[allow(unused_variables)]
+        fn visit_with_cp_flags(
+            &self,
+            visit: &mut dyn FnMut(#memsave::checkpoint::SegmentId, bool),
+        ) {
+            #own
+            #fields
         }
     }
 }
@@ -153,16 +221,68 @@ fn has_fp16_flag(memsave: &TokenStream, model: &Model) -> Option<TokenStream> {
 /// switched in turn.
 fn checkpoint_module(memsave: &TokenStream, model: &Model) -> Option<TokenStream> {
     if !model.checkpointable() {
-        return None;
+        return Some(not_checkpointable(memsave, model));
     }
     let header = impl_header(model, quote!(#memsave::checkpoint::CheckpointModule));
+    // Each marked field is switched through a trait of its own, whose error names the field
+    // when its type cannot be checkpointed (the generic "not implemented" could not).
+    let marked = marked_fields(model);
+    let via = |field: &Field| -> TokenStream {
+        let index = marked
+            .iter()
+            .position(|(marked, _)| std::ptr::eq(*marked, field))
+            .expect("every marked field is listed");
+        let name = format_ident!("__MemsaveWithCpField{}", index);
+        quote!(#name)
+    };
+    let field_traits = marked.iter().enumerate().map(|(index, (_, described))| {
+        let name = format_ident!("__MemsaveWithCpField{}", index);
+        let message = format!(
+            "{described} is marked `#[with_cp]`, but its type `{{Self}}` cannot be \
+             checkpointed: nothing in it has a `with_cp` switch"
+        );
+        let label = format!("{described}: `#[with_cp]` switches checkpointing on inside it");
+        let note = "a checkpointable block is a `#[memsave::model]` struct with a field \
+                    `with_cp: bool` and a `#[with_cp]` method (its forward); Burn's layers have \
+                    no such switch: checkpoint the block that contains them, or remove \
+                    `#[with_cp]` from this field";
+        quote! {
+            #[diagnostic::on_unimplemented(message = #message, label = #label, note = #note)]
+            trait #name: Sized {
+                fn set_with_cp(self, on: bool) -> Self;
+                fn set_with_cp_by_path(self, path: &str, on: &dyn Fn(&str) -> bool) -> Self;
+                fn visit_segments(
+                    &self,
+                    path: &str,
+                    visit: &mut dyn FnMut(&str, #memsave::checkpoint::SegmentId),
+                );
+            }
+
+            impl<T: #memsave::checkpoint::CheckpointModule> #name for T {
+                fn set_with_cp(self, on: bool) -> Self {
+                    #memsave::checkpoint::CheckpointModule::set_with_cp(self, on)
+                }
+                fn set_with_cp_by_path(self, path: &str, on: &dyn Fn(&str) -> bool) -> Self {
+                    #memsave::checkpoint::CheckpointModule::set_with_cp_by_path(self, path, on)
+                }
+                fn visit_segments(
+                    &self,
+                    path: &str,
+                    visit: &mut dyn FnMut(&str, #memsave::checkpoint::SegmentId),
+                ) {
+                    #memsave::checkpoint::CheckpointModule::visit_segments(self, path, visit)
+                }
+            }
+        }
+    });
     let body = rebuild(model, &|field, value| {
         if field.ident().is_some_and(|ident| ident == CP_FLAG) && model.cp_flag().is_some() {
             quote!(on)
         } else if field.with_cp.is_some() {
             // Spanned on the field's type: a type without a switch is reported there.
+            let via = via(field);
             quote_spanned! {field.ty.span()=>
-                #memsave::checkpoint::CheckpointModule::set_with_cp(#value, on)
+                #via::set_with_cp(#value, on)
             }
         } else {
             value
@@ -190,8 +310,9 @@ fn checkpoint_module(memsave: &TokenStream, model: &Model) -> Option<TokenStream
             quote!(on(path))
         } else if field.with_cp.is_some() {
             let path = sub_path(field);
+            let via = via(field);
             quote_spanned! {field.ty.span()=>
-                #memsave::checkpoint::CheckpointModule::set_with_cp_by_path(#value, #path, on)
+                #via::set_with_cp_by_path(#value, #path, on)
             }
         } else {
             value
@@ -199,37 +320,145 @@ fn checkpoint_module(memsave: &TokenStream, model: &Model) -> Option<TokenStream
     });
     let visits = visit_marked(model, &|field, value| {
         let path = sub_path(field);
-        quote! {
-            #memsave::checkpoint::CheckpointModule::visit_segments(#value, #path, visit);
+        let via = via(field);
+        quote_spanned! {field.ty.span()=>
+            #via::visit_segments(#value, #path, visit);
         }
     });
     let own = model
         .cp_flag()
         .map(|_| quote!(visit(path, #memsave::checkpoint::SegmentId::of(self));));
     Some(quote! {
-        #header {
-            type Mark = #mark;
+        const _: () = {
+            #(#field_traits)*
 
-            fn set_with_cp(self, on: bool) -> Self {
-                #body
+            #header {
+                type Mark = #mark;
+
+                fn set_with_cp(self, on: bool) -> Self {
+                    #body
+                }
+
+                #[allow(unused_variables)]
+                fn set_with_cp_by_path(self, path: &str, on: &dyn Fn(&str) -> bool) -> Self {
+                    #by_path
+                }
+
+                #[allow(unused_variables)]
+                fn visit_segments(
+                    &self,
+                    path: &str,
+                    visit: &mut dyn FnMut(&str, #memsave::checkpoint::SegmentId),
+                ) {
+                    #own
+                    #visits
+                }
             }
+        };
+    })
+}
 
-            #[allow(unused_variables)]
-            fn set_with_cp_by_path(self, path: &str, on: &dyn Fn(&str) -> bool) -> Self {
-                #by_path
-            }
+/// The fields marked `#[with_cp]`, each with its name in words (`field `head` of `Net``).
+fn marked_fields(model: &Model) -> Vec<(&Field, String)> {
+    let name = &model.ident;
+    match &model.body {
+        Body::Struct(fields) => fields
+            .iter()
+            .filter(|field| field.with_cp.is_some())
+            .map(|field| (field, format!("field `{}` of `{name}`", field_name(field))))
+            .collect(),
+        Body::Enum(variants) => variants
+            .iter()
+            .flat_map(|variant| {
+                variant
+                    .fields
+                    .iter()
+                    .filter(|field| field.with_cp.is_some())
+                    .map(move |field| {
+                        (
+                            field,
+                            format!(
+                                "field `{}` of `{name}::{}`",
+                                field_name(field),
+                                variant.ident
+                            ),
+                        )
+                    })
+            })
+            .collect(),
+    }
+}
 
-            #[allow(unused_variables)]
-            fn visit_segments(
-                &self,
-                path: &str,
-                visit: &mut dyn FnMut(&str, #memsave::checkpoint::SegmentId),
-            ) {
-                #own
-                #visits
+/// Without a flag or a marked field, `CheckpointModule` holds only where a trait of this type's
+/// own holds, and none does: switching checkpointing on in it (`set_with_cp(model, true)`, or a
+/// parent's `#[with_cp]` field of this type) is an error that names its fields, one of which
+/// should be marked `#[with_cp]`, instead of Burn's generic "not implemented".
+fn not_checkpointable(memsave: &TokenStream, model: &Model) -> TokenStream {
+    let name = &model.ident;
+    let vis = match &model.item {
+        syn::Item::Struct(item) => &item.vis,
+        syn::Item::Enum(item) => &item.vis,
+        _ => return TokenStream::new(),
+    };
+    let guard = format_ident!("__MemsaveNoWithCpField{}", name);
+    let fields: Vec<String> = match &model.body {
+        Body::Struct(fields) => fields
+            .iter()
+            .filter(|field| {
+                !field.module_skip
+                    && !field
+                        .ident()
+                        .is_some_and(|ident| ident == CP_FLAG || ident == FP16_FLAG)
+            })
+            .map(|field| format!("`{}`", field_name(field)))
+            .collect(),
+        Body::Enum(variants) => variants
+            .iter()
+            .filter(|variant| !variant.fields.is_empty())
+            .map(|variant| format!("the field of `{}::{}`", name, variant.ident))
+            .collect(),
+    };
+    let candidates = if fields.is_empty() {
+        "it has no field that could hold one".to_string()
+    } else {
+        format!("one of {}", fields.join(", "))
+    };
+    let message = format!(
+        "`{name}` has no field marked `#[with_cp]` and no `with_cp` flag, so checkpointing cannot \
+         be switched on in it"
+    );
+    let label = format!("checkpointing is switched on in a `{name}` here");
+    let note = format!(
+        "mark the field of `{name}` that holds the blocks to recompute with `#[with_cp]` \
+         ({candidates}); a block is a `#[memsave::model]` struct with a field `with_cp: bool` \
+         and a `#[with_cp]` method"
+    );
+    let (impl_generics, ty_generics, where_clause) = model.generics.split_for_impl();
+    let mut predicates: Vec<TokenStream> = where_clause
+        .map(|clause| clause.predicates.iter().map(|p| quote!(#p)).collect())
+        .unwrap_or_default();
+    // Higher-ranked, so that it is not rejected as trivially false on a type without generics.
+    // On a type other than the model's own, so that the compiler reports this bound's message
+    // (rather than `CheckpointModule`'s, whose self type is the model).
+    predicates.push(quote! {
+        for<'__memsave> #memsave::checkpoint::__private::FieldsOf<#name #ty_generics>: #guard
+    });
+    quote! {
+        #[doc(hidden)]
+        #[allow(non_camel_case_types)]
+        #[diagnostic::on_unimplemented(message = #message, label = #label, note = #note)]
+        #vis trait #guard {}
+
+        impl #impl_generics #memsave::checkpoint::CheckpointModule for #name #ty_generics
+        where #(#predicates),*
+        {
+            type Mark = #memsave::fp16::__private::Unmarked;
+
+            fn set_with_cp(self, _on: bool) -> Self {
+                self
             }
         }
-    })
+    }
 }
 
 /// A struct field's name in a module path: its name, or its position in a tuple struct.
