@@ -519,3 +519,138 @@ fn the_scheduler_steps_once_per_optimizer_step_and_bad_values_are_errors() {
         .to_string();
     assert!(error.contains("already in half precision"), "{error}");
 }
+
+/// Trains through burn-train with memsave's metrics registered (or not); returns the model.
+fn with_metrics(setup: Setup, memsave: &Memsave, model: Net<AD>, dir: &Path, register: bool) -> Net<Flex> {
+    let (train, valid) = loaders();
+    let learner = memsave
+        .learner(model, AdamConfig::new().with_epsilon(1e-8).init(), setup.schedule())
+        .unwrap();
+    let mut training = SupervisedTraining::new(dir, train, valid)
+        .num_epochs(setup.epochs)
+        .with_application_logger(None);
+    if register {
+        training = training.metrics(memsave.metrics());
+    }
+    training.launch(learner).model
+}
+
+/// The values burn-train's file logger wrote for `metric` in `epoch`, in order.
+fn logged(dir: &Path, epoch: usize, metric: &str) -> Vec<f64> {
+    let file = dir
+        .join("train")
+        .join(format!("epoch-{epoch}"))
+        .join(format!("{}.log", metric.replace(' ', "_")));
+    let text = std::fs::read_to_string(&file)
+        .unwrap_or_else(|error| panic!("{}: {error}", file.display()));
+    text.lines()
+        .map(|line| {
+            let value = line.split(',').next().unwrap_or_default();
+            value
+                .trim()
+                .parse::<f64>()
+                .unwrap_or_else(|_| panic!("{}: `{line}`", file.display()))
+        })
+        .collect()
+}
+
+#[test]
+fn memsaves_metrics_reach_burn_trains_log_one_value_per_micro_batch() {
+    // 2 epochs of 6 micro-batches in groups of 4, f16 from 2^20 (the first steps overflow).
+    let setup = Setup {
+        cumulative_iters: 4,
+        epochs: 2,
+        fp16: Some(1048576.0),
+        max_norm: 1.0,
+    };
+    common::watchdog(300, move || {
+        let dir = common::fresh_dir("burn-train", "metrics");
+        let memsave = setup.memsave();
+        take_losses();
+        with_metrics(setup, &memsave, initial_model(), &dir, true);
+        let losses = take_losses();
+        let places: Vec<f64> = [1, 2]
+            .iter()
+            .flat_map(|&epoch| logged(&dir, epoch, "memsave Micro-batch In Group"))
+            .collect();
+        assert_eq!(
+            places,
+            vec![1.0, 2.0, 3.0, 4.0, 1.0, 2.0, 3.0, 4.0, 1.0, 2.0, 3.0, 4.0]
+        );
+        let logged_losses: Vec<f64> = [1, 2]
+            .iter()
+            .flat_map(|&epoch| logged(&dir, epoch, "memsave Loss"))
+            .collect();
+        assert_eq!(logged_losses.len(), losses.len());
+        for (logged, loss) in logged_losses.iter().zip(&losses) {
+            assert!((logged - *loss as f64).abs() <= 1e-6 * loss.abs() as f64, "{logged} vs {loss}");
+        }
+        let scales: Vec<f64> = [1, 2]
+            .iter()
+            .flat_map(|&epoch| logged(&dir, epoch, "memsave Loss Scale"))
+            .collect();
+        let skipped: Vec<f64> = [1, 2]
+            .iter()
+            .flat_map(|&epoch| logged(&dir, epoch, "memsave Skipped Steps"))
+            .collect();
+        println!("loss scale per micro-batch {scales:?}, skipped steps {skipped:?}");
+        // The scale holds within a group and halves at each skipped step's end.
+        assert_eq!(scales.last().copied(), memsave.loss_scale());
+        let overflows = memsave
+            .warnings()
+            .iter()
+            .filter(|w| w.contains("gradient overflow"))
+            .count();
+        assert!(overflows > 0, "no overflow from 2^20");
+        assert_eq!(skipped.last().copied(), Some(overflows as f64));
+        for (i, pair) in skipped.windows(2).enumerate() {
+            if pair[1] > pair[0] {
+                assert_eq!((i + 1) % 4, 3, "a skip at micro-batch {} is not a group's end", i + 1);
+                assert_eq!(scales[i + 1], scales[i] / 2.0);
+            }
+        }
+        let _ = std::fs::remove_dir_all(&dir);
+    });
+}
+
+#[test]
+fn accumulate_auto_learns_the_runs_length_from_burn_trains_progress() {
+    // 12 micro-batches in groups of 5: the final group has 2, and is divided by 2 only if the
+    // run's length is known. `accumulate_auto` learns it from burn-train (2 epochs of 6).
+    let setup = Setup {
+        cumulative_iters: 5,
+        epochs: 2,
+        fp16: None,
+        max_norm: 0.5,
+    };
+    common::watchdog(300, move || {
+        let dir = common::fresh_dir("burn-train", "auto");
+        let model = initial_model();
+        let told = with_metrics(setup, &setup.memsave(), model.clone(), &dir.join("told"), true);
+        let auto = Memsave::new()
+            .accumulate_auto(5)
+            .unwrap()
+            .clip_grad_norm(0.5)
+            .unwrap();
+        let learnt = with_metrics(setup, &auto, model.clone(), &dir.join("auto"), true);
+        let last = auto.last_step();
+        assert_eq!((last.micro_batch, last.group_size), (2, 2), "{last:?}");
+        assert!(last.stepped, "{last:?}");
+        assert_eq!(weights(&learnt), weights(&told));
+        // Without memsave's metrics it cannot learn: it says so, and the final group is divided
+        // by 5.
+        let blind = Memsave::new()
+            .accumulate_auto(5)
+            .unwrap()
+            .clip_grad_norm(0.5)
+            .unwrap();
+        let unlearnt = with_metrics(setup, &blind, model, &dir.join("blind"), false);
+        assert!(
+            blind.warnings().iter().any(|w| w.contains("memsave.metrics()")),
+            "{:?}",
+            blind.warnings()
+        );
+        assert!(max_abs_difference(&weights(&unlearnt), &weights(&told)) > 0.0);
+        let _ = std::fs::remove_dir_all(&dir);
+    });
+}

@@ -32,6 +32,7 @@
 //! The adapters are for burn-train's single-device strategy (`step_multi` adds the devices'
 //! gradients first, as Burn does, and then steps as [`MemsaveOptimizer`] always does).
 
+mod metrics;
 mod model;
 mod optim;
 mod schedule;
@@ -49,6 +50,7 @@ use crate::hooks::{GradClip, Groups};
 use crate::scaler::LossScaler;
 use crate::{Error, Result};
 
+pub use metrics::{MemsaveMetric, MemsaveMetrics, Quantity};
 pub use model::{ForwardStep, LossOutput, MemsaveModel};
 pub use optim::MemsaveOptimizer;
 pub use schedule::MemsaveScheduler;
@@ -71,6 +73,12 @@ pub struct StepReport {
     pub grad_norm: Option<f64>,
     /// The loss scale after the update, under mixed precision.
     pub loss_scale: Option<f64>,
+    /// Optimizer steps skipped on overflow so far in the run.
+    pub skipped_steps: usize,
+    /// The micro-batch's place in its group, from 1.
+    pub micro_batch: usize,
+    /// The size of its group: `cumulative_iters`, or the final partial group's own.
+    pub group_size: usize,
 }
 
 /// The precision part: the scaler, and the half type of the forward copy.
@@ -95,6 +103,18 @@ pub(crate) struct Shared {
     /// The current group's gradient sums (fp32).
     pub(crate) summed: Option<GradientsParams>,
     pub(crate) last: StepReport,
+    /// Steps skipped on overflow so far.
+    pub(crate) skipped_steps: usize,
+    /// The current micro-batch's loss, until the optimizer records it.
+    pub(crate) pending_loss: Option<metrics::LazyLoss>,
+    /// Every micro-batch, for the metrics.
+    pub(crate) history: metrics::History,
+    /// The run's length, learnt from burn-train's progress (`accumulate_auto`).
+    pub(crate) run_length: metrics::RunLength,
+    /// Whether `Memsave::metrics` was called.
+    pub(crate) metrics_registered: bool,
+    /// Whether the first step's check of the `with_cp` switches ran.
+    pub(crate) checked_segments: bool,
     pub(crate) warnings: Vec<String>,
     pub(crate) warned_past_end: bool,
     pub(crate) warned_burn_accumulation: bool,
@@ -103,6 +123,36 @@ pub(crate) struct Shared {
 impl Shared {
     pub(crate) fn groups(&self) -> Groups {
         self.groups.unwrap_or(Groups::EVERY_ITERATION)
+    }
+
+    /// The run's micro-batches, learnt from burn-train's progress (`accumulate_auto`).
+    pub(crate) fn set_derived_length(&mut self, total: usize) {
+        if self.max_iters.is_none() && total > 0 {
+            self.max_iters = Some(total);
+        }
+    }
+
+    /// Micro-batch `iter`'s place in its group (from 1) and its group's size.
+    pub(crate) fn place_in_group(&self, iter: usize) -> (usize, usize) {
+        let groups = self.groups();
+        let size = match self.max_iters {
+            Some(max_iters) if iter < max_iters => groups.loss_factor(iter, max_iters),
+            _ => groups.cumulative_iters(),
+        };
+        (iter % groups.cumulative_iters() + 1, size)
+    }
+
+    /// Records the micro-batch the optimizer just saw, for the metrics.
+    pub(crate) fn record(&mut self) {
+        let (micro_batch, group_size) = self.place_in_group(self.last.iter);
+        self.last.micro_batch = micro_batch;
+        self.last.group_size = group_size;
+        self.last.skipped_steps = self.skipped_steps;
+        let seen = metrics::Seen {
+            report: self.last.clone(),
+            loss: self.pending_loss.take(),
+        };
+        self.history.push(seen);
     }
 
     /// What micro-batch `iter`'s loss is divided by (MMCV's loss factor).
@@ -224,8 +274,34 @@ impl Memsave {
             let mut shared = lock(&self.shared);
             shared.groups = Some(groups);
             shared.max_iters = Some(total_iters);
+            shared.run_length.wanted = false;
         }
         Ok(self)
+    }
+
+    /// [`Memsave::accumulate`] with the run's length learnt from burn-train: the number of
+    /// epochs from its progress, the micro-batches per epoch when the first epoch ends (read by
+    /// [`Memsave::metrics`], which must be registered). Until the length is known, and in a run
+    /// of one epoch, a final partial group is divided by `cumulative_iters`, as if the run went
+    /// on; give the length with [`Memsave::accumulate`] where it matters.
+    pub fn accumulate_auto(self, cumulative_iters: usize) -> Result<Self> {
+        let groups = Groups::new(cumulative_iters)?;
+        {
+            let mut shared = lock(&self.shared);
+            shared.groups = Some(groups);
+            shared.max_iters = None;
+            shared.run_length.wanted = true;
+        }
+        Ok(self)
+    }
+
+    /// memsave's burn-train metrics: the loss, the loss scale and the steps skipped (mixed
+    /// precision), the micro-batch's place in its group (accumulation) and the gradients' norm,
+    /// for burn-train's renderers and loggers without a renderer of your own:
+    /// `SupervisedTraining::new(..).metrics(memsave.metrics())`. Call it after the strategies
+    /// are set.
+    pub fn metrics(&self) -> MemsaveMetrics {
+        MemsaveMetrics::new(&self.shared)
     }
 
     /// Clips the gradients by their global norm before each step (after unscaling; MMCV's

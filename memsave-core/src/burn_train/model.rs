@@ -9,12 +9,13 @@ use burn::module::{AutodiffModule, Devices, Module, ModuleMapper, ModuleVisitor}
 use burn::optim::GradientsParams;
 use burn::prelude::Backend;
 use burn::tensor::backend::AutodiffBackend;
-use burn::tensor::{DType, Tensor};
+use burn::tensor::{DType, ElementConversion, Tensor};
 use burn::train::{
     ClassificationOutput, ItemLazy, MultiLabelClassificationOutput, RegressionOutput,
     SequenceOutput, TrainOutput, TrainStep,
 };
 
+use super::metrics::LazyLoss;
 use super::{lock, Shared};
 use crate::fp16::{wrap_fp16_model, Fp16Module, Precision};
 use crate::train::grads;
@@ -142,20 +143,21 @@ impl<B: AutodiffBackend, M: AutodiffModule<B>> MemsaveModel<B, M> {
 impl<B, M> TrainStep for MemsaveModel<B, M>
 where
     B: AutodiffBackend,
-    M: ForwardStep + AutodiffModule<B>,
+    M: ForwardStep + AutodiffModule<B> + Fp16Module,
     M::Output: LossOutput<B>,
 {
     type Input = M::Input;
     type Output = M::Output;
 
     fn step(&self, input: Self::Input) -> TrainOutput<Self::Output> {
-        let (divisor, scale, summed) = {
+        let (divisor, scale, summed, first) = {
             let mut shared = lock(&self.shared);
             let iter = shared.forwards;
             shared.forwards += 1;
             let divisor = shared.loss_factor(iter) as f64;
             let scale = shared.mixed.as_ref().map(|mixed| mixed.scaler.loss_scale());
-            (divisor, scale, shared.summed.take())
+            let first = !std::mem::replace(&mut shared.checked_segments, true);
+            (divisor, scale, shared.summed.take(), first)
         };
         let (item, grads) = match (&self.half, scale) {
             // fp32: the group's sums start the backward pass (no second set is made).
@@ -181,6 +183,18 @@ where
                 (item, grads)
             }
         };
+        // The first step: a module switched on without a `#[with_cp]` method trained plainly.
+        if first {
+            let missing = crate::checkpoint::switched_on_without_segment(&self.model);
+            if !missing.is_empty() {
+                lock(&self.shared).warn(crate::checkpoint::no_segment_message(&missing));
+            }
+        }
+        // The loss for memsave's metrics, read only if one asks (reading waits for the device).
+        let loss = item.loss().inner();
+        lock(&self.shared).pending_loss = Some(LazyLoss(Arc::new(move || {
+            loss.clone().into_scalar().elem::<f64>()
+        })));
         TrainOutput { grads, item }
     }
 }

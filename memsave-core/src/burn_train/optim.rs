@@ -63,12 +63,70 @@ where
     fn step(
         &mut self,
         lr: LearningRate,
+        module: MemsaveModel<B, M>,
+        grads: GradientsParams,
+    ) -> MemsaveModel<B, M> {
+        let module = self.step_micro_batch(lr, module, grads);
+        lock(&self.shared).record();
+        module
+    }
+
+    fn step_multi(
+        &mut self,
+        lr: LearningRate,
+        module: MemsaveModel<B, M>,
+        grads: MultiGradientsParams,
+    ) -> MemsaveModel<B, M> {
+        let grads = merge_devices::<B, M>(&module.model, grads);
+        self.step(lr, module, grads)
+    }
+
+    fn to_record(&self) -> Self::Record {
+        (self.inner.to_record(), lock(&self.shared).state_json())
+    }
+
+    fn load_record(self, record: Self::Record) -> Self {
+        let (inner, state) = record;
+        {
+            let mut shared = lock(&self.shared);
+            if let Err(error) = shared.load_state_json(&state) {
+                shared.warn(format!(
+                    "the optimizer checkpoint's memsave state could not be read ({error}): the \
+                     loss scaler and the micro-batch count start afresh"
+                ));
+            }
+        }
+        MemsaveOptimizer {
+            inner: self.inner.load_record(inner),
+            shared: self.shared,
+        }
+    }
+}
+
+impl<O> MemsaveOptimizer<O> {
+    /// One micro-batch: its gradients added to the group's sums, or the group's step.
+    fn step_micro_batch<B, M>(
+        &mut self,
+        lr: LearningRate,
         mut module: MemsaveModel<B, M>,
         mut grads: GradientsParams,
-    ) -> MemsaveModel<B, M> {
+    ) -> MemsaveModel<B, M>
+    where
+        B: AutodiffBackend,
+        M: AutodiffModule<B>,
+        O: Optimizer<M, B>,
+    {
         let mut shared = lock(&self.shared);
         let iter = shared.iter;
         shared.iter += 1;
+        if iter == 0 && shared.run_length.wanted && !shared.metrics_registered {
+            shared.warn(
+                "`Memsave::accumulate_auto` learns the run's length from memsave's metrics, and \
+                 none is registered: add `.metrics(memsave.metrics())` to the training, or give \
+                 the length with `Memsave::accumulate(cumulative_iters, total_iters)`"
+                    .to_string(),
+            );
+        }
         if shared.forwards != shared.iter && !shared.warned_burn_accumulation {
             shared.warned_burn_accumulation = true;
             let forwards = shared.forwards;
@@ -123,6 +181,7 @@ where
             ));
             shared.last.overflow = true;
             shared.last.loss_scale = Some(lowered);
+            shared.skipped_steps += 1;
             return module;
         }
         let coefficient = match (&clip, norm) {
@@ -146,36 +205,5 @@ where
         drop(shared);
         module.refresh_half();
         module
-    }
-
-    fn step_multi(
-        &mut self,
-        lr: LearningRate,
-        module: MemsaveModel<B, M>,
-        grads: MultiGradientsParams,
-    ) -> MemsaveModel<B, M> {
-        let grads = merge_devices::<B, M>(&module.model, grads);
-        self.step(lr, module, grads)
-    }
-
-    fn to_record(&self) -> Self::Record {
-        (self.inner.to_record(), lock(&self.shared).state_json())
-    }
-
-    fn load_record(self, record: Self::Record) -> Self {
-        let (inner, state) = record;
-        {
-            let mut shared = lock(&self.shared);
-            if let Err(error) = shared.load_state_json(&state) {
-                shared.warn(format!(
-                    "the optimizer checkpoint's memsave state could not be read ({error}): the \
-                     loss scaler and the micro-batch count start afresh"
-                ));
-            }
-        }
-        MemsaveOptimizer {
-            inner: self.inner.load_record(inner),
-            shared: self.shared,
-        }
     }
 }
