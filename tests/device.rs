@@ -731,6 +731,40 @@ fn memsave_cmd() -> std::process::Command {
     command
 }
 
+/// `--device wgpu` (or `cuda`) where the runtime finds no adapter or driver: an error naming
+/// the flag, the device and what to install, exit 1, nothing written. On wgpu the Vulkan
+/// loader is pointed at no driver (`VK_ICD_FILENAMES`, `VK_DRIVER_FILES`); on CUDA the driver
+/// library is hidden (`LD_LIBRARY_PATH` cannot hide a system one, so CUDA is not run).
+#[test]
+fn a_device_without_a_driver_is_the_flags_error_with_what_to_install() {
+    if device_name() != "wgpu" {
+        return;
+    }
+    on_device(|| {
+        let dir = std::env::temp_dir().join(format!("memsave-no-driver-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let config = concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/configs/resnet18_synthetic.toml"
+        );
+        let out = memsave_cmd()
+            .env("VK_ICD_FILENAMES", "/nonexistent/memsave-no-driver.json")
+            .env("VK_DRIVER_FILES", "/nonexistent/memsave-no-driver.json")
+            .args(["train", config, "--device", "wgpu", "--work-dir"])
+            .arg(&dir)
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        println!("device suite: wgpu without a driver: {}", stderr.trim());
+        assert_eq!(out.status.code(), Some(1), "{stderr}");
+        for expected in ["--device", "wgpu", "mesa-vulkan-drivers", "driver"] {
+            assert!(stderr.contains(expected), "no `{expected}` in: {stderr}");
+        }
+        assert!(!stderr.contains("panicked"), "{stderr}");
+        assert!(!dir.exists(), "{} was written", dir.display());
+    });
+}
+
 #[test]
 fn train_and_bench_run_on_the_device_and_end_cleanly() {
     on_device(|| {

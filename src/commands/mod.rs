@@ -46,7 +46,11 @@ impl Device {
                 memsave::memory::cuda::probe(&Default::default()).map_err(|message| {
                     memsave::Error::invalid(
                         "--device",
-                        format!("CUDA is not usable here (no NVIDIA driver or device?): {message}"),
+                        format!(
+                            "CUDA is not usable here (no NVIDIA driver or device?): install \
+                             NVIDIA's driver (libcuda.so.1; no CUDA toolkit is needed), or use \
+                             `--device cpu`; the runtime said: {message}"
+                        ),
                     )
                 })?;
                 Ok("CUDA device 0 (CubeCL)".to_string())
@@ -58,9 +62,10 @@ impl Device {
                     memsave::Error::invalid(
                         "--device",
                         format!(
-                            "wgpu is not usable here (no Vulkan, Metal or DX12 driver? on \
-                             Debian, `apt-get install mesa-vulkan-drivers` gives a software \
-                             one): {message}"
+                            "wgpu is not usable here: no Vulkan, Metal or DX12 driver found \
+                             an adapter. Install your GPU vendor's driver, or on Debian \
+                             `apt-get install mesa-vulkan-drivers` for a software Vulkan device \
+                             (lavapipe), or use `--device cpu`; the runtime said: {message}"
                         ),
                     )
                 })?;
@@ -91,6 +96,14 @@ pub fn not_built(device: Device) -> memsave::Error {
 #[macro_export]
 macro_rules! on_backend {
     ($device:expr, $inner:ident => $body:expr) => {
+        // A device whose runtime cannot start (no driver, no adapter) is the flag's error,
+        // before anything is read or written, never a panic inside the runtime.
+        match $device.describe() {
+            Err(error) => Err(error.into()),
+            Ok(_) => $crate::on_backend!(@unchecked $device, $inner => $body),
+        }
+    };
+    (@unchecked $device:expr, $inner:ident => $body:expr) => {
         match $device {
             $crate::commands::Device::Cpu => {
                 type $inner = burn::backend::Flex;

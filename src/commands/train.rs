@@ -163,6 +163,7 @@ pub fn run_job(args: &TrainArgs, job: &Job) -> memsave::Result<()> {
         let topology = args.dist.topology()?;
         // A config error is the config's, said once, before any peer starts.
         registry::entry(&args.config, &args.set)?;
+        args.device.describe()?;
         return match args.device {
             #[cfg(feature = "cuda")]
             Device::Cuda => {
