@@ -17,6 +17,8 @@
 //! - [`parallel`]: data parallelism on Burn's collective (MMCV's `mmcv.parallel`): the
 //!   optimizer hook's reducer part, the weight broadcast, the sampler's shards, the peers.
 
+#![warn(missing_docs)]
+
 #[cfg(feature = "burn-train")]
 pub mod burn_train;
 pub mod cast;

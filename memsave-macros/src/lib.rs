@@ -2,6 +2,8 @@
 //! every mistake is reported with its span, several in one compile, and on error the item is
 //! emitted unchanged beside the errors so that the rest of the crate still type-checks.
 
+#![warn(missing_docs)]
+
 use proc_macro::TokenStream;
 
 mod args;

@@ -2,6 +2,8 @@
 //! (R50-FPN), their data (a synthetic classification set, Pascal VOC) and VOC's evaluation;
 //! [`registry`] is what memsave's commands know of them.
 
+#![warn(missing_docs)]
+
 pub mod classifier;
 pub mod config;
 pub mod data;

@@ -98,9 +98,13 @@ pub enum StateTensor<B: Backend, const D: usize> {
     /// 8 bits: the codes (`u8`, padded to whole blocks), one scale per block, the shape, and
     /// whether the map is signed.
     Blocks {
+        /// The 8-bit codes, one per value, padded to whole blocks.
         codes: Tensor<B, 1, Int>,
+        /// Each block's largest magnitude: its scale.
         absmax: Tensor<B, 1>,
+        /// The tensor's shape.
         shape: [usize; D],
+        /// Whether the map is signed (momentum, Adam's first moment) or not (the second).
         signed: bool,
     },
 }

@@ -54,6 +54,8 @@ fn sum_0_2<B: Backend>(t: Tensor<B, 3>) -> Tensor<B, 1> {
     t.sum_dim(2).sum_dim(0).reshape([g])
 }
 
+/// The mean and biased variance of `x` per group of `grouping` (fp32, `[G]` each), in tensor
+/// ops.
 pub fn stats<B: Backend>(
     x: &FloatTensor<B>,
     view: View,
@@ -68,6 +70,8 @@ pub fn stats<B: Backend>(
     (unwrap(mean), unwrap(var))
 }
 
+/// `act((x - mean) * invstd * gamma + beta)` per group, in `x`'s dtype (the norm's forward),
+/// in tensor ops.
 #[allow(clippy::too_many_arguments)]
 pub fn apply<B: Backend>(
     x: FloatTensor<B>,
@@ -93,6 +97,8 @@ pub fn apply<B: Backend>(
     B::float_reshape(unwrap(y.cast(dtype)), shape)
 }
 
+/// The norm's input, gamma and beta gradients from `dy` (the activation's mask applied), in
+/// tensor ops.
 #[allow(clippy::too_many_arguments)]
 pub fn backward<B: Backend>(
     x: &FloatTensor<B>,
