@@ -521,10 +521,20 @@ fn the_scheduler_steps_once_per_optimizer_step_and_bad_values_are_errors() {
 }
 
 /// Trains through burn-train with memsave's metrics registered (or not); returns the model.
-fn with_metrics(setup: Setup, memsave: &Memsave, model: Net<AD>, dir: &Path, register: bool) -> Net<Flex> {
+fn with_metrics(
+    setup: Setup,
+    memsave: &Memsave,
+    model: Net<AD>,
+    dir: &Path,
+    register: bool,
+) -> Net<Flex> {
     let (train, valid) = loaders();
     let learner = memsave
-        .learner(model, AdamConfig::new().with_epsilon(1e-8).init(), setup.schedule())
+        .learner(
+            model,
+            AdamConfig::new().with_epsilon(1e-8).init(),
+            setup.schedule(),
+        )
         .unwrap();
     let mut training = SupervisedTraining::new(dir, train, valid)
         .num_epochs(setup.epochs)
@@ -583,7 +593,10 @@ fn memsaves_metrics_reach_burn_trains_log_one_value_per_micro_batch() {
             .collect();
         assert_eq!(logged_losses.len(), losses.len());
         for (logged, loss) in logged_losses.iter().zip(&losses) {
-            assert!((logged - *loss as f64).abs() <= 1e-6 * loss.abs() as f64, "{logged} vs {loss}");
+            assert!(
+                (logged - *loss as f64).abs() <= 1e-6 * loss.abs() as f64,
+                "{logged} vs {loss}"
+            );
         }
         let scales: Vec<f64> = [1, 2]
             .iter()
@@ -605,7 +618,12 @@ fn memsaves_metrics_reach_burn_trains_log_one_value_per_micro_batch() {
         assert_eq!(skipped.last().copied(), Some(overflows as f64));
         for (i, pair) in skipped.windows(2).enumerate() {
             if pair[1] > pair[0] {
-                assert_eq!((i + 1) % 4, 3, "a skip at micro-batch {} is not a group's end", i + 1);
+                assert_eq!(
+                    (i + 1) % 4,
+                    3,
+                    "a skip at micro-batch {} is not a group's end",
+                    i + 1
+                );
                 assert_eq!(scales[i + 1], scales[i] / 2.0);
             }
         }
@@ -626,7 +644,13 @@ fn accumulate_auto_learns_the_runs_length_from_burn_trains_progress() {
     common::watchdog(300, move || {
         let dir = common::fresh_dir("burn-train", "auto");
         let model = initial_model();
-        let told = with_metrics(setup, &setup.memsave(), model.clone(), &dir.join("told"), true);
+        let told = with_metrics(
+            setup,
+            &setup.memsave(),
+            model.clone(),
+            &dir.join("told"),
+            true,
+        );
         let auto = Memsave::new()
             .accumulate_auto(5)
             .unwrap()
@@ -646,7 +670,10 @@ fn accumulate_auto_learns_the_runs_length_from_burn_trains_progress() {
             .unwrap();
         let unlearnt = with_metrics(setup, &blind, model, &dir.join("blind"), false);
         assert!(
-            blind.warnings().iter().any(|w| w.contains("memsave.metrics()")),
+            blind
+                .warnings()
+                .iter()
+                .any(|w| w.contains("memsave.metrics()")),
             "{:?}",
             blind.warnings()
         );

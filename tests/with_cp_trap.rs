@@ -103,8 +103,12 @@ impl<B: AutodiffBackend + memsave::Backend> TrainModel<B> for Net<B> {
 }
 
 fn data() -> SyntheticClassification<AB> {
-    SyntheticClassification::new(SyntheticClassificationConfig::new(4, 16, 8), 4, Default::default())
-        .unwrap()
+    SyntheticClassification::new(
+        SyntheticClassificationConfig::new(4, 16, 8),
+        4,
+        Default::default(),
+    )
+    .unwrap()
 }
 
 fn run(model: Net<AB>, name: &str) -> memsave::Result<()> {
@@ -132,7 +136,9 @@ fn a_block_switched_on_without_a_with_cp_method_ends_the_first_step_with_an_erro
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     watchdog(120, || {
         let model = set_with_cp(Net::<AB>::new(&Default::default()), true);
-        let error = run(model, "on").expect_err("the trap trained silently").to_string();
+        let error = run(model, "on")
+            .expect_err("the trap trained silently")
+            .to_string();
         assert!(error.contains("`Unmarked`"), "{error}");
         assert!(!error.contains("`Marked`"), "{error}");
         assert!(error.contains("#[with_cp]"), "{error}");
@@ -165,7 +171,10 @@ fn only_the_blocks_switched_on_are_named() {
         // The unmarked ones on too: they are named.
         net.unmarked = set_with_cp(net.unmarked, true);
         let _ = net.logits(x).sum().backward();
-        assert_eq!(switched_on_without_segment(&net), vec!["Unmarked".to_string()]);
+        assert_eq!(
+            switched_on_without_segment(&net),
+            vec!["Unmarked".to_string()]
+        );
     });
 }
 

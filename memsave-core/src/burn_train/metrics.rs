@@ -16,8 +16,8 @@ use std::sync::{Arc, Mutex};
 
 use burn::train::metric::state::{FormatOptions, NumericMetricState};
 use burn::train::metric::{
-    Metric, MetricAttributes, MetricMetadata, MetricName, Numeric, NumericAttributes,
-    NumericEntry, SerializedEntry,
+    Metric, MetricAttributes, MetricMetadata, MetricName, Numeric, NumericAttributes, NumericEntry,
+    SerializedEntry,
 };
 use burn::train::{LearningComponentsTypes, MetricRegistration, SupervisedTraining};
 

@@ -19,7 +19,9 @@ static REACHED: Mutex<Vec<&'static str>> = Mutex::new(Vec::new());
 
 /// Notes that a `#[with_cp]` method of `id`'s type ran.
 pub(crate) fn note(id: SegmentId) {
-    let mut reached = REACHED.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+    let mut reached = REACHED
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner());
     if !reached.contains(&id.type_name) {
         reached.push(id.type_name);
     }

@@ -139,7 +139,11 @@ impl Dataset<Point> for PointSet {
         }
         let features: [f32; FEATURES] =
             std::array::from_fn(|j| ((index * 7 + j * 13) % 17) as f32 / 8.5 - 1.0);
-        let target = features.iter().enumerate().map(|(j, f)| f * (j as f32 - 3.5) / 4.0).sum();
+        let target = features
+            .iter()
+            .enumerate()
+            .map(|(j, f)| f * (j as f32 - 3.5) / 4.0)
+            .sum();
         Some(Point { features, target })
     }
 
@@ -175,7 +179,10 @@ fn run() -> Result<(), String> {
     let model = memsave::check::materialise(Net::<B>::new(&device));
 
     // 1. The check: gradients with and without checkpointing (and in f16), memory kept.
-    let batch = PointBatcher.batch((0..MICRO_BATCH).filter_map(|i| PointSet.get(i)).collect(), &device);
+    let batch = PointBatcher.batch(
+        (0..MICRO_BATCH).filter_map(|i| PointSet.get(i)).collect(),
+        &device,
+    );
     let report = memsave::check::ModelCheck::default()
         .with_precision(Precision::F16)
         .run_with_fp16(model.clone(), move |model: &Net<B>| {
@@ -184,15 +191,25 @@ fn run() -> Result<(), String> {
         .map_err(|error| format!("memsave::check: {error}"))?;
     println!("{report}");
     if report.worst_difference() != 0.0 {
-        return Err(format!("checkpointing changed the gradients by {}", report.worst_difference()));
+        return Err(format!(
+            "checkpointing changed the gradients by {}",
+            report.worst_difference()
+        ));
     }
     if report.segments.len() != 3 || report.segments.iter().any(|s| !s.checkpointed) {
-        return Err(format!("expected 3 checkpointed segments: {:?}", report.segments));
+        return Err(format!(
+            "expected 3 checkpointed segments: {:?}",
+            report.segments
+        ));
     }
     let kept = |name: &str| report.pass(name).and_then(|pass| pass.kept_bytes);
     match (kept("fp32 plain"), kept("fp32 checkpointed")) {
         (Some(plain), Some(checkpointed)) if checkpointed < plain => {}
-        other => return Err(format!("checkpointing kept no less (plain, checkpointed): {other:?}")),
+        other => {
+            return Err(format!(
+                "checkpointing kept no less (plain, checkpointed): {other:?}"
+            ))
+        }
     }
 
     // 2. Training in burn-train's Learner with memsave's strategies.
@@ -204,8 +221,12 @@ fn run() -> Result<(), String> {
     let learner = memsave
         .learner(set_with_cp(model, true), AdamConfig::new().init(), 1e-3)
         .map_err(|e| e.to_string())?;
-    let train = DataLoaderBuilder::new(PointBatcher).batch_size(MICRO_BATCH).build(PointSet);
-    let valid = DataLoaderBuilder::new(PointBatcher).batch_size(MICRO_BATCH).build(PointSet);
+    let train = DataLoaderBuilder::new(PointBatcher)
+        .batch_size(MICRO_BATCH)
+        .build(PointSet);
+    let valid = DataLoaderBuilder::new(PointBatcher)
+        .batch_size(MICRO_BATCH)
+        .build(PointSet);
     let dir: PathBuf = std::env::args()
         .nth(1)
         .map(PathBuf::from)
@@ -216,20 +237,32 @@ fn run() -> Result<(), String> {
     let _ = training.launch(learner);
 
     if memsave.iterations() != total_iters {
-        return Err(format!("{} micro-batches seen, not {total_iters}", memsave.iterations()));
+        return Err(format!(
+            "{} micro-batches seen, not {total_iters}",
+            memsave.iterations()
+        ));
     }
     let last = memsave.last_step();
     if !last.stepped || last.group_size != 2 || last.micro_batch != 2 {
-        return Err(format!("the last micro-batch should end a group of 2 with a step: {last:?}"));
+        return Err(format!(
+            "the last micro-batch should end a group of 2 with a step: {last:?}"
+        ));
     }
     // memsave's metrics reached burn-train's own logger (one line per micro-batch).
     let logged = find(&dir, "memsave_Loss_Scale.log")
         .ok_or_else(|| format!("no memsave_Loss_Scale.log under {}", dir.display()))?;
     let lines = std::fs::read_to_string(&logged).map_err(|e| e.to_string())?;
     if lines.lines().count() != SAMPLES.div_ceil(MICRO_BATCH) {
-        return Err(format!("{}: {} lines, not one per micro-batch", logged.display(), lines.lines().count()));
+        return Err(format!(
+            "{}: {} lines, not one per micro-batch",
+            logged.display(),
+            lines.lines().count()
+        ));
     }
-    println!("memsave: {total_iters} micro-batches, last step {last:?}; {} logged", logged.display());
+    println!(
+        "memsave: {total_iters} micro-batches, last step {last:?}; {} logged",
+        logged.display()
+    );
     Ok(())
 }
 
