@@ -350,6 +350,8 @@ fn run(args: Args) -> memsave::Result<()> {
     let dir = std::env::temp_dir().join(format!("memsave-burn-train-{}", std::process::id()));
     let training = SupervisedTraining::new(&dir, train, valid)
         .metrics((AccuracyMetric::new(), LossMetric::new()))
+        // memsave's own: the loss scale, skipped steps, the place in the group, the grad norm.
+        .metrics(memsave.metrics())
         .with_file_checkpointer(NamedMpkFileRecorder::<FullPrecisionSettings>::new())
         .with_application_logger(None)
         .renderer(Quiet)

@@ -11,7 +11,7 @@
 #    `memsave train` and `memsave bench` on the device);
 # 4. runs `memsave bench --device cuda --image-size 1000x600` and, where PyTorch with CUDA is
 #    installed, `scripts/torch_reference.py --device cuda` beside it (fp16 with a GradScaler);
-# 5. writes OUT_DIR/device_check.md (one Markdown table to paste into README) and
+# 5. writes OUT_DIR/device_check.md (one Markdown table to paste into docs/src/devices.md) and
 #    OUT_DIR/device_check.json, and the logs of every step.
 #
 # Budget: about 12 minutes on a recent card (the build is most of it; set CARGO_TARGET_DIR to a

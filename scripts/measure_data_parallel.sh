@@ -1,5 +1,5 @@
 #!/bin/bash
-# Step time and peak memory of data-parallel training on this machine (README, "Several GPUs or
+# Step time and peak memory of data-parallel training on this machine (docs/src/data-parallelism.md, "Several GPUs or
 # machines"): 1 peer, 2 peers in one process (--devices 2), 2 nodes on 127.0.0.1 (--nodes 2 with
 # `memsave orchestrator`), interleaved, twice each; the README job for one epoch. Needs
 # `cargo build --release` first. Usage: scripts/measure_data_parallel.sh [OUT_DIR]

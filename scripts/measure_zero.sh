@@ -1,5 +1,5 @@
 #!/bin/bash
-# Per-peer memory, step time and traffic of ZeRO stages 0, 1 and 2 (README, "Optimizer state and
+# Per-peer memory, step time and traffic of ZeRO stages 0, 1 and 2 (docs/src/data-parallelism.md, "Optimizer state and
 # gradients sharded across the peers"): ResNet-50 at 224 x 224, batch 2 per peer, Adam, 2 peers,
 # as 2 processes on 127.0.0.1 (--nodes 2: each process's heap is one peer's) and as 2 threads of one
 # process (--devices 2: the heap is both peers'); 4 iterations each, the stages interleaved.
