@@ -205,8 +205,24 @@ pub mod cube {
     /// not (CubeCL panics when the driver library or an adapter is missing; that panic is
     /// caught here).
     pub fn probe<R: Runtime>(device: &R::Device) -> Result<(), String> {
+        // The runtime's own words are its server thread's panic ("No possible adapter
+        // available"); the calling thread only learns that the answer never came.
+        static FIRST: std::sync::Mutex<Option<String>> = std::sync::Mutex::new(None);
+        let first = || {
+            FIRST
+                .lock()
+                .unwrap_or_else(|poisoned| poisoned.into_inner())
+        };
+        *first() = None;
         let report = std::panic::take_hook();
-        std::panic::set_hook(Box::new(|_| {}));
+        std::panic::set_hook(Box::new(move |info| {
+            if let Some(text) = crate::panic_text(info.payload()) {
+                let mut first = FIRST
+                    .lock()
+                    .unwrap_or_else(|poisoned| poisoned.into_inner());
+                first.get_or_insert_with(|| text.to_string());
+            }
+        }));
         let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
             R::client(device).memory_usage().map(|_| ())
         }));
@@ -214,9 +230,10 @@ pub mod cube {
         match outcome {
             Ok(Ok(())) => Ok(()),
             Ok(Err(error)) => Err(format!("{error:?}")),
-            Err(payload) => Err(crate::panic_text(payload.as_ref())
-                .unwrap_or("the GPU runtime could not start")
-                .to_string()),
+            Err(payload) => Err(first()
+                .take()
+                .or_else(|| crate::panic_text(payload.as_ref()).map(str::to_string))
+                .unwrap_or_else(|| "the GPU runtime could not start".to_string())),
         }
     }
 }
