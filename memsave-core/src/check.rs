@@ -203,6 +203,13 @@ impl fmt::Display for CheckReport {
     }
 }
 
+/// The types in `model` whose `with_cp` flag is on but for which no `#[with_cp]` method has
+/// run (a block whose forward is not marked): call it after a forward pass. Each is named once,
+/// short (`Block`); [`crate::checkpoint::no_segment_message`] says what to do.
+pub fn switched_on_without_segment<M: Fp16Module>(model: &M) -> Vec<String> {
+    crate::checkpoint::unreached(|visit| model.visit_with_cp_flags(visit))
+}
+
 /// [`ModelCheck::run`] with the defaults (fp32 only, seed 42).
 pub fn check_model<B, M, L>(model: M, loss: L) -> Result<CheckReport>
 where

@@ -1,5 +1,6 @@
 //! Weights from PyTorch: a torchvision-layout ResNet state dict (`torch.save(model.state_dict())`
-//! as `.pth`/`.pt`, or `.safetensors`) into a [`ResNet`], through burn-store.
+//! as `.pth`/`.pt`, or `.safetensors`) into memsave's ResNet (`crate::resnet::ResNet`, whose
+//! config loads its `init_cfg` through here), through burn-store.
 //!
 //! torchvision's names are mapped onto ours (`conv1` -> `stem.conv`, `bn1` -> `stem.bn`,
 //! `downsample.0`/`.1` -> `downsample.conv`/`.bn`, BN `weight`/`bias` -> `gamma`/`beta`). The
@@ -16,7 +17,6 @@ use burn_store::{
 };
 
 use crate::memsave::{Error, Result};
-use crate::resnet::ResNet;
 
 /// torchvision key patterns and ours.
 const RENAMES: &[(&str, &str)] = &[
@@ -40,8 +40,12 @@ fn torchvision_only(key: &str) -> bool {
     key.starts_with("fc.") || key.ends_with("num_batches_tracked")
 }
 
-/// `model` with the weights of the torchvision ResNet state dict at `path`.
-pub fn load_torchvision_resnet<B: Backend>(mut model: ResNet<B>, path: &Path) -> Result<ResNet<B>> {
+/// `model` (a ResNet of ours: its parameter paths are what torchvision's keys are renamed to)
+/// with the weights of the torchvision ResNet state dict at `path`.
+pub fn load_torchvision_resnet<B: Backend, M: ModuleSnapshot<B>>(
+    mut model: M,
+    path: &Path,
+) -> Result<M> {
     let bad = |message: String| Error::Snapshot {
         path: path.to_path_buf(),
         message,

@@ -185,7 +185,7 @@ where
         };
         // The first step: a module switched on without a `#[with_cp]` method trained plainly.
         if first {
-            let missing = crate::checkpoint::switched_on_without_segment(&self.model);
+            let missing = crate::check::switched_on_without_segment(&self.model);
             if !missing.is_empty() {
                 lock(&self.shared).warn(crate::checkpoint::no_segment_message(&missing));
             }

@@ -17,6 +17,7 @@
 
 mod autodiff;
 pub(crate) mod context;
+pub(crate) mod id;
 pub mod profile;
 mod reached;
 mod segment;
@@ -30,7 +31,9 @@ use burn::tensor::ops::FloatTensor;
 
 pub(crate) use autodiff::{mark_ours, take_grad};
 pub use context::{is_recomputing, random};
-pub use reached::{no_segment_message, reached, switched_on_without_segment};
+use id::short_name;
+pub use id::SegmentId;
+pub use reached::{no_segment_message, reached, unreached};
 pub use segment::{floats, Segment};
 pub use stream::RandomDraws;
 pub use threads::{join_helpers, live_helpers, recomputations};
@@ -237,21 +240,6 @@ pub(crate) fn warn_uncheckpointed(module: &str, method: &str) {
     seen.push(name);
 }
 
-/// `a::b::Block<burn::X>` -> `Block`.
-fn short_name(name: &str) -> String {
-    let mut depth = 0;
-    let mut outer = String::new();
-    for c in name.chars() {
-        match c {
-            '<' => depth += 1,
-            '>' => depth -= 1,
-            _ if depth == 0 => outer.push(c),
-            _ => {}
-        }
-    }
-    outer.rsplit("::").next().unwrap_or(name).to_string()
-}
-
 /// Without autodiff there is nothing to keep: the segment just runs.
 macro_rules! plain_backend {
     ([$($generics:tt)*] $backend:ty) => {
@@ -333,29 +321,6 @@ pub trait CheckpointModule: Sized {
     /// Calls `visit` with the path and identity of each segment (a module with a `with_cp`
     /// flag) at or below this module, reached through `#[with_cp]` fields, in field order.
     fn visit_segments(&self, _path: &str, _visit: &mut dyn FnMut(&str, SegmentId)) {}
-}
-
-/// Which module a segment runs: its address and type while the model is not moved (what the
-/// planner's profile links its measurements to module paths by).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub struct SegmentId {
-    address: usize,
-    type_name: &'static str,
-}
-
-impl SegmentId {
-    /// The identity of `module`.
-    pub fn of<M>(module: &M) -> SegmentId {
-        SegmentId {
-            address: module as *const M as usize,
-            type_name: std::any::type_name::<M>(),
-        }
-    }
-
-    /// The module's type, short (`Bottleneck`).
-    pub fn type_name(&self) -> String {
-        short_name(self.type_name)
-    }
 }
 
 /// The module paths of the segments of `model` (`backbone.layer1.0`, ...), in field order.

@@ -6,12 +6,11 @@
 //! `#[with_cp]` on a method are expanded apart, and a method's attribute can add nothing outside
 //! its `impl` block that names the type (a trait `impl` takes no extra item). So the first step
 //! makes it: [`crate::train::Runner`] ends with an error, burn-train's adapter warns, and
-//! `memsave::check` names the cause.
+//! `memsave::check` names the cause (through [`crate::check::switched_on_without_segment`]).
 
 use std::sync::Mutex;
 
-use super::SegmentId;
-use crate::fp16::Fp16Module;
+use super::id::SegmentId;
 
 /// The types `checkpoint_with` ran for in this process, whether or not it checkpointed (MMCV's
 /// guard). It only grows: a run in another thread can only add to it.
@@ -35,11 +34,12 @@ pub fn reached(id: SegmentId) -> bool {
         .contains(&id.type_name)
 }
 
-/// The types in `model` whose `with_cp` flag is on but for which no `#[with_cp]` method has run:
-/// call it after a forward pass. Each is named once, short (`Block`).
-pub fn switched_on_without_segment<M: Fp16Module>(model: &M) -> Vec<String> {
+/// The types whose `with_cp` flag is on, as `visit` reports each module's flag, and for which no
+/// `#[with_cp]` method has run: call it after a forward pass. Each is named once, short
+/// (`Block`). [`crate::check::switched_on_without_segment`] asks it of a model.
+pub fn unreached(visit: impl FnOnce(&mut dyn FnMut(SegmentId, bool))) -> Vec<String> {
     let mut found: Vec<String> = Vec::new();
-    model.visit_with_cp_flags(&mut |id, on| {
+    visit(&mut |id, on| {
         let name = id.type_name();
         if on && !reached(id) && !found.contains(&name) {
             found.push(name);
@@ -48,7 +48,7 @@ pub fn switched_on_without_segment<M: Fp16Module>(model: &M) -> Vec<String> {
     found
 }
 
-/// The error (or warning) for [`switched_on_without_segment`]'s types.
+/// The error (or warning) for [`unreached`]'s types.
 pub fn no_segment_message(types: &[String]) -> String {
     let list = types
         .iter()

@@ -40,15 +40,9 @@ use crate::hooks::{LogConfig, LrSchedule, SnapshotConfig};
 use crate::train::RunLength;
 use crate::{Error, Result};
 
-/// Where a model's own settings are in its config (its registry entry says): the runtime names
-/// no model key of its own, and speaks these in advice and errors.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct ModelKeys {
-    /// Its checkpointing switch (`model.backbone.with_cp` for a ResNet's blocks).
-    pub with_cp: &'static str,
-    /// Samples per micro-batch (`data.samples_per_gpu`).
-    pub batch: &'static str,
-}
+/// Where a model's own settings are in its config (defined with the planner, which speaks them
+/// in its advice).
+pub use crate::planner::ModelKeys;
 
 /// A whole configuration; `M` and `D` are the schemas of the `model` and `data` sections.
 #[derive(Clone, Debug, Deserialize)]

@@ -116,7 +116,7 @@ impl<T: Fp16Module> Fp16Module for Option<T> {
         self.map(|module| module.wrap_fp16(precision))
     }
 
-    fn visit_with_cp_flags(&self, visit: &mut dyn FnMut(crate::checkpoint::SegmentId, bool)) {
+    fn visit_with_cp_flags(&self, visit: &mut dyn FnMut(crate::checkpoint::id::SegmentId, bool)) {
         for module in self.iter() {
             module.visit_with_cp_flags(visit);
         }
@@ -128,7 +128,7 @@ impl<T: Fp16Module> Fp16Module for Box<T> {
         Box::new((*self).wrap_fp16(precision))
     }
 
-    fn visit_with_cp_flags(&self, visit: &mut dyn FnMut(crate::checkpoint::SegmentId, bool)) {
+    fn visit_with_cp_flags(&self, visit: &mut dyn FnMut(crate::checkpoint::id::SegmentId, bool)) {
         (**self).visit_with_cp_flags(visit);
     }
 }
@@ -140,7 +140,7 @@ impl<T: Fp16Module> Fp16Module for Vec<T> {
             .collect()
     }
 
-    fn visit_with_cp_flags(&self, visit: &mut dyn FnMut(crate::checkpoint::SegmentId, bool)) {
+    fn visit_with_cp_flags(&self, visit: &mut dyn FnMut(crate::checkpoint::id::SegmentId, bool)) {
         for module in self.iter() {
             module.visit_with_cp_flags(visit);
         }
@@ -152,7 +152,7 @@ impl<T: Fp16Module, const N: usize> Fp16Module for [T; N] {
         self.map(|module| module.wrap_fp16(precision))
     }
 
-    fn visit_with_cp_flags(&self, visit: &mut dyn FnMut(crate::checkpoint::SegmentId, bool)) {
+    fn visit_with_cp_flags(&self, visit: &mut dyn FnMut(crate::checkpoint::id::SegmentId, bool)) {
         for module in self.iter() {
             module.visit_with_cp_flags(visit);
         }
@@ -171,7 +171,7 @@ macro_rules! tuple {
             #[allow(non_snake_case)]
             fn visit_with_cp_flags(
                 &self,
-                visit: &mut dyn FnMut(crate::checkpoint::SegmentId, bool),
+                visit: &mut dyn FnMut(crate::checkpoint::id::SegmentId, bool),
             ) {
                 let ($($name,)+) = self;
                 $($name.visit_with_cp_flags(visit);)+

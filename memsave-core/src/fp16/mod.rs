@@ -243,10 +243,10 @@ pub trait Fp16Module: Sized {
 
     /// Calls `visit` with the identity of each module at or below this one that has a `with_cp`
     /// flag, and the flag (`#[memsave::model]` writes it; see
-    /// [`crate::checkpoint::switched_on_without_segment`]). Every module of a model the runner
+    /// [`crate::check::switched_on_without_segment`]). Every module of a model the runner
     /// trains is an `Fp16Module`, which is why this lives here.
     #[doc(hidden)]
-    fn visit_with_cp_flags(&self, visit: &mut dyn FnMut(crate::checkpoint::SegmentId, bool)) {
+    fn visit_with_cp_flags(&self, visit: &mut dyn FnMut(crate::checkpoint::id::SegmentId, bool)) {
         let _ = visit;
     }
 }

@@ -19,9 +19,9 @@
 
 use serde::{Deserialize, Serialize};
 
+use super::budget::ModelKeys;
 use super::profile::Profile;
 use super::solve::{plan, Plan};
-use crate::config::ModelKeys;
 
 /// What a step is made of, for the advice.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]

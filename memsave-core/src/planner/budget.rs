@@ -5,6 +5,16 @@ use serde::Deserialize;
 
 use crate::{Error, Result};
 
+/// Where a model's own settings are in its config (its registry entry says): the runtime names
+/// no model key of its own, and speaks these in advice and errors.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ModelKeys {
+    /// Its checkpointing switch (`model.backbone.with_cp` for a ResNet's blocks).
+    pub with_cp: &'static str,
+    /// Samples per micro-batch (`data.samples_per_gpu`).
+    pub batch: &'static str,
+}
+
 /// A memory budget: bytes, or a share of the unplanned peak.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub enum Budget {

@@ -24,13 +24,12 @@ use std::rc::Rc;
 
 use burn::tensor::backend::AutodiffBackend;
 
-pub use budget::{Budget, MemorySection, WithCp};
+pub use budget::{Budget, MemorySection, ModelKeys, WithCp};
 pub use profile::{GradientEstimate, Profile, SegmentProfile, Window};
 pub use solve::{plan, BelowFloor, Plan};
 
 use crate::checkpoint::profile::{self as recorder, Boundary};
 use crate::checkpoint::{CheckpointModule, SegmentId};
-use crate::config::ModelKeys;
 use crate::memory::{meter_for, Meter};
 use crate::train::params::{param_bytes, trainable_layout};
 use crate::train::{Hook, TrainModel, TrainState};

@@ -229,9 +229,9 @@ where
     }
 
     /// After the first step: every module whose `with_cp` is on ran a `#[with_cp]` method
-    /// (see [`crate::checkpoint::switched_on_without_segment`]).
+    /// (see [`crate::check::switched_on_without_segment`]).
     fn check_segments_ran(&self) -> Result<()> {
-        let missing = crate::checkpoint::switched_on_without_segment(&self.state.model);
+        let missing = crate::check::switched_on_without_segment(&self.state.model);
         if missing.is_empty() {
             return Ok(());
         }

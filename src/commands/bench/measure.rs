@@ -23,6 +23,8 @@ pub(super) struct Record {
     /// Per step: the mean loss of its micro-batches.
     pub(super) losses: Vec<f64>,
     pub(super) timeline: Vec<memory::Sample>,
+    /// Segments recomputed in the measured steps' backward passes (a count, not a sample).
+    pub(super) recomputations: usize,
 }
 
 /// Times each optimizer step (a group of `micro` iterations), and takes its peak.
@@ -33,7 +35,9 @@ pub(super) struct Measure {
     pub(super) last: usize,
     pub(super) meter: Rc<dyn memory::Meter>,
     pub(super) record: Rc<RefCell<Record>>,
-    pub(super) started: Option<(Instant, u64, Vec<TagBytes>)>,
+    /// The measured step's start: when, the live bytes, the bytes per tag, the recomputations
+    /// counted so far.
+    pub(super) started: Option<(Instant, u64, Vec<TagBytes>, usize)>,
     pub(super) timeline: Option<Timeline>,
     pub(super) losses: Vec<f64>,
 }
@@ -73,7 +77,8 @@ impl<B: AutodiffBackend, M: TrainModel<B>> Hook<B, M> for Measure {
             Vec::new()
         };
         let baseline = self.meter.reset_peak();
-        self.started = Some((Instant::now(), baseline, at_start));
+        let recomputed = memsave::checkpoint::recomputations();
+        self.started = Some((Instant::now(), baseline, at_start, recomputed));
         Ok(())
     }
 
@@ -88,8 +93,10 @@ impl<B: AutodiffBackend, M: TrainModel<B>> Hook<B, M> for Measure {
         self.losses.clear();
         let mut record = self.record.borrow_mut();
         record.losses.push(mean);
-        if let Some((started, baseline, at_start)) = self.started.take() {
+        if let Some((started, baseline, at_start, recomputed)) = self.started.take() {
             let seconds = started.elapsed().as_secs_f64();
+            record.recomputations +=
+                memsave::checkpoint::recomputations().saturating_sub(recomputed);
             let peak = self.meter.peak().saturating_sub(baseline);
             // What each tag added between the step's start and its peak.
             let mut at_peak = if self.meter.tags() {

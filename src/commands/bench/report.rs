@@ -82,6 +82,10 @@ pub struct ConfigResult {
     /// its peak, for a closer look than the breakdown's.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub peak_tags: Vec<(String, i64)>,
+    /// Segments recomputed in backward over the measured steps (memsave's counter; 0 without
+    /// checkpointing).
+    #[serde(default)]
+    pub recomputations: usize,
 }
 
 impl BenchReport {
@@ -255,6 +259,7 @@ mod tests {
             timeline: Vec::new(),
             timeline_phase: Vec::new(),
             peak_tags: Vec::new(),
+            recomputations: 0,
         }
     }
 

@@ -417,6 +417,7 @@ fn summarise(
             .filter(|t| t.live != 0)
             .map(|t| (t.tag.clone(), t.live))
             .collect(),
+        recomputations: record.recomputations,
     })
 }
 
