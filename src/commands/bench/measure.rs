@@ -24,7 +24,7 @@ pub(super) struct Record {
     pub(super) losses: Vec<f64>,
     pub(super) timeline: Vec<memory::Sample>,
     /// Segments recomputed in the measured steps' backward passes (a count, not a sample).
-    pub(super) recomputations: usize,
+    pub(super) recomputations: u64,
 }
 
 /// Times each optimizer step (a group of `micro` iterations), and takes its peak.
@@ -37,7 +37,7 @@ pub(super) struct Measure {
     pub(super) record: Rc<RefCell<Record>>,
     /// The measured step's start: when, the live bytes, the bytes per tag, the recomputations
     /// counted so far.
-    pub(super) started: Option<(Instant, u64, Vec<TagBytes>, usize)>,
+    pub(super) started: Option<(Instant, u64, Vec<TagBytes>, u64)>,
     pub(super) timeline: Option<Timeline>,
     pub(super) losses: Vec<f64>,
 }

@@ -85,7 +85,7 @@ pub struct ConfigResult {
     /// Segments recomputed in backward over the measured steps (memsave's counter; 0 without
     /// checkpointing).
     #[serde(default)]
-    pub recomputations: usize,
+    pub recomputations: u64,
 }
 
 impl BenchReport {
