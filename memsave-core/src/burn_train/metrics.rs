@@ -160,7 +160,7 @@ impl Quantity {
     }
 }
 
-/// One of memsave's quantities as a burn-train numeric metric (see the [module docs](self)).
+/// One of memsave's quantities as a burn-train numeric metric (see the module docs).
 /// Make them with [`Memsave::metrics`](super::Memsave::metrics).
 #[derive(Clone)]
 pub struct MemsaveMetric {

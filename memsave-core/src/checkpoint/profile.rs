@@ -6,7 +6,7 @@
 //!
 //! One recording at a time per process (the recorder is global, as the allocator's counts are).
 //!
-//! The events are read by [`crate::planner::Profile::from_events`]. Bytes come from the one
+//! The events are read by `crate::planner::Profile::from_events`. Bytes come from the one
 //! [`Meter`]: the counting allocator on the CPU, the device's pools elsewhere.
 
 use std::cell::Cell;

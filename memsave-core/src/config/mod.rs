@@ -14,10 +14,10 @@
 //! ```
 //!
 //! `_base_` includes other files and `--set key=value` overrides any key ([`file`]); each
-//! section deserialises into its runtime type where one exists ([`sections`] holds the rest),
-//! with exactly one default per setting, the type's own; [`build`] makes the runner's parts.
+//! section deserialises into its runtime type where one exists (`sections` holds the rest),
+//! with exactly one default per setting, the type's own; `build` makes the runner's parts.
 //! An unknown key or type is an error that names it and suggests the closest valid one, a
-//! value of the wrong type one that names the key and the type wanted ([`explain`]); a value
+//! value of the wrong type one that names the key and the type wanted (`explain`); a value
 //! from `--set` is blamed on that argument. The `model` and `data` sections belong to the
 //! models (type parameters here).
 

@@ -12,7 +12,7 @@
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
-/// Reads a device's memory (see the [module docs](self) for what each reading means where).
+/// Reads a device's memory (see the module docs for what each reading means where).
 pub trait Meter: Send + Sync {
     /// Bytes live now.
     fn live(&self) -> u64;

@@ -13,12 +13,12 @@
 //!   clipping ([`all_reduce_grads`]):
 //!   once per group under accumulation (DDP's `no_sync` on the other micro-steps). Every peer
 //!   gets the same averaged bits, so the norm, the clipping and the step are the same
-//!   everywhere; the overflow decision is agreed explicitly too ([`agree_any`]), so loss
+//!   everywhere; the overflow decision is agreed explicitly too (`agree_any`), so loss
 //!   scalers stay equal.
 //! - BatchNorm statistics stay per peer (MMDetection's default; no SyncBN).
 //! - Peer 0 logs and writes checkpoints; the logged loss is the mean over peers (MMDetection's
 //!   `_parse_losses`).
-//! - A peer that fails ends the run on every peer with an [`Error::Peer`] naming it
+//! - A peer that fails ends the run on every peer with an `Error::Peer` naming it
 //!   (`peer::run_local`); a remote node that stops answering ends it after the peer timeout.
 //!
 //! The transport, Burn's collective (peers as threads, `BurnPeer`; nodes through its
@@ -197,7 +197,7 @@ pub(crate) fn broadcast_module<B: AutodiffBackend, M: AutodiffModule<B>>(
 pub(crate) const BUCKET_BYTES: usize = 1 << 20;
 
 /// Averages the gradients of `model`'s parameters over the peers, in the model's order (the
-/// same on every peer, unlike parameter ids), in buckets of [`BUCKET_BYTES`]. A parameter with a
+/// same on every peer, unlike parameter ids), in buckets of `BUCKET_BYTES`. A parameter with a
 /// gradient on some peers only (a branch one peer's data did not use) is averaged with zeros
 /// from the others, in fp32; one without a gradient anywhere stays without.
 pub fn all_reduce_grads<B: AutodiffBackend, M: AutodiffModule<B>>(

@@ -171,7 +171,7 @@ impl<A: AutodiffBackend> Reducer<A> for PeerReducer<A::InnerBackend> {
 }
 
 /// Before the first iteration (after a resume too), every peer takes rank 0's weights
-/// ([`broadcast_module`]). Runs at [`Priority::VeryHigh`], before the optimizer hook makes its
+/// (`broadcast_module`). Runs at `Priority::VeryHigh`, before the optimizer hook makes its
 /// half copy of them.
 pub struct BroadcastHook<B: burn::prelude::Backend> {
     collective: SharedCollective<B>,

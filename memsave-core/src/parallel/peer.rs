@@ -32,7 +32,7 @@ static NETWORK_FAILURE: Mutex<Option<(Instant, String)>> = Mutex::new(None);
 
 /// Reports that one of burn-collective's network tasks failed (a panic on its runtime when a
 /// connection to another node broke; `memsave`'s panic hook calls this). The peers of a
-/// multi-node run waiting in a collective call then stop within [`NETWORK_GRACE`], naming the
+/// multi-node run waiting in a collective call then stop within `NETWORK_GRACE`, naming the
 /// lost node, instead of waiting out the peer timeout. The first report counts.
 pub fn report_network_failure(detail: &str) {
     let mut failure = NETWORK_FAILURE.lock().unwrap_or_else(|e| e.into_inner());

@@ -3,9 +3,9 @@
 //! model's order, into one contiguous run per peer, balanced by bytes ([`partition`]). Each peer
 //! steps only its run: the optimizer keeps state for it alone (1/N of what Adam keeps). At stage
 //! 2 the gradients are averaged as backward makes them, each kept by its owner only and dropped
-//! by the others at once ([`super::in_backward`]), so that no peer ever holds the whole set (on
+//! by the others at once (`super::in_backward`), so that no peer ever holds the whole set (on
 //! Burn's autodiff; on another backend they are averaged after backward, then dropped). After
-//! the step every peer receives every run's new values ([`share_stepped`]).
+//! the step every peer receives every run's new values (`share_stepped`).
 //!
 //! burn-collective 0.21 has no reduce-scatter or all-gather: both are all-reduces here, in which
 //! the peers that do not own a value contribute -0.0. Adding -0.0 changes no float (not even

@@ -229,7 +229,7 @@ pub(crate) const CHECKED_STEPS: usize = 3;
 
 /// `with_cp = "auto"`: profiles the run's first iteration (every segment checkpointed, the
 /// same gradients as without), plans for the budget, applies the plan from the next iteration,
-/// and checks the measured peak of the following [`CHECKED_STEPS`] iterations: one over the
+/// and checks the measured peak of the following `CHECKED_STEPS` iterations: one over the
 /// budget has segments added by the excess, and is logged. A budget below what checkpointing
 /// everything takes ends the run (before any snapshot of that step) with the advice of
 /// [`advise::advise`].

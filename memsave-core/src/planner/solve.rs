@@ -6,8 +6,8 @@
 //! (bytes kept, seconds of recomputation) of the decisions so far and dropping every state that
 //! some window already cannot hold, finds the exact optimum. A segment called several times
 //! (one module on several inputs) is one decision for all its calls: up to
-//! [`MAX_ENUMERATED`] such segments are enumerated around the program; beyond that they are
-//! decided greedily, and the plan says it is not exact. A front larger than [`MAX_FRONT`]
+//! `MAX_ENUMERATED` such segments are enumerated around the program; beyond that they are
+//! decided greedily, and the plan says it is not exact. A front larger than `MAX_FRONT`
 //! states is thinned to the cheapest state per 1/65536 of the budget (also not exact).
 
 use std::rc::Rc;
@@ -81,7 +81,7 @@ struct Item {
 /// The cheapest checkpoint set whose predicted peak is at most `budget`.
 ///
 /// The program works on the windows' peaks as measured with every segment checkpointed. What a
-/// recomputation's helper holds until backward ends (see [`Profile::predict_peak`]) is not
+/// recomputation's helper holds until backward ends (see `Profile::predict_peak`) is not
 /// there for an unchecked segment; where the profile has such bytes, the program's answer is
 /// then improved by unchecking segments while the full prediction allows, and, where the
 /// program finds nothing (checkpointing everything is then not the least memory), a greedy

@@ -38,7 +38,7 @@ pub use reduce::{Alone, Reducer};
 
 /// Backward, optional global-norm clipping, step (MMCV's `OptimizerHook`), in fp32 or half
 /// precision, every iteration or in groups, alone or averaged over peers with `R` (see the
-/// [module docs](self)).
+/// module docs).
 #[derive(Debug)]
 pub struct OptimizerHook<R = Alone> {
     /// Clip the gradients by their global norm before each step (after unscaling).

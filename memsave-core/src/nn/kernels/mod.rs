@@ -363,8 +363,8 @@ pub trait LeanBackend: NormKernels + ConvKernels {
         None
     }
 
-    /// The fp32 values of [`LeanBackend::quantize_blocks`]' `codes` and `absmax` (`map[code]
-    /// * absmax` of its block). `None`: the caller's tensor ops (the default).
+    /// The fp32 values of [`LeanBackend::quantize_blocks`]' `codes` and `absmax`
+    /// (`map[code] * absmax` of its block). `None`: the caller's tensor ops (the default).
     fn dequantize_blocks(
         _codes: &burn::tensor::ops::IntTensor<Self>,
         _absmax: &FloatTensor<Self>,
@@ -407,7 +407,7 @@ fn linear_weight_grad_ops<B: Backend>(
     }
 }
 
-/// On Flex, fp32 convolutions with one group run memsave's kernels ([`conv`]); the others
+/// On Flex, fp32 convolutions with one group run memsave's kernels (`conv`); the others
 /// Flex's own (the weight gradient: memsave's for any float type).
 impl ConvKernels for burn::backend::Flex {
     fn conv2d_forward(
