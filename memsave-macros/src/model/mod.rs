@@ -1,6 +1,7 @@
 //! `#[memsave::model]`: parse -> validate -> expand.
 
 mod ast;
+mod checkpoint;
 mod expand;
 mod fallback;
 mod valid;
