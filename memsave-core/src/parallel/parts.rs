@@ -122,6 +122,29 @@ impl<A: AutodiffBackend> Reducer<A> for PeerReducer<A::InnerBackend> {
         }
     }
 
+    fn keep_own_before_norm<M: AutodiffModule<A>>(&self, model: &M, grads: &mut GradientsParams) {
+        if self.zero >= ZeroStage::Gradients {
+            self.keep_own(model, grads);
+        }
+    }
+
+    fn shards(&self) -> bool {
+        self.zero > ZeroStage::Off
+    }
+
+    fn reduces_to_owners(&self) -> bool {
+        self.zero >= ZeroStage::Gradients
+    }
+
+    fn held_shares(&self, world: usize) -> (f64, f64) {
+        let share = 1.0 / world.max(1) as f64;
+        match self.zero {
+            ZeroStage::Off => (1.0, 1.0),
+            ZeroStage::OptimizerState => (1.0, share),
+            ZeroStage::Gradients => (share, share),
+        }
+    }
+
     fn share_stepped<M: AutodiffModule<A>>(&self, model: &mut M) -> Result<()> {
         if self.zero == ZeroStage::Off {
             return Ok(());

@@ -11,6 +11,7 @@ pub mod quant;
 mod runner;
 pub mod snapshot;
 mod state;
+pub(crate) mod tapping;
 pub(crate) mod taps;
 
 pub use hook::{Hook, Priority};

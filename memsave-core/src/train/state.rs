@@ -164,6 +164,9 @@ pub struct TrainState<B: AutodiffBackend, M: TrainModel<B>> {
     pub forward_passes: usize,
     /// Which forward of this iteration ran last, from 0.
     pub pass: usize,
+    /// The taps of a pass that uses each gradient as soon as it is final (the step in backward,
+    /// ZeRO stage 2's reduction to the owners), kept across iterations for their depth chain.
+    pub(crate) tapping: super::tapping::Tapping<B>,
     warnings: Vec<String>,
 }
 
@@ -198,6 +201,7 @@ impl<B: AutodiffBackend, M: TrainModel<B>> TrainState<B, M> {
             peer: PeerPlace::ALONE,
             forward_passes: 1,
             pass: 0,
+            tapping: Default::default(),
             warnings: Vec::new(),
         }
     }

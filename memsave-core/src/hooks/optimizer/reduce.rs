@@ -49,6 +49,30 @@ pub trait Reducer<B: AutodiffBackend> {
     /// Drops the gradients of the parameters another peer steps (ZeRO); all are kept alone.
     fn keep_own<M: AutodiffModule<B>>(&self, _model: &M, _grads: &mut GradientsParams) {}
 
+    /// Drops, before the norm is taken, the gradients of the parameters another peer steps,
+    /// where the norm is gathered from their owners (ZeRO stage 2); nothing otherwise.
+    fn keep_own_before_norm<M: AutodiffModule<B>>(&self, _model: &M, _grads: &mut GradientsParams) {
+    }
+
+    /// Whether each peer steps and keeps the optimizer state of its part only (ZeRO stages 1
+    /// and 2): the new values are then shared after each step ([`Reducer::share_stepped`]).
+    fn shards(&self) -> bool {
+        false
+    }
+
+    /// Whether each gradient is kept by the peer that steps its parameter only (ZeRO stage 2):
+    /// on Burn's autodiff, the group's last backward then averages each one to its owner as it
+    /// is made.
+    fn reduces_to_owners(&self) -> bool {
+        false
+    }
+
+    /// The shares of the gradients and of the optimizer state this peer holds, of `world`
+    /// peers (the memory check before the run: ZeRO holds 1/world of them).
+    fn held_shares(&self, _world: usize) -> (f64, f64) {
+        (1.0, 1.0)
+    }
+
     /// After a step: every parameter's new value from the peer that stepped it, on every peer
     /// (ZeRO); as it is alone.
     fn share_stepped<M: AutodiffModule<B>>(&self, _model: &mut M) -> Result<()> {

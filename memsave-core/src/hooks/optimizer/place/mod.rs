@@ -1,0 +1,149 @@
+//! Where and when the optimizer's step runs, a part of the optimizer hook beside precision,
+//! grouping and reduction:
+//!
+//! - [`AfterBackward`]: after the group's last backward, on every gradient (MMCV's);
+//! - [`InBackward`]: in backward, each parameter as its gradient is final, in one pass or two
+//!   (`step_in_backward = true`);
+//! - [`ShardedByOwner`]: after a backward that averages each gradient to the peer that owns it
+//!   (ZeRO stage 2, on Burn's autodiff with peers).
+//!
+//! ZeRO stage 1, and stage 2 elsewhere, are not places: they are the reduction part's
+//! (`Reducer::keep_own`, `share_stepped`), whichever place steps. A new place (the step on the
+//! host) is a new file and a new variant of [`Place`], not a branch in the hook.
+
+mod after_backward;
+mod in_backward;
+mod sharded;
+
+use burn::tensor::backend::AutodiffBackend;
+
+pub(super) use after_backward::AfterBackward;
+pub(super) use in_backward::InBackward;
+pub(super) use sharded::ShardedByOwner;
+
+use super::parts::Parts;
+use super::Reducer;
+use crate::train::{tapping, TrainModel, TrainState};
+use crate::Result;
+
+/// One place of the step: what it does at each of the hook's moments. A micro-batch that does
+/// not end its group is the same everywhere ([`Parts::accumulate`]).
+pub(super) trait StepPlace {
+    /// Before the run: what the place needs of the backend and the peers.
+    fn before_run<B: AutodiffBackend, M: TrainModel<B>, R: Reducer<B>>(
+        &mut self,
+        _parts: &Parts<'_, R>,
+        _state: &mut TrainState<B, M>,
+    ) -> Result<()> {
+        Ok(())
+    }
+
+    /// Before the forward of a group's last iteration (the taps go on here).
+    fn before_last_iter<B: AutodiffBackend, M: TrainModel<B>, R: Reducer<B>>(
+        &mut self,
+        _parts: &Parts<'_, R>,
+        _state: &mut TrainState<B, M>,
+    ) -> Result<()> {
+        Ok(())
+    }
+
+    /// After the first of two forwards (see `TrainState::forward_passes`).
+    fn after_first_pass<B: AutodiffBackend, M: TrainModel<B>, R: Reducer<B>>(
+        &mut self,
+        _parts: &mut Parts<'_, R>,
+        _state: &mut TrainState<B, M>,
+    ) -> Result<()> {
+        Ok(())
+    }
+
+    /// After the (last) forward of a group's last iteration: backward, then the step or its
+    /// skip.
+    fn end_group<B: AutodiffBackend, M: TrainModel<B>, R: Reducer<B>>(
+        &mut self,
+        parts: &mut Parts<'_, R>,
+        state: &mut TrainState<B, M>,
+    ) -> Result<()>;
+}
+
+/// The place the hook's step takes in a run, chosen before it ([`Place::choose`]).
+#[derive(Clone, Copy, Debug)]
+pub(super) enum Place {
+    /// See [`AfterBackward`].
+    AfterBackward(AfterBackward),
+    /// See [`InBackward`].
+    InBackward(InBackward),
+    /// See [`ShardedByOwner`].
+    ShardedByOwner(ShardedByOwner),
+}
+
+impl Default for Place {
+    fn default() -> Self {
+        Place::AfterBackward(AfterBackward)
+    }
+}
+
+impl Place {
+    /// The place for a run: in backward where asked (`step_in_backward`); else, where the
+    /// reduction keeps each gradient with its owner only (ZeRO stage 2) and the backend can
+    /// reduce in backward (Burn's autodiff, with peers), after a backward that does; else after
+    /// backward.
+    pub(super) fn choose<B: AutodiffBackend, M: TrainModel<B>, R: Reducer<B>>(
+        step_in_backward: bool,
+        reducer: &R,
+        state: &TrainState<B, M>,
+    ) -> Place {
+        if step_in_backward {
+            Place::InBackward(InBackward::default())
+        } else if reducer.reduces_to_owners() && state.world_size() > 1 && tapping::supported::<B>()
+        {
+            Place::ShardedByOwner(ShardedByOwner)
+        } else {
+            Place::AfterBackward(AfterBackward)
+        }
+    }
+}
+
+/// Each of [`StepPlace`]'s methods, called on the place in use.
+macro_rules! dispatch {
+    ($place:expr, $method:ident($($arg:expr),*)) => {
+        match $place {
+            Place::AfterBackward(place) => place.$method($($arg),*),
+            Place::InBackward(place) => place.$method($($arg),*),
+            Place::ShardedByOwner(place) => place.$method($($arg),*),
+        }
+    };
+}
+
+impl StepPlace for Place {
+    fn before_run<B: AutodiffBackend, M: TrainModel<B>, R: Reducer<B>>(
+        &mut self,
+        parts: &Parts<'_, R>,
+        state: &mut TrainState<B, M>,
+    ) -> Result<()> {
+        dispatch!(self, before_run(parts, state))
+    }
+
+    fn before_last_iter<B: AutodiffBackend, M: TrainModel<B>, R: Reducer<B>>(
+        &mut self,
+        parts: &Parts<'_, R>,
+        state: &mut TrainState<B, M>,
+    ) -> Result<()> {
+        dispatch!(self, before_last_iter(parts, state))
+    }
+
+    fn after_first_pass<B: AutodiffBackend, M: TrainModel<B>, R: Reducer<B>>(
+        &mut self,
+        parts: &mut Parts<'_, R>,
+        state: &mut TrainState<B, M>,
+    ) -> Result<()> {
+        dispatch!(self, after_first_pass(parts, state))
+    }
+
+    fn end_group<B: AutodiffBackend, M: TrainModel<B>, R: Reducer<B>>(
+        &mut self,
+        parts: &mut Parts<'_, R>,
+        state: &mut TrainState<B, M>,
+    ) -> Result<()> {
+        dispatch!(self, end_group(parts, state))
+    }
+}

@@ -1,0 +1,63 @@
+//! What a step is made of ([`Setting`]), and a profile measured in one ([`Measured`]).
+
+use serde::{Deserialize, Serialize};
+
+use crate::planner::Profile;
+
+/// What a step is made of, for the advice.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Setting {
+    /// Mixed precision.
+    pub fp16: bool,
+    /// Samples per micro-step.
+    pub micro_batch: usize,
+    /// Micro-steps per optimizer step.
+    pub cumulative: usize,
+    /// Adam or AdamW: two moments per weight (else SGD, with at most one).
+    pub adam: bool,
+    /// The optimizer steps each parameter in backward (`step_in_backward`).
+    #[serde(default)]
+    pub step_in_backward: bool,
+    /// The optimizer's state is kept in 8 bits (`state_dtype = "int8"`).
+    #[serde(default)]
+    pub int8_state: bool,
+    /// The config clips the gradients by their global norm (a step in backward then takes two
+    /// passes).
+    #[serde(default)]
+    pub clips: bool,
+}
+
+impl Setting {
+    /// Samples per optimizer step.
+    pub fn batch(&self) -> usize {
+        self.micro_batch * self.cumulative
+    }
+
+    /// Forwards and backwards per micro-batch that steps: 2 for a step in backward under
+    /// clipping or mixed precision, else 1.
+    pub fn passes(&self) -> usize {
+        if self.step_in_backward && (self.clips || self.fp16) {
+            2
+        } else {
+            1
+        }
+    }
+
+    /// Copies of the trainable weights the optimizer keeps: Adam's two moments, SGD's momentum.
+    pub(super) fn state_copies(&self) -> u64 {
+        if self.adam {
+            2
+        } else {
+            1
+        }
+    }
+}
+
+/// A measured profile and the setting it was measured in.
+#[derive(Clone, Debug)]
+pub struct Measured {
+    /// The setting.
+    pub setting: Setting,
+    /// Its profile.
+    pub profile: Profile,
+}

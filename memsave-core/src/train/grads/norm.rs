@@ -1,0 +1,153 @@
+//! The global norm of the gradients and clipping by it.
+
+use burn::module::{AutodiffModule, ModuleVisitor, Param};
+use burn::optim::GradientsParams;
+use burn::prelude::Backend;
+use burn::tensor::backend::AutodiffBackend;
+use burn::tensor::{DType, Tensor};
+use serde::Deserialize;
+
+use super::map::scale;
+use super::scalar;
+use crate::{Error, Result};
+
+/// Gradient clipping by the global norm over all parameters (PyTorch's `clip_grad_norm_`, as
+/// MMCV's `grad_clip = dict(max_norm=35, norm_type=2)`); Burn's own clipping is per tensor.
+#[derive(Clone, Copy, Debug, PartialEq, Deserialize)]
+#[serde(try_from = "GradClipFields")]
+pub struct GradClip {
+    /// The largest global norm allowed.
+    pub max_norm: f64,
+    /// The norm's `p` (2 by default; `f64::INFINITY` for the largest magnitude).
+    pub norm_type: f64,
+}
+
+/// [`GradClip`] as written, before [`GradClip::new`] checks it.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct GradClipFields {
+    max_norm: f64,
+    #[serde(default = "GradClip::default_norm_type")]
+    norm_type: f64,
+}
+
+impl TryFrom<GradClipFields> for GradClip {
+    type Error = Error;
+
+    fn try_from(fields: GradClipFields) -> Result<Self> {
+        GradClip::new(fields.max_norm, fields.norm_type)
+    }
+}
+
+impl GradClip {
+    fn default_norm_type() -> f64 {
+        2.0
+    }
+
+    /// Checks the values: a positive `max_norm`, a `norm_type` of at least 1 (or infinite).
+    pub fn new(max_norm: f64, norm_type: f64) -> Result<Self> {
+        if !(max_norm.is_finite() && max_norm > 0.0) {
+            return Err(Error::invalid(
+                "max_norm",
+                format!("must be a positive number, got {max_norm}"),
+            ));
+        }
+        if norm_type.is_nan() || norm_type < 1.0 {
+            return Err(Error::invalid(
+                "norm_type",
+                format!("must be at least 1 (or inf), got {norm_type}"),
+            ));
+        }
+        Ok(GradClip {
+            max_norm,
+            norm_type,
+        })
+    }
+}
+
+/// `p`-norm of every gradient together (PyTorch's `clip_grad_norm_` total norm), in fp32;
+/// `norm_type = inf` for the largest magnitude. `None` when there is no gradient.
+pub fn global_norm<B: AutodiffBackend, M: AutodiffModule<B>>(
+    model: &M,
+    grads: &GradientsParams,
+    norm_type: f64,
+) -> Option<f64> {
+    struct Parts<'a, B: AutodiffBackend> {
+        grads: &'a GradientsParams,
+        norm_type: f64,
+        parts: Vec<Tensor<B::InnerBackend, 1>>,
+    }
+    impl<B: AutodiffBackend> ModuleVisitor<B> for Parts<'_, B> {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+            if let Some(grad) = self.grads.get::<B::InnerBackend, D>(param.id) {
+                self.parts.push(norm_part(grad, self.norm_type));
+            }
+        }
+    }
+    let mut parts = Parts::<B> {
+        grads,
+        norm_type,
+        parts: Vec::new(),
+    };
+    model.visit(&mut parts);
+    combine_norm(parts.parts, norm_type)
+}
+
+/// One gradient's part of the global `p`-norm, in fp32: the sum of `|g|^p` (of `g^2` for
+/// `p = 2`), or the largest `|g|` for `p = inf`.
+pub(crate) fn norm_part<K: Backend, const D: usize>(
+    grad: Tensor<K, D>,
+    norm_type: f64,
+) -> Tensor<K, 1> {
+    let grad = grad.cast(DType::F32);
+    if norm_type.is_infinite() {
+        grad.abs().max()
+    } else if norm_type == 2.0 {
+        // No `abs` pass: squares are non-negative anyway.
+        grad.square().sum()
+    } else {
+        grad.abs().powf_scalar(norm_type).sum()
+    }
+}
+
+/// The global norm of the [`norm_part`]s, added in the order given (the model's: the same bits
+/// wherever the parts were computed).
+pub(crate) fn combine_norm<K: Backend>(
+    parts: impl IntoIterator<Item = Tensor<K, 1>>,
+    norm_type: f64,
+) -> Option<f64> {
+    let mut total: Option<Tensor<K, 1>> = None;
+    for part in parts {
+        total = Some(match total.take() {
+            None => part,
+            Some(total) if norm_type.is_infinite() => total.max_pair(part),
+            Some(total) => total + part,
+        });
+    }
+    let total = scalar(&total?);
+    Some(if norm_type.is_infinite() {
+        total
+    } else {
+        total.powf(1.0 / norm_type)
+    })
+}
+
+/// The global norm of `grads` (`clip`'s `p`, else 2), clipping them to `clip.max_norm`. The
+/// norm before clipping is returned (for the log, and as the overflow test: it is not finite
+/// when a gradient is inf or NaN).
+#[cfg_attr(not(feature = "burn-train"), allow(dead_code))]
+pub(crate) fn norm_and_clip<B: AutodiffBackend, M: AutodiffModule<B>>(
+    model: &M,
+    grads: &mut GradientsParams,
+    clip: Option<&GradClip>,
+) -> Option<f64> {
+    let norm_type = clip.map_or(2.0, |clip| clip.norm_type);
+    let norm = global_norm::<B, M>(model, grads, norm_type)?;
+    if let Some(clip) = clip {
+        let coefficient = clip.max_norm / (norm + 1e-6);
+        if norm.is_finite() && coefficient < 1.0 {
+            scale::<B, M>(model, grads, coefficient);
+        }
+    }
+    Some(norm)
+}

@@ -1,0 +1,252 @@
+//! The table the taps of one pass share: what each gradient is used for (a part of the norm,
+//! a step, kept for its owner), the weights and optimizer steps taken out of the model while
+//! backward runs, the group's sums, and the peers each gradient is averaged over.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::Mutex;
+
+use burn::module::{AutodiffModule, ModuleVisitor, Param, ParamId};
+use burn::optim::GradientsParams;
+use burn::prelude::Backend;
+use burn::tensor::backend::AutodiffBackend;
+use burn::tensor::ops::FloatTensor;
+use burn::tensor::{DType, Tensor, TensorPrimitive};
+
+use crate::parallel::in_backward::BackwardReduce;
+use crate::parallel::zero::gather_norm;
+use crate::train::grads;
+use crate::train::optim::ParamSteps;
+use crate::train::taps::Sink;
+use crate::Result;
+
+/// What a pass's taps do with a gradient.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(crate) enum Phase {
+    /// Keep its part of the norm, free it (a first pass).
+    Norm,
+    /// Step its parameter with it.
+    Step,
+    /// Keep it (data parallelism: averaged over the peers first, and kept by its owner only).
+    Reduce,
+}
+
+/// The table the taps of one pass share.
+pub(crate) struct Table<B: AutodiffBackend> {
+    pub(super) inner: Mutex<TableInner<B>>,
+}
+
+pub(crate) type K<B> = <B as AutodiffBackend>::InnerBackend;
+
+pub(super) struct TableInner<B: AutodiffBackend> {
+    pub(super) phase: Phase,
+    pub(super) norm_type: f64,
+    /// The parts of the global norm, by parameter.
+    pub(super) parts: HashMap<ParamId, Tensor<K<B>, 1>>,
+    /// Whether a step pass also keeps the parts (for the log's norm).
+    pub(super) log_norm: bool,
+    /// The parameters whose tap received a gradient.
+    pub(super) reached: HashSet<ParamId>,
+    /// Under mixed precision with accumulation: the group's fp32 sums, each micro-batch's half
+    /// gradient added as it is made (kept by a norm pass, used up by a step pass).
+    pub(super) sums: Option<GradientsParams>,
+    /// The weights stepped (the fp32 masters under mixed precision), taken out of the model.
+    pub(super) weights: HashMap<ParamId, FloatTensor<K<B>>>,
+    /// Under mixed precision: the forward copy's values, taken out of it.
+    pub(super) forward: Option<HashMap<ParamId, FloatTensor<K<B>>>>,
+    pub(super) steps: Option<ParamSteps<B>>,
+    pub(super) lr: f64,
+    /// Under mixed precision, `1 / loss_scale`: the gradients are cast to fp32 and unscaled.
+    pub(super) unscale: Option<f64>,
+    /// The clipping coefficient (below 1), when the norm is over `max_norm`.
+    pub(super) coefficient: Option<f64>,
+    /// Data parallelism: each gradient averaged over the peers as its tap hands it over.
+    pub(super) peers: Option<BackwardReduce<K<B>>>,
+    /// A reduce pass's gradients (those this peer keeps).
+    pub(super) kept: GradientsParams,
+}
+
+pub(super) fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    mutex
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+impl<B: AutodiffBackend> Sink<K<B>> for Table<B> {
+    fn on_grad<const D: usize>(&self, id: ParamId, grad: Tensor<K<B>, D>) {
+        let mut table = lock(&self.inner);
+        let table = &mut *table;
+        table.reached.insert(id);
+        // A norm pass keeps the group's sums for the step pass.
+        let keep = table.phase == Phase::Norm;
+        let grad = match &mut table.sums {
+            // Mixed precision with accumulation: the group's sum with this micro-batch's part.
+            Some(sums) => {
+                let sum = if keep {
+                    sums.get::<K<B>, D>(id)
+                } else {
+                    sums.remove::<K<B>, D>(id)
+                };
+                grads::add_to_sum(sum, grad)
+            }
+            None => grad,
+        };
+        let grad = match &mut table.peers {
+            Some(peers) => match peers.reduce(id, grad, table.sums.as_mut(), keep) {
+                Some(mean) => mean,
+                // Another peer's part, or the pass failed (said after backward).
+                None => return,
+            },
+            None => grad,
+        };
+        table.use_grad(id, grad);
+    }
+}
+
+impl<B: AutodiffBackend> TableInner<B> {
+    /// What the pass does with parameter `id`'s final gradient (averaged over the peers).
+    fn use_grad<const D: usize>(&mut self, id: ParamId, grad: Tensor<K<B>, D>) {
+        if self.phase == Phase::Reduce {
+            self.kept.register::<K<B>, D>(id, grad);
+            return;
+        }
+        if self.phase == Phase::Norm || self.log_norm {
+            let part = grads::norm_part(grad.clone(), self.norm_type);
+            self.parts.insert(id, part);
+        }
+        if self.phase == Phase::Norm {
+            return;
+        }
+        // The ordinary step's preparation (`grads::to_f32`, `grads::scale`), then its step.
+        let mut grad = grad;
+        if let Some(unscale) = self.unscale {
+            grad = grad.cast(DType::F32).mul_scalar(unscale);
+        }
+        if let Some(coefficient) = self.coefficient {
+            grad = grad.mul_scalar(coefficient);
+        }
+        let Some(weight) = self.weights.remove(&id) else {
+            return;
+        };
+        let weight = Tensor::<K<B>, D>::from_primitive(TensorPrimitive::Float(weight));
+        let steps = self
+            .steps
+            .as_mut()
+            .expect("a step pass holds the optimizer's steps");
+        let lr = self.lr;
+        let stepped = crate::memory::scope(crate::memory::phase::STEP, || {
+            steps.step::<D>(lr, id, weight, grad)
+        });
+        if let Some(forward) = &mut self.forward {
+            // The forward copy as `wrap_fp16_model` makes it: cast where it was cast.
+            if let Some(old) = forward.remove(&id) {
+                let old = Tensor::<K<B>, D>::from_primitive(TensorPrimitive::Float(old));
+                let value = if old.dtype() == stepped.dtype() {
+                    stepped.clone()
+                } else {
+                    crate::memory::scope(crate::memory::phase::HALF_WEIGHTS, || {
+                        stepped.clone().cast(old.dtype())
+                    })
+                };
+                drop(old);
+                forward.insert(id, value.into_primitive().tensor());
+            }
+        }
+        self.weights.insert(id, stepped.into_primitive().tensor());
+    }
+
+    /// After backward with peers: the gradients whose taps did not run are reduced, `reached`
+    /// becomes the parameters some peer had a gradient of, and the means this peer keeps but
+    /// had no gradient of are used (`model`: any model with the tapped parameters' ids).
+    pub(super) fn finish_peers<M: AutodiffModule<B>>(&mut self, model: &M) -> Result<()> {
+        let Some(peers) = &mut self.peers else {
+            return Ok(());
+        };
+        let keep = self.phase == Phase::Norm;
+        let (reached, deferred) = peers.finish(self.sums.as_mut(), keep)?;
+        self.reached = reached;
+        struct UseDeferred<'a, B: AutodiffBackend> {
+            table: &'a mut TableInner<B>,
+            deferred: HashMap<ParamId, FloatTensor<K<B>>>,
+        }
+        impl<B: AutodiffBackend> ModuleVisitor<B> for UseDeferred<'_, B> {
+            fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+                if let Some(mean) = self.deferred.remove(&param.id) {
+                    let mean = Tensor::<K<B>, D>::from_primitive(TensorPrimitive::Float(mean));
+                    self.table.use_grad::<D>(param.id, mean);
+                }
+            }
+        }
+        if !deferred.is_empty() {
+            model.visit(&mut UseDeferred {
+                table: self,
+                deferred,
+            });
+        }
+        Ok(())
+    }
+
+    /// The global norm of the pass's parts, added in `model`'s visiting order (gathered from
+    /// their owners where each peer holds its part).
+    pub(super) fn norm<M: AutodiffModule<B>>(
+        &mut self,
+        model: &M,
+        device: &burn::tensor::Device<K<B>>,
+    ) -> Result<Option<f64>> {
+        let norm_type = self.norm_type;
+        match &self.peers {
+            Some(peers) if peers.sharded() => {
+                let parts = in_model_order(model, &mut self.parts);
+                gather_norm(peers.collective(), parts, norm_type, device)
+            }
+            _ => Ok(combine(model, &mut self.parts, norm_type)),
+        }
+    }
+}
+
+/// The global norm of the `parts`, added in `model`'s visiting order.
+fn combine<B: AutodiffBackend, M: AutodiffModule<B>>(
+    model: &M,
+    parts: &mut HashMap<ParamId, Tensor<K<B>, 1>>,
+    norm_type: f64,
+) -> Option<f64> {
+    struct Order<'a, K: Backend> {
+        parts: &'a mut HashMap<ParamId, Tensor<K, 1>>,
+        ordered: Vec<Tensor<K, 1>>,
+    }
+    impl<B: AutodiffBackend> ModuleVisitor<B> for Order<'_, B::InnerBackend> {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+            if let Some(part) = self.parts.remove(&param.id) {
+                self.ordered.push(part);
+            }
+        }
+    }
+    let mut order = Order {
+        parts,
+        ordered: Vec::new(),
+    };
+    model.visit(&mut order);
+    grads::combine_norm(order.ordered, norm_type)
+}
+
+/// The parts of the float parameters of `model`, in its visiting order (`None` where this peer
+/// has none).
+fn in_model_order<B: AutodiffBackend, M: AutodiffModule<B>>(
+    model: &M,
+    parts: &mut HashMap<ParamId, Tensor<K<B>, 1>>,
+) -> Vec<Option<Tensor<K<B>, 1>>> {
+    struct Order<'a, K: Backend> {
+        parts: &'a mut HashMap<ParamId, Tensor<K, 1>>,
+        ordered: Vec<Option<Tensor<K, 1>>>,
+    }
+    impl<B: AutodiffBackend> ModuleVisitor<B> for Order<'_, B::InnerBackend> {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+            self.ordered.push(self.parts.remove(&param.id));
+        }
+    }
+    let mut order = Order {
+        parts,
+        ordered: Vec::new(),
+    };
+    model.visit(&mut order);
+    order.ordered
+}
