@@ -1,0 +1,313 @@
+//! `memsave plan CONFIG --budget SIZE`: where a config's memory goes, what each checkpointable
+//! segment keeps and costs, and the cheapest combination of strategies that fits the budget;
+//! with `--verify`, that combination measured beside the unplanned run.
+//!
+//! Every figure comes from steps measured in processes of their own (`memsave plan-worker`):
+//! the config without checkpointing (its breakdown and peak), the config with every segment
+//! checkpointed (the planner's profile), and, to predict the other strategies from measurements,
+//! the same with mixed precision and with half the batch.
+
+mod breakdown;
+mod devices;
+mod report;
+mod worker;
+
+use std::path::PathBuf;
+use std::time::Instant;
+
+use memsave::config::Config;
+use memsave::memory::human;
+use memsave::planner::advise::{self, Measured, Setting};
+use memsave::planner::Budget;
+use memsave::{Error, Result};
+
+use super::Device;
+use breakdown::{breakdown, peak_of, step_seconds};
+use devices::PerPeer;
+use report::{print_report, PlanReport, Verified};
+use worker::run_worker;
+pub use worker::{worker, PlanWorkerArgs};
+
+#[derive(clap::Args, Debug)]
+pub struct PlanArgs {
+    /// The config file.
+    config: PathBuf,
+    /// What a step must fit in: bytes (`3GiB`, `512MiB`, `2.5GB`) or a share of the peak
+    /// without checkpointing (`60%`).
+    #[arg(long)]
+    budget: String,
+    /// Override a config key, as TOML: `--set data.samples_per_gpu=4`.
+    #[arg(long = "set", value_name = "KEY=VALUE")]
+    set: Vec<String>,
+    /// Run the chosen plan and print its measured peak and time beside the prediction.
+    #[arg(long)]
+    verify: bool,
+    /// Print the report as JSON.
+    #[arg(long)]
+    json: bool,
+    /// Consider strategies that change the arithmetic beyond rounding (8-bit optimizer state),
+    /// measured too; also `[memory] allow_approximate = true` in the config.
+    #[arg(long)]
+    allow_approximate: bool,
+    /// Measured steps per run (after one warm-up step).
+    #[arg(long, default_value_t = 2)]
+    iters: usize,
+    /// Where to run.
+    #[arg(long, value_enum, default_value = "cpu")]
+    device: Device,
+    /// Data-parallel peers the run will have: the breakdown adds each peer's share of the
+    /// optimizer state (and, at stage 2, of the gradients) under `optimizer_config.zero_stage`.
+    /// The measuring runs and the candidates are one process holding all of it.
+    #[arg(long, default_value_t = 1)]
+    devices: usize,
+}
+
+pub fn plan(args: PlanArgs) -> Result<()> {
+    let budget = Budget::parse(&args.budget, "--budget")?;
+    if args.iters == 0 {
+        return Err(Error::invalid("--iters", "at least one step is measured"));
+    }
+    let batch = memsave::models::registry::batch_size(&args.config, &args.set)?;
+    // The model's own settings, where its registry entry says they are.
+    let keys = memsave::models::registry::entry(&args.config, &args.set)?.keys;
+    if args.devices == 0 {
+        return Err(Error::invalid("--devices", "at least one peer"));
+    }
+    let (setting, allow_approximate, zero): (Setting, bool, memsave::parallel::ZeroStage) = {
+        let config =
+            Config::<memsave::models::config::ModelKind, memsave::models::config::AnyData>::load(
+                &args.config,
+                &args.set,
+            )?;
+        (
+            config.planner_setting(batch),
+            args.allow_approximate || config.memory.allow_approximate,
+            config.optimizer_config.zero()?,
+        )
+    };
+    let say = |line: &str| {
+        if !args.json {
+            eprintln!("{line}");
+        }
+    };
+    let unplanned_sets = vec![format!("{}=false", keys.with_cp)];
+    say("memsave plan: measuring the config without checkpointing ...");
+    let unplanned = run_worker(
+        &args,
+        ("the config without checkpointing", &unplanned_sets),
+        args.iters,
+        false,
+    )?;
+    let unplanned_breakdown = breakdown(&unplanned, setting.cumulative);
+    let budget_bytes = budget.bytes(unplanned_breakdown.peak);
+    let mut report = PlanReport {
+        config: args.config.clone(),
+        budget: budget.to_string(),
+        budget_bytes,
+        unplanned: unplanned_breakdown.clone(),
+        per_peer: (args.devices > 1).then(|| PerPeer::of(&unplanned_breakdown, args.devices, zero)),
+        nothing_needed: budget_bytes >= unplanned_breakdown.peak,
+        segments: Vec::new(),
+        floor: 0,
+        planning_ms: 0.0,
+        advice_ms: 0.0,
+        candidates: Vec::new(),
+        chosen: None,
+        verify: None,
+    };
+    if !report.nothing_needed {
+        say("memsave plan: profiling with every segment checkpointed ...");
+        let base = run_worker(
+            &args,
+            ("the config with every segment checkpointed", &[]),
+            0,
+            true,
+        )?;
+        let mut measured = vec![Measured {
+            setting,
+            profile: base.profile.clone(),
+        }];
+        if !setting.fp16 {
+            say("memsave plan: profiling under mixed precision ...");
+            let fp16 = run_worker(
+                &args,
+                (
+                    "the config under mixed precision",
+                    &["fp16.loss_scale=\"dynamic\"".to_string()],
+                ),
+                0,
+                true,
+            )?;
+            measured.push(Measured {
+                setting: Setting {
+                    fp16: true,
+                    ..setting
+                },
+                profile: fp16.profile,
+            });
+        }
+        if !setting.step_in_backward {
+            say("memsave plan: profiling the optimizer's step in backward ...");
+            let sets = vec!["optimizer_config.step_in_backward=true".to_string()];
+            let measurement = run_worker(
+                &args,
+                ("the config with the step in backward", &sets),
+                0,
+                true,
+            )?;
+            measured.push(Measured {
+                setting: Setting {
+                    step_in_backward: true,
+                    ..setting
+                },
+                profile: measurement.profile,
+            });
+            if !setting.fp16 {
+                say("memsave plan: profiling the step in backward under mixed precision ...");
+                let sets = vec![
+                    "optimizer_config.step_in_backward=true".to_string(),
+                    "fp16.loss_scale=\"dynamic\"".to_string(),
+                ];
+                let measurement = run_worker(
+                    &args,
+                    (
+                        "the config with the step in backward under mixed precision",
+                        &sets,
+                    ),
+                    0,
+                    true,
+                )?;
+                measured.push(Measured {
+                    setting: Setting {
+                        step_in_backward: true,
+                        fp16: true,
+                        ..setting
+                    },
+                    profile: measurement.profile,
+                });
+            }
+        }
+        if allow_approximate && !setting.int8_state {
+            say("memsave plan: profiling 8-bit optimizer state ...");
+            let sets = vec!["optimizer.state_dtype=\"int8\"".to_string()];
+            let measurement = run_worker(&args, ("the config with 8-bit state", &sets), 0, true)?;
+            measured.push(Measured {
+                setting: Setting {
+                    int8_state: true,
+                    ..setting
+                },
+                profile: measurement.profile,
+            });
+        }
+        if setting.micro_batch >= 2 && setting.micro_batch % 2 == 0 {
+            say("memsave plan: profiling half the batch ...");
+            let half = setting.micro_batch / 2;
+            let sets = vec![format!("{}={half}", keys.batch)];
+            let measurement = run_worker(&args, ("the config at half the batch", &sets), 0, true)?;
+            measured.push(Measured {
+                setting: Setting {
+                    micro_batch: half,
+                    ..setting
+                },
+                profile: measurement.profile,
+            });
+        }
+        // The search itself, at a budget it can meet (below the floor it stops at once).
+        let started = Instant::now();
+        let _ = memsave::planner::plan(&base.profile, budget_bytes.max(base.profile.floor()));
+        report.planning_ms = started.elapsed().as_secs_f64() * 1e3;
+        report.segments = base.profile.segments.clone();
+        report.floor = base.profile.floor();
+        let started = Instant::now();
+        report.candidates =
+            advise::advise(&setting, &measured, budget_bytes, &keys, allow_approximate);
+        report.advice_ms = started.elapsed().as_secs_f64() * 1e3;
+        report.chosen = report.candidates.first().filter(|c| c.fits).cloned();
+    }
+    if args.verify {
+        let sets = match &report.chosen {
+            Some(chosen) => chosen.sets.clone(),
+            None if report.nothing_needed => unplanned_sets.clone(),
+            None => {
+                return Err(Error::invalid(
+                    "--budget",
+                    format!(
+                        "nothing fits {} ({}): there is no plan to verify",
+                        human(budget_bytes),
+                        args.budget
+                    ),
+                ))
+            }
+        };
+        let cumulative = report.chosen.as_ref().map_or(1, |c| c.setting.cumulative);
+        // Interleaved with the unplanned run, for the time ratio: planned, unplanned, planned.
+        say("memsave plan: verifying the plan (planned, unplanned, planned) ...");
+        let first = run_worker(&args, ("the plan", &sets), args.iters, false)?;
+        let again = run_worker(
+            &args,
+            ("the config without checkpointing", &unplanned_sets),
+            args.iters,
+            false,
+        )?;
+        let second = run_worker(&args, ("the plan", &sets), args.iters, false)?;
+        let planned_seconds = step_seconds([&first, &second], cumulative);
+        let unplanned_seconds = step_seconds([&unplanned, &again], setting.cumulative);
+        let measured_peak = peak_of(&first).max(peak_of(&second));
+        let unplanned_peak = report.unplanned.peak.max(peak_of(&again));
+        report.verify = Some(Verified {
+            measured_peak,
+            measured_seconds: planned_seconds,
+            unplanned_seconds,
+            memory_ratio: measured_peak as f64 / unplanned_peak as f64,
+            time_ratio: planned_seconds / unplanned_seconds,
+        });
+    }
+    if args.json {
+        println!(
+            "{}",
+            serde_json::to_string_pretty(&report).map_err(|e| Error::Data(e.to_string()))?
+        );
+    } else {
+        print_report(&report, &setting);
+    }
+    if report.chosen.is_none() && !report.nothing_needed {
+        // The report is printed; the exit code says, for scripts, that nothing fits.
+        return Err(Error::invalid(
+            "--budget",
+            format!(
+                "nothing memsave can switch on fits {} ({}); checkpointing every segment \
+                 needs {}",
+                human(budget_bytes),
+                args.budget,
+                human(report.floor)
+            ),
+        ));
+    }
+    if let Some(verified) = report
+        .verify
+        .as_ref()
+        .filter(|v| v.measured_peak > budget_bytes)
+    {
+        // The report is printed; the plan was measured over the budget: say so, and by how
+        // much, and fail, so that no script takes it for a plan that fits.
+        let predicted = report
+            .chosen
+            .as_ref()
+            .map_or(report.unplanned.peak, |c| c.peak);
+        return Err(Error::invalid(
+            "--budget",
+            format!(
+                "the plan was measured at {}, over the budget of {} ({}) by {:.1}% (predicted \
+                 {}, {:.1}% low); a budget {:.1}% lower plans for what was measured",
+                human(verified.measured_peak),
+                human(budget_bytes),
+                args.budget,
+                (verified.measured_peak as f64 / budget_bytes as f64 - 1.0) * 100.0,
+                human(predicted),
+                (1.0 - predicted as f64 / verified.measured_peak as f64) * 100.0,
+                (1.0 - predicted as f64 / verified.measured_peak as f64) * 100.0,
+            ),
+        ));
+    }
+    Ok(())
+}
