@@ -8,15 +8,17 @@ use burn::backend::autodiff::grads::Gradients;
 use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
 use burn::backend::Autodiff;
 use burn::prelude::Backend;
-use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::ops::FloatTensor;
 
 pub(super) fn relu_keeping_output<K: Backend>(
     x: FloatTensor<Autodiff<K>>,
 ) -> FloatTensor<Autodiff<K>> {
-    let output = K::relu(Autodiff::<K>::inner(x.clone()));
+    // The input's buffer moves into the kernel, so that a backend may compute in place where
+    // nothing else holds it (Flex does): only the node stays for the graph.
+    let node = x.node.clone();
+    let output = K::relu(x.primitive);
     match ReluBackward
-        .prepare::<NoCheckpointing>([x.node.clone()])
+        .prepare::<NoCheckpointing>([node])
         .compute_bound()
         .stateful()
     {
@@ -58,12 +60,13 @@ pub(super) fn add_keeping_nothing<K: Backend>(
     a: FloatTensor<Autodiff<K>>,
     b: FloatTensor<Autodiff<K>>,
 ) -> FloatTensor<Autodiff<K>> {
-    let output = K::float_add(
-        Autodiff::<K>::inner(a.clone()),
-        Autodiff::<K>::inner(b.clone()),
-    );
+    // Both buffers move into the kernel, as in Burn's own add, so that it may write in place
+    // (Flex does where nothing else holds one): cloning them kept both inputs alive beside a new
+    // output, one activation more at the checkpointed peak (ResNet-50: 186.8 -> 193.5 MiB).
+    let nodes = [a.node.clone(), b.node.clone()];
+    let output = K::float_add(a.primitive, b.primitive);
     match AddBackward
-        .prepare::<NoCheckpointing>([a.node.clone(), b.node.clone()])
+        .prepare::<NoCheckpointing>(nodes)
         .compute_bound()
         .stateful()
     {
