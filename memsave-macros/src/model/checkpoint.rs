@@ -312,4 +312,3 @@ pub(super) fn has_with_cp(memsave: &TokenStream, model: &Model) -> Option<TokenS
         }
     })
 }
-

@@ -45,7 +45,10 @@ pub(super) fn binding(field: &Field) -> syn::Ident {
 
 /// `match self { Self::V(a, b) => Self::V(f(a), b), ... }` for an enum, `Self { a: f(self.a) }`
 /// for a struct, with `each` giving a field's new value from its expression.
-pub(super) fn rebuild(model: &Model, each: &dyn Fn(&Field, TokenStream) -> TokenStream) -> TokenStream {
+pub(super) fn rebuild(
+    model: &Model,
+    each: &dyn Fn(&Field, TokenStream) -> TokenStream,
+) -> TokenStream {
     match &model.body {
         Body::Struct(fields) => {
             let fields = fields.iter().map(|field| {
