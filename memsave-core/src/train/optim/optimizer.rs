@@ -107,23 +107,17 @@ impl<B: AutodiffBackend, M: AutodiffModule<B>> Optim<B, M> {
                 weight_decay: (*weight_decay > 0.0).then_some(*weight_decay as f32),
                 eight_bit: true,
             })),
-            OptimizerKind::Adam {
-                betas,
-                eps,
-                weight_decay,
+            OptimizerKind::Adam { .. } | OptimizerKind::AdamW { .. } => {
+                let (betas, eps, weight_decay) = kind.adam_settings();
+                Optim::Adam8(OptimizerAdaptor::from(Adam8 {
+                    beta_1: betas.0 as f32,
+                    beta_2: betas.1 as f32,
+                    epsilon: eps as f32,
+                    weight_decay: weight_decay as f32,
+                    decoupled: matches!(kind, OptimizerKind::AdamW { .. }),
+                    eight_bit: true,
+                }))
             }
-            | OptimizerKind::AdamW {
-                betas,
-                eps,
-                weight_decay,
-            } => Optim::Adam8(OptimizerAdaptor::from(Adam8 {
-                beta_1: betas.0 as f32,
-                beta_2: betas.1 as f32,
-                epsilon: *eps as f32,
-                weight_decay: *weight_decay as f32,
-                decoupled: matches!(kind, OptimizerKind::AdamW { .. }),
-                eight_bit: true,
-            })),
         }
     }
 

@@ -119,6 +119,24 @@ impl OptimizerKind {
         }
     }
 
+    /// Adam's and AdamW's settings: betas, eps and weight decay (zeros for SGD, which has none
+    /// of them).
+    pub(crate) fn adam_settings(&self) -> ((f64, f64), f64, f64) {
+        match self {
+            OptimizerKind::Sgd { .. } => ((0.0, 0.0), 0.0, 0.0),
+            OptimizerKind::Adam {
+                betas,
+                eps,
+                weight_decay,
+            }
+            | OptimizerKind::AdamW {
+                betas,
+                eps,
+                weight_decay,
+            } => (*betas, *eps, *weight_decay),
+        }
+    }
+
     /// This optimizer keeping its state as `state_dtype`.
     pub fn with_state_dtype(self, state_dtype: StateDtype) -> OptimizerSpec {
         OptimizerSpec {
@@ -206,16 +224,8 @@ impl OptimizerSpec {
                     ));
                 }
             }
-            OptimizerKind::Adam {
-                betas,
-                eps,
-                weight_decay,
-            }
-            | OptimizerKind::AdamW {
-                betas,
-                eps,
-                weight_decay,
-            } => {
+            OptimizerKind::Adam { .. } | OptimizerKind::AdamW { .. } => {
+                let (betas, eps, weight_decay) = self.kind.adam_settings();
                 for (i, beta) in [betas.0, betas.1].into_iter().enumerate() {
                     if !(0.0..1.0).contains(&beta) {
                         return Err(Error::invalid(
@@ -224,8 +234,8 @@ impl OptimizerSpec {
                         ));
                     }
                 }
-                non_negative("eps", *eps)?;
-                non_negative("weight_decay", *weight_decay)?;
+                non_negative("eps", eps)?;
+                non_negative("weight_decay", weight_decay)?;
             }
         }
         if self.state_dtype == StateDtype::Int8 && self.kind.state_copies() == 0 {

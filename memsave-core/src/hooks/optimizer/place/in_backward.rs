@@ -70,10 +70,7 @@ impl StepPlace for InBackward {
             state.forward_passes = 2;
         }
         let phase = if self.two { Phase::Norm } else { Phase::Step };
-        let peers = parts.reducer.tap_peers(&state.model);
-        let mut tapping = std::mem::take(&mut state.tapping);
-        tapping.tap(state, phase, parts.norm_type(), !self.two, peers);
-        state.tapping = tapping;
+        super::tap(parts, state, phase, parts.norm_type(), !self.two);
         Ok(())
     }
 
@@ -127,11 +124,8 @@ impl StepPlace for InBackward {
             }
             return Ok(());
         }
-        let peers = parts.reducer.tap_peers(&state.model);
         self.norm = norm;
-        let mut tapping = std::mem::take(&mut state.tapping);
-        tapping.tap(state, Phase::Step, parts.norm_type(), false, peers);
-        state.tapping = tapping;
+        super::tap(parts, state, Phase::Step, parts.norm_type(), false);
         Ok(())
     }
 

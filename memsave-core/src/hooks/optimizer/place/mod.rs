@@ -26,6 +26,22 @@ use super::Reducer;
 use crate::train::{tapping, TrainModel, TrainState};
 use crate::Result;
 
+/// Taps every trainable parameter of the model the next forward runs on, for `phase` of the
+/// step in backward (`log_norm`: the pass records the gradients' norm), with this peer's
+/// reduction where the reducer has peers.
+fn tap<B: AutodiffBackend, M: TrainModel<B>, R: Reducer<B>>(
+    parts: &Parts<'_, R>,
+    state: &mut TrainState<B, M>,
+    phase: tapping::Phase,
+    norm_type: f64,
+    log_norm: bool,
+) {
+    let peers = parts.reducer.tap_peers(&state.model);
+    let mut tapping = std::mem::take(&mut state.tapping);
+    tapping.tap(state, phase, norm_type, log_norm, peers);
+    state.tapping = tapping;
+}
+
 /// One place of the step: what it does at each of the hook's moments. A micro-batch that does
 /// not end its group is the same everywhere ([`Parts::accumulate`]).
 pub(super) trait StepPlace {

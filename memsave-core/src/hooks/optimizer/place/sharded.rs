@@ -23,10 +23,7 @@ impl StepPlace for ShardedByOwner {
         parts: &Parts<'_, R>,
         state: &mut TrainState<B, M>,
     ) -> Result<()> {
-        let peers = parts.reducer.tap_peers(&state.model);
-        let mut tapping = std::mem::take(&mut state.tapping);
-        tapping.tap(state, Phase::Reduce, 2.0, false, peers);
-        state.tapping = tapping;
+        super::tap(parts, state, Phase::Reduce, 2.0, false);
         Ok(())
     }
 
