@@ -6,8 +6,8 @@ use quote::{format_ident, quote, quote_spanned};
 use syn::spanned::Spanned;
 use syn::Member;
 
-use super::ast::{Body, Field, Model, Style, CP_FLAG, FP16_FLAG};
-use super::expand::{binding, impl_header, rebuild};
+use super::ast::{Body, Field, Model, CP_FLAG, FP16_FLAG};
+use super::expand::{binding, impl_header, rebuild, variant_pattern};
 
 /// `CheckpointModule`, when checkpointing can be switched on: the flag set, the marked fields
 /// switched in turn.
@@ -277,7 +277,6 @@ fn visit_marked(model: &Model, each: &dyn Fn(&Field, TokenStream) -> TokenStream
         }
         Body::Enum(variants) => {
             let arms = variants.iter().map(|variant| {
-                let name = &variant.ident;
                 let bindings: Vec<_> = variant.fields.iter().map(binding).collect();
                 let calls = variant
                     .fields
@@ -285,14 +284,7 @@ fn visit_marked(model: &Model, each: &dyn Fn(&Field, TokenStream) -> TokenStream
                     .zip(&bindings)
                     .filter(|(field, _)| field.with_cp.is_some())
                     .map(|(field, bound)| each(field, quote!(#bound)));
-                let pattern = match variant.style {
-                    Style::Unit => quote!(Self::#name),
-                    Style::Unnamed => quote!(Self::#name(#(#bindings),*)),
-                    Style::Named => {
-                        let members = variant.fields.iter().map(|field| &field.member);
-                        quote!(Self::#name { #(#members: #bindings),* })
-                    }
-                };
+                let pattern = variant_pattern(variant, &bindings);
                 quote!(#pattern => { #(#calls)* })
             });
             quote!(match self { #(#arms,)* })

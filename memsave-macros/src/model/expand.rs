@@ -6,7 +6,7 @@ use quote::{format_ident, quote, quote_spanned};
 use syn::spanned::Spanned;
 use syn::Member;
 
-use super::ast::{Body, Field, Model, Style, CP_FLAG, FP16_FLAG};
+use super::ast::{Body, Field, Model, Style, Variant, CP_FLAG, FP16_FLAG};
 
 pub fn expand(memsave: &TokenStream, model: &Model) -> TokenStream {
     let item = &model.item;
@@ -39,6 +39,20 @@ pub(super) fn binding(field: &Field) -> syn::Ident {
         Member::Named(ident) => ident.clone(),
         Member::Unnamed(index) => {
             format_ident!("__field{}", index.index, span = field.ty.span())
+        }
+    }
+}
+
+/// `Self::V`, `Self::V(a, b)` or `Self::V { x: a, y: b }`: a match pattern binding each field of
+/// `variant` to its name in `bindings`.
+pub(super) fn variant_pattern(variant: &Variant, bindings: &[syn::Ident]) -> TokenStream {
+    let name = &variant.ident;
+    match variant.style {
+        Style::Unit => quote!(Self::#name),
+        Style::Unnamed => quote!(Self::#name(#(#bindings),*)),
+        Style::Named => {
+            let members = variant.fields.iter().map(|field| &field.member);
+            quote!(Self::#name { #(#members: #bindings),* })
         }
     }
 }
@@ -174,7 +188,6 @@ fn visit_flags(memsave: &TokenStream, model: &Model) -> TokenStream {
         }
         Body::Enum(variants) => {
             let arms = variants.iter().map(|variant| {
-                let name = &variant.ident;
                 let bindings: Vec<_> = variant.fields.iter().map(binding).collect();
                 let calls = variant
                     .fields
@@ -182,14 +195,7 @@ fn visit_flags(memsave: &TokenStream, model: &Model) -> TokenStream {
                     .zip(&bindings)
                     .filter(|(field, _)| wrapped(field))
                     .map(|(_, bound)| call(quote!(#bound)));
-                let pattern = match variant.style {
-                    Style::Unit => quote!(Self::#name),
-                    Style::Unnamed => quote!(Self::#name(#(#bindings),*)),
-                    Style::Named => {
-                        let members = variant.fields.iter().map(|field| &field.member);
-                        quote!(Self::#name { #(#members: #bindings),* })
-                    }
-                };
+                let pattern = variant_pattern(variant, &bindings);
                 quote!(#pattern => { #(#calls)* })
             });
             quote!(match self { #(#arms,)* })
@@ -242,7 +248,6 @@ fn random_draws(memsave: &TokenStream, model: &Model) -> TokenStream {
         }
         Body::Enum(variants) => {
             let arms = variants.iter().map(|variant| {
-                let name = &variant.ident;
                 let bindings: Vec<_> = variant.fields.iter().map(binding).collect();
                 let checks = variant
                     .fields
@@ -250,14 +255,7 @@ fn random_draws(memsave: &TokenStream, model: &Model) -> TokenStream {
                     .zip(&bindings)
                     .filter(|(field, _)| !field.module_skip)
                     .map(|(_, bound)| probe(quote!(#bound)));
-                let pattern = match variant.style {
-                    Style::Unit => quote!(Self::#name),
-                    Style::Unnamed => quote!(Self::#name(#(#bindings),*)),
-                    Style::Named => {
-                        let members = variant.fields.iter().map(|field| &field.member);
-                        quote!(Self::#name { #(#members: #bindings),* })
-                    }
-                };
+                let pattern = variant_pattern(variant, &bindings);
                 quote!(#pattern => false #(|| #checks)*)
             });
             quote!(match self { #(#arms,)* })
