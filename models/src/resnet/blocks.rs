@@ -153,14 +153,15 @@ impl<B: Backend> BasicBlock<B> {
 }
 
 impl<B: memsave::Backend> BasicBlock<B> {
-    /// `[N, C_in, H, W]` -> `[N, width, H/s, W/s]`.
+    /// `[N, C_in, H, W]` -> `[N, width, H/s, W/s]`; the whole block one segment when `with_cp`
+    /// is on.
+    #[with_cp]
     pub fn forward(&self, x: Tensor<B, 4>) -> Tensor<B, 4> {
         self.relu.forward(self.residual(x))
     }
 
-    /// Everything but the final ReLU, checkpointed as one segment when `with_cp` is on.
-    #[with_cp]
-    pub(super) fn residual(&self, x: Tensor<B, 4>) -> Tensor<B, 4> {
+    /// Everything but the final ReLU.
+    fn residual(&self, x: Tensor<B, 4>) -> Tensor<B, 4> {
         let identity = skip(&self.downsample, &x);
         // Each BN-ReLU and the conv after it are one op keeping only the BN's input.
         let y = self
@@ -237,15 +238,18 @@ fn zeroed<B: Backend>(bn: BatchNorm<B>) -> BatchNorm<B> {
 }
 
 impl<B: memsave::Backend> Bottleneck<B> {
-    /// `[N, C_in, H, W]` -> `[N, 4 * width, H/s, W/s]`.
+    /// `[N, C_in, H, W]` -> `[N, 4 * width, H/s, W/s]`; the whole block one segment when
+    /// `with_cp` is on. MMCV leaves the final ReLU outside its checkpointed part; here it is
+    /// inside, so that the block's output (the next block's input) is kept by the next segment
+    /// alone, not also by the ReLU's backward: activation offload can then move it to the host
+    /// (`[offload] activations`). The arithmetic is the same.
+    #[with_cp]
     pub fn forward(&self, x: Tensor<B, 4>) -> Tensor<B, 4> {
         self.relu.forward(self.residual(x))
     }
 
-    /// conv1..bn3, the downsample and the residual add: MMCV's checkpointed part; the final
-    /// ReLU stays outside.
-    #[with_cp]
-    pub(super) fn residual(&self, x: Tensor<B, 4>) -> Tensor<B, 4> {
+    /// conv1..bn3, the downsample and the residual add.
+    fn residual(&self, x: Tensor<B, 4>) -> Tensor<B, 4> {
         let identity = skip(&self.downsample, &x);
         // Each BN-ReLU and the conv after it are one op keeping only the BN's input.
         let y = self
