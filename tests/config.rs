@@ -291,6 +291,7 @@ fn the_shipped_configs_load() {
             false,
         ),
         ("resnet18_synthetic_int8_state.toml", "optimizer", false),
+        ("resnet18_synthetic_offload.toml", "optimizer", true),
     ];
     for (file, hook, with_cp) in expected {
         let config = Cfg::load(&root.join(file), &[]).unwrap();
@@ -304,6 +305,13 @@ fn the_shipped_configs_load() {
         assert_eq!(
             config.optimizer().state_dtype == memsave::train::StateDtype::Int8,
             file.contains("int8"),
+            "{file}"
+        );
+        let offload = file.contains("offload");
+        assert_eq!(config.offload.activations().is_some(), offload, "{file}");
+        assert_eq!(
+            config.optimizer_hook_of().unwrap().optimizer_offload,
+            offload,
             "{file}"
         );
     }
@@ -403,4 +411,41 @@ fn a_missing_base_file_names_the_config_that_includes_it() {
         message.contains("includes-missing.toml") && message.contains("no-such-base.toml"),
         "{message}"
     );
+}
+
+#[test]
+fn activation_offload_is_one_line_and_its_sizes_take_units() {
+    use memsave::checkpoint::offload::ActivationOffload;
+    let hook_names = |config: &Cfg| -> Vec<&'static str> {
+        config
+            .hooks::<AB, TinyNet<AB>>()
+            .iter()
+            .map(|hook| hook.name())
+            .collect()
+    };
+    let off = parse("").unwrap();
+    assert_eq!(off.offload.activations(), None);
+    assert!(!hook_names(&off).contains(&"offload"));
+    let on = parse("[offload]\nactivations = true").unwrap();
+    assert_eq!(on.offload.activations(), Some(ActivationOffload::default()));
+    assert!(hook_names(&on).contains(&"offload"));
+    let tuned = parse(
+        "[offload]\nactivations = true\nmin_bytes = \"4KiB\"\nmax_in_flight = 1048576\nprefetch = 3",
+    )
+    .unwrap();
+    assert_eq!(
+        tuned.offload.activations(),
+        Some(ActivationOffload {
+            min_bytes: 4096,
+            max_in_flight: 1 << 20,
+            prefetch: 3,
+        })
+    );
+    let message = error("[offload]\nactivations = true\nmin_bytes = \"4 parsecs\"");
+    assert!(
+        message.contains("offload.min_bytes") && message.contains("not a size"),
+        "{message}"
+    );
+    let message = error("[offload]\nactivation = true");
+    assert!(message.contains("did you mean `activations`"), "{message}");
 }

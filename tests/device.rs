@@ -12,6 +12,8 @@
 //! taken. Tests share one device: they run one at a time (a lock), each under a watchdog.
 
 mod common;
+#[path = "device/offload.rs"]
+mod offload;
 
 use std::collections::HashMap;
 use std::sync::Mutex;
@@ -786,6 +788,8 @@ fn train_and_bench_run_on_the_device_and_end_cleanly() {
                 "data.samples_per_gpu=4",
                 "--set",
                 "model.backbone.with_cp=true",
+                "--set",
+                "offload.activations=true",
             ])
             .output()
             .unwrap();
@@ -796,6 +800,13 @@ fn train_and_bench_run_on_the_device_and_end_cleanly() {
         );
         assert!(out.status.success(), "train on {}: {text}", device_name());
         assert!(text.contains("loss"), "{text}");
+        // Activation offload: on a device, on without a word; on the CPU, said off once.
+        let said_off = text.matches("nothing to offload to").count();
+        match memsave::checkpoint::offload::can_offload::<K>() {
+            Ok(()) => assert_eq!(said_off, 0, "{text}"),
+            Err(_) => assert_eq!(said_off, 1, "{text}"),
+        }
+        assert!(!text.contains("offloaded nothing"), "{text}");
         let out = memsave_cmd()
             .args([
                 "bench",
@@ -825,7 +836,8 @@ fn train_and_bench_run_on_the_device_and_end_cleanly() {
         );
         assert!(out.status.success(), "bench on {}: {bench}", device_name());
         println!(
-            "device suite: {}: `memsave train` (1 epoch, 4 iterations, checkpointed) and \
+            "device suite: {}: `memsave train` (1 epoch, 4 iterations, checkpointed, activation \
+             offload asked for) and \
              `memsave bench` (64 x 64, base and checkpoint) ended cleanly",
             device_name()
         );
@@ -945,17 +957,7 @@ fn the_step_in_backward_and_8_bit_state_run_on_the_device() {
         let peak = |in_backward: bool| {
             let hook = OptimizerHook::new().with_step_in_backward(in_backward);
             let mut runner = mlp_runner(mlp.clone(), sgd.clone().into(), hook, 4);
-            let steps = memsave::planner::StepMeter::new(2, 4, memory::meter_for(&device).unwrap());
-            let measured = steps.steps.clone();
-            runner.register_hook(Box::new(steps));
-            runner.run().unwrap();
-            let peak = measured
-                .borrow()
-                .iter()
-                .map(|(_, peak)| *peak)
-                .max()
-                .unwrap();
-            peak
+            run_measured(&mut runner, 2, 4)
         };
         let (ordinary, in_backward) = (peak(false), peak(true));
         let mib = |b: u64| b as f64 / (1024.0 * 1024.0);
@@ -973,6 +975,22 @@ fn the_step_in_backward_and_8_bit_state_run_on_the_device() {
             "{in_backward} vs {ordinary} ({gradients} bytes of gradients)"
         );
     });
+}
+
+/// Runs `runner`; the most the device held in any of iterations `from..to` (whole step).
+fn run_measured(
+    runner: &mut Runner<D, common::mlp::Mlp<D>, SyntheticClassification<D>>,
+    from: usize,
+    to: usize,
+) -> u64 {
+    let device: burn::tensor::Device<D> = Default::default();
+    let meter = memory::meter_for(&device).expect("the device's memory can be read");
+    let steps = memsave::planner::StepMeter::new(from, to, meter);
+    let measured = steps.steps.clone();
+    runner.register_hook(Box::new(steps));
+    runner.run().unwrap();
+    let peak = measured.borrow().iter().map(|(_, peak)| *peak).max();
+    peak.expect("a step was measured")
 }
 
 /// A run of `iters` iterations of `mlp` on synthetic 8 x 8 images, lr 0.001.

@@ -37,3 +37,11 @@ pub(crate) fn short_name(name: &str) -> String {
     }
     outer.rsplit("::").next().unwrap_or(name).to_string()
 }
+
+/// `Type::method` (or `Type` for an unnamed segment), for messages.
+pub(crate) fn segment_name(module: &str, method: &str) -> String {
+    match method {
+        "" => short_name(module),
+        method => format!("{}::{method}", short_name(module)),
+    }
+}

@@ -18,6 +18,7 @@
 mod autodiff;
 pub(crate) mod context;
 pub(crate) mod id;
+pub mod offload;
 pub mod profile;
 mod reached;
 mod segment;
@@ -31,8 +32,11 @@ use burn::tensor::ops::FloatTensor;
 
 pub(crate) use autodiff::{mark_ours, take_grad};
 pub use context::{is_recomputing, random};
-use id::short_name;
 pub use id::SegmentId;
+pub use offload::{
+    activation_offload, offload_stats, reset_offload_stats, set_activation_offload,
+    wait_for_copies, ActivationOffload, OffloadStats,
+};
 pub use reached::{no_segment_message, reached, unreached};
 pub use segment::{floats, Segment};
 pub use stream::RandomDraws;
@@ -223,10 +227,7 @@ fn lock_uncheckpointed() -> std::sync::MutexGuard<'static, Vec<String>> {
 /// Warns, once per segment, that the segment `method` of a module of type `module` runs
 /// without checkpointing.
 pub(crate) fn warn_uncheckpointed(module: &str, method: &str) {
-    let name = match method {
-        "" => short_name(module),
-        method => format!("{}::{method}", short_name(module)),
-    };
+    let name = id::segment_name(module, method);
     let mut seen = lock_uncheckpointed();
     if seen.contains(&name) {
         return;

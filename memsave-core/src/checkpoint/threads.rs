@@ -43,7 +43,7 @@ thread_local! {
 }
 
 /// The thread whose backward pass the current thread serves (itself, unless a helper).
-fn owner() -> ThreadId {
+pub(crate) fn owner() -> ThreadId {
     OWNER
         .with(|owner| owner.get())
         .unwrap_or_else(|| std::thread::current().id())
@@ -92,6 +92,24 @@ pub(crate) fn run_on_helper<R: Send>(work: impl FnOnce() -> R + Send) -> R {
         Ok(result) => result,
         Err(payload) => std::panic::resume_unwind(payload),
     })
+}
+
+/// `work` made to run, on another thread, on the caller's device stream and as a helper of the
+/// caller's owner (see the module docs): the staging copies of activation offload
+/// ([`super::offload`]) run so.
+pub(crate) fn on_this_stream<R>(
+    work: impl FnOnce() -> R + Send + 'static,
+) -> impl FnOnce() -> R + Send + 'static {
+    #[cfg(feature = "cubecl")]
+    let work = {
+        let stream = cubecl::stream_id::StreamId::current();
+        move || stream.executes(work)
+    };
+    let owner = owner();
+    move || {
+        OWNER.with(|cell| cell.set(Some(owner)));
+        work()
+    }
 }
 
 /// Frees this thread's matrix-product scratch (gemm's `L2_SLAB`, the size of the L2 cache). A

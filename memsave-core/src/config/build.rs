@@ -128,7 +128,8 @@ impl<M, D> Config<M, D> {
         let mut hook = OptimizerHook::new()
             .with_grad_clip(section.grad_clip)
             .with_detect_anomalous_params(section.detect_anomalous_params)
-            .with_step_in_backward(section.step_in_backward);
+            .with_step_in_backward(section.step_in_backward)
+            .with_optimizer_offload(self.offload.optimizer);
         let groups = section.groups().map_err(|e| under("optimizer_config", e))?;
         hook = hook.with_groups(groups);
         let fp16 = match (&self.fp16, section.kind.is_fp16()) {
@@ -143,10 +144,13 @@ impl<M, D> Config<M, D> {
         Ok(hook)
     }
 
-    /// The other hooks: learning rate, snapshots, log, and the config keys of the strategies
-    /// for the advice of a step that does not fit.
+    /// The other hooks: learning rate, snapshots, log, the config keys of the strategies for the
+    /// advice of a step that does not fit, and activation offload where `[offload]` asks.
     pub fn hooks<B: AutodiffBackend, Mo: TrainModel<B>>(&self) -> Vec<Box<dyn Hook<B, Mo>>> {
-        vec![
+        let offload = self.offload.activations().map(|setting| {
+            Box::new(crate::hooks::OffloadHook::new(setting)) as Box<dyn Hook<B, Mo>>
+        });
+        let mut hooks: Vec<Box<dyn Hook<B, Mo>>> = vec![
             Box::new(LrUpdaterHook {
                 schedule: self.lr_schedule(),
             }),
@@ -156,7 +160,9 @@ impl<M, D> Config<M, D> {
             )),
             Box::new(LoggerHook::new(self.log_config.interval)),
             Box::new(StrategyKeys),
-        ]
+        ];
+        hooks.extend(offload);
+        hooks
     }
 }
 

@@ -84,6 +84,9 @@ pub struct Config<M, D> {
     /// What a step must fit in (`memory_budget`), for `with_cp = "auto"`.
     #[serde(default)]
     pub memory: crate::planner::MemorySection,
+    /// What goes to host memory (CPU staging); absent: nothing.
+    #[serde(default)]
+    pub offload: crate::hooks::OffloadSection,
 }
 
 impl<M: DeserializeOwned, D: DeserializeOwned> Config<M, D> {

@@ -4,12 +4,14 @@
 
 mod logger;
 mod lr;
+mod offload;
 mod optimizer;
 mod snapshot;
 
 pub use crate::train::grads::GradClip;
 pub use logger::{LogConfig, LoggerHook};
 pub use lr::{LrSchedule, LrUpdaterHook, Policy, Warmup};
+pub use offload::{Bytes, OffloadHook, OffloadSection};
 pub use optimizer::{
     Alone, Fp16OptimizerHook, GradientCumulativeFp16OptimizerHook, GradientCumulativeOptimizerHook,
     Groups, OptimizerHook, Reducer,

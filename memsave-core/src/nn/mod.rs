@@ -33,6 +33,6 @@ pub use group_norm::{GroupNorm, GroupNormConfig};
 pub use layer_norm::{LayerNorm, LayerNormConfig};
 pub use noise::{GaussianNoise, GaussianNoiseConfig};
 pub(crate) use ops::{dequantize_blocks, quantize_blocks};
-pub use ops::{is_lean, lean_backends, register_backend};
+pub use ops::{host_resident, is_lean, lean_backends, register_backend};
 pub use pool::max_pool2d;
 pub use relu::{add, relu, Relu};

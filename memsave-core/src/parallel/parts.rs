@@ -168,6 +168,7 @@ impl<A: AutodiffBackend> Reducer<A> for PeerReducer<A::InnerBackend> {
         &self,
         model: &M,
         optimizer: &Optim<A, M>,
+        held: Option<&[u8]>,
     ) -> Result<Option<Vec<u8>>> {
         use crate::train::snapshot::codec::{merge_by_param, rename_by_param};
         if self.zero == ZeroStage::Off {
@@ -182,7 +183,10 @@ impl<A: AutodiffBackend> Reducer<A> for PeerReducer<A::InnerBackend> {
             .iter()
             .map(|(id, position)| (*position, *id))
             .collect();
-        let mine = optimizer.to_bytes().map_err(bad)?;
+        let mine = match held {
+            Some(held) => held.to_vec(),
+            None => optimizer.to_bytes().map_err(bad)?,
+        };
         let mine =
             rename_by_param(&mine, |id| positions.get(&id).map(|&p| p.into())).map_err(bad)?;
         let parts = zero::gather_bytes(&*self.collective, &mine, &self.device)?;

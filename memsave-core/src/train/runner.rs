@@ -61,6 +61,7 @@ where
         optimizer.validate()?;
         let mut state = TrainState::new(model, Optim::new(&optimizer), device, work_dir.into());
         state.optimizer_state_per_weight = optimizer.state_per_weight();
+        state.optimizer_spec = Some(optimizer.clone());
         state.iters_per_epoch = iters_per_epoch;
         (state.by_epoch, state.max_iters) = match length {
             RunLength::Epochs(epochs) => (true, epochs * iters_per_epoch),
@@ -322,7 +323,13 @@ where
     /// Writes a snapshot of the run as it stands after the current iteration, to `path` and to
     /// `latest.ckpt` beside it.
     pub fn save_snapshot(&mut self, path: &Path) -> Result<()> {
-        let whole = self.state.whole_optimizer.take();
+        let mut whole = self.state.whole_optimizer.take();
+        if whole.is_none() && !self.state.sharded_optimizer {
+            // Called directly: a state held elsewhere than the optimizer (on the host, with
+            // optimizer offload) is handed over by the hooks as before any snapshot.
+            self.call(|hook, state| hook.before_snapshot(state))?;
+            whole = self.state.whole_optimizer.take();
+        }
         if whole.is_none() && self.state.sharded_optimizer {
             return Err(Error::Snapshot {
                 path: path.to_path_buf(),

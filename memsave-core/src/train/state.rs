@@ -144,6 +144,9 @@ pub struct TrainState<B: AutodiffBackend, M: TrainModel<B>> {
     pub sharded_optimizer: bool,
     /// The run's directory: checkpoints and the log file.
     pub work_dir: PathBuf,
+    /// The optimizer's settings, where the run was made from them ([`super::Runner::new`]):
+    /// the step on the host builds its own state from them.
+    pub(crate) optimizer_spec: Option<super::OptimizerSpec>,
     /// Bytes of optimizer state per byte of trainable weights (for the memory check):
     /// [`super::OptimizerSpec::state_per_weight`].
     pub optimizer_state_per_weight: f64,
@@ -196,6 +199,7 @@ impl<B: AutodiffBackend, M: TrainModel<B>> TrainState<B, M> {
             whole_optimizer: None,
             sharded_optimizer: false,
             work_dir,
+            optimizer_spec: None,
             optimizer_state_per_weight: 0.0,
             step_group_bytes: STEP_GROUP_BYTES,
             peer: PeerPlace::ALONE,

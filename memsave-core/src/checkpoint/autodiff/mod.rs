@@ -179,7 +179,15 @@ impl<B: Backend, C: CheckpointStrategy> CheckpointBackend for Autodiff<B, C> {
         let stash: Stash<B> = Arc::new(Mutex::new(vec![None; count]));
         let module = module.clone();
         let id = super::profile::pending();
+        // With activation offload, the kept input waits in host memory (`super::offload`).
+        let (input, staged) = super::offload::stage::<B, C, I>(input, || {
+            super::id::segment_name(std::any::type_name::<M>(), method)
+        });
         let run: Run<B> = Box::new(move |output_grads| {
+            let input = match staged {
+                Some(staged) => staged.restore::<C, I>(input)?,
+                None => input,
+            };
             recompute::<B, C, M, I, O, F>(module, input, segment, draws, stream, output_grads, id)
         });
         let state = AnchorState {

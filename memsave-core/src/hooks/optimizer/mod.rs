@@ -63,6 +63,9 @@ pub struct OptimizerHook<R = Alone> {
     /// Step each parameter in backward as soon as its gradient is final, and free the
     /// gradient (see [`OptimizerHook::with_step_in_backward`]).
     pub step_in_backward: bool,
+    /// Step on the host, the optimizer's state and fp32 masters in host memory (see
+    /// [`OptimizerHook::with_optimizer_offload`]).
+    pub optimizer_offload: bool,
     /// Where the step runs in this run (chosen before it).
     place: Place,
 }
@@ -85,6 +88,7 @@ impl OptimizerHook {
             pending: 0,
             reducer: Alone,
             step_in_backward: false,
+            optimizer_offload: false,
             place: Place::default(),
         }
     }
@@ -128,6 +132,7 @@ impl<R> OptimizerHook<R> {
             pending: self.pending,
             reducer,
             step_in_backward: self.step_in_backward,
+            optimizer_offload: self.optimizer_offload,
             place: self.place,
         }
     }
@@ -143,6 +148,18 @@ impl<R> OptimizerHook<R> {
     /// backward makes it.
     pub fn with_step_in_backward(mut self, on: bool) -> Self {
         self.step_in_backward = on;
+        self
+    }
+
+    /// The same hook with the optimizer's state and the fp32 master weights in host memory
+    /// (optimizer offload, DeepSpeed's ZeRO-Offload): in backward, each gradient is copied to
+    /// the host as soon as it is final and freed on the device, its parameter stepped on the
+    /// host by the optimizer's own rule, and the new value copied up (the step in backward's
+    /// taps, one pass or two as [`OptimizerHook::with_step_in_backward`] says). On a device
+    /// whose tensors are host memory (Flex) there is nothing to offload to: it says so once and
+    /// steps as without.
+    pub fn with_optimizer_offload(mut self, on: bool) -> Self {
+        self.optimizer_offload = on;
         self
     }
 
@@ -198,7 +215,12 @@ impl<B: AutodiffBackend, M: TrainModel<B>, R: Reducer<B>> Hook<B, M> for Optimiz
     }
 
     fn before_run(&mut self, state: &mut TrainState<B, M>) -> Result<()> {
-        self.place = Place::choose(self.step_in_backward, &self.reducer, state);
+        self.place = Place::choose(
+            self.step_in_backward,
+            self.optimizer_offload,
+            &self.reducer,
+            state,
+        );
         let (place, parts) = self.split();
         place.before_run(&parts, state)?;
         self.groups.warn(state);
@@ -236,7 +258,13 @@ impl<B: AutodiffBackend, M: TrainModel<B>, R: Reducer<B>> Hook<B, M> for Optimiz
     }
 
     fn before_snapshot(&mut self, state: &mut TrainState<B, M>) -> Result<()> {
-        if let Some(whole) = self.reducer.whole_state(&state.model, &state.optimizer)? {
+        // The state is the optimizer's, or the place's where it holds it (on the host).
+        let held = self.place.held_state().transpose()?;
+        let whole = self
+            .reducer
+            .whole_state(&state.model, &state.optimizer, held.as_deref())?
+            .or(held);
+        if let Some(whole) = whole {
             if state.is_main() {
                 state.whole_optimizer = Some(whole);
             }

@@ -92,11 +92,13 @@ pub trait Reducer<B: AutodiffBackend> {
 
     /// The whole optimizer state as [`Optim::to_bytes`] writes it, gathered from every peer's
     /// part and keyed by this peer's parameter ids, for a snapshot (every peer calls it); `None`
-    /// where each peer holds it whole.
+    /// where each peer holds it whole. This peer's part is `optimizer`'s, or `held` where the
+    /// step's place holds it instead (on the host).
     fn whole_state<M: AutodiffModule<B>>(
         &self,
         _model: &M,
         _optimizer: &Optim<B, M>,
+        _held: Option<&[u8]>,
     ) -> Result<Option<Vec<u8>>> {
         Ok(None)
     }

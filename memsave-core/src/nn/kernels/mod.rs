@@ -323,6 +323,13 @@ pub trait ConvKernels: Backend {
 /// on, and another backend that implements this trait is registered with
 /// `memsave::nn::register_backend`.
 pub trait LeanBackend: NormKernels + ConvKernels {
+    /// Whether the backend's tensors live in the host's memory (a CPU backend: Flex), so that
+    /// staging them to the host (activation offload, `crate::checkpoint::offload`) frees nothing.
+    /// Default: `false`, a device with memory of its own (CUDA, wgpu).
+    fn host_resident() -> bool {
+        false
+    }
+
     /// The gradient of `max_pool2d_with_indices(x)` with respect to `x`, from the maxima's
     /// indices and `x`'s shape and dtype alone. Default: the backend's own backward with a
     /// broadcast zero standing in for `x` (Flex and CubeCL read only its shape).
@@ -376,6 +383,10 @@ pub trait LeanBackend: NormKernels + ConvKernels {
 }
 
 impl LeanBackend for burn::backend::Flex {
+    fn host_resident() -> bool {
+        true
+    }
+
     fn dequantize_blocks(
         codes: &burn::tensor::ops::IntTensor<Self>,
         absmax: &FloatTensor<Self>,

@@ -33,6 +33,8 @@ pub(super) type Call = Box<dyn Any>;
 pub(super) trait Lean: Send + Sync {
     /// The backend, by its Rust type name.
     fn backend(&self) -> &'static str;
+    /// See [`LeanBackend::host_resident`].
+    fn host_resident(&self) -> bool;
     /// `(T, NormParts<T>)` -> `OutParts<T>`.
     fn normalise(&self, call: Call) -> Result<Call, Call>;
     /// `T` -> `T`.
@@ -215,6 +217,10 @@ impl<K: LeanBackend> Lean for Tracked<K> {
         type_name::<K>()
     }
 
+    fn host_resident(&self) -> bool {
+        K::host_resident()
+    }
+
     fn normalise(&self, call: Call) -> Result<Call, Call> {
         let (x, norm): (T<K>, NormParts<T<K>>) = take(call);
         let norm = NormSpec::<Ad<K>>::from_parts(norm);
@@ -298,6 +304,10 @@ impl<K: LeanBackend> Lean for Untracked<K> {
         type_name::<K>()
     }
 
+    fn host_resident(&self) -> bool {
+        K::host_resident()
+    }
+
     fn normalise(&self, call: Call) -> Result<Call, Call> {
         let (x, norm): (FloatTensor<K>, NormParts<FloatTensor<K>>) = take(call);
         let norm = NormSpec::<K>::from_parts(norm);
@@ -375,6 +385,14 @@ pub fn register_backend<K: LeanBackend>() {
 pub fn is_lean<B: Backend>() -> bool {
     let map = registry().read().unwrap_or_else(|e| e.into_inner());
     map.contains_key(&TypeId::of::<FloatTensor<B>>())
+}
+
+/// Whether `B`'s tensors live in the host's memory ([`LeanBackend::host_resident`]; `Autodiff<K>`
+/// answers for `K`); `None` for a backend that is not registered.
+pub fn host_resident<B: Backend>() -> Option<bool> {
+    let map = registry().read().unwrap_or_else(|e| e.into_inner());
+    map.get(&TypeId::of::<FloatTensor<B>>())
+        .map(|lean| lean.host_resident())
 }
 
 /// The names of the backends registered so far, tracked ones as `Autodiff<..>`.

@@ -189,7 +189,7 @@ mod shared;
 pub(crate) use fused::{ConvSpec, NormSpec};
 pub(crate) use shared::PoolSpec;
 
-pub use dispatch::{is_lean, lean_backends, register_backend};
+pub use dispatch::{host_resident, is_lean, lean_backends, register_backend};
 
 /// `B`'s own block-wise 8-bit quantization (`LeanBackend::quantize_blocks`), where it has one.
 pub(crate) fn quantize_blocks<B: Backend>(

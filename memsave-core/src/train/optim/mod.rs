@@ -1,9 +1,11 @@
 //! The optimizers the runner drives: SGD with momentum and weight decay, Adam, AdamW.
 
+mod host;
 mod optimizer;
 mod spec;
 mod steps;
 
+pub(crate) use host::{HostState, HostSteps};
 pub use optimizer::Optim;
 pub use spec::{OptimizerKind, OptimizerSpec, StateDtype};
 pub(crate) use steps::ParamSteps;

@@ -39,11 +39,12 @@ use burn::tensor::Tensor;
 use crate::parallel::in_backward::{take_sum, BackwardReduce, Tapped};
 use crate::parallel::TapPeers;
 use crate::train::grads;
+use crate::train::optim::HostState;
 use crate::train::taps::{self, DepthChain, Extract, Insert, Tapper, Untap};
 use crate::train::{TrainModel, TrainState};
 use crate::Result;
 pub(crate) use table::Phase;
-use table::{lock, Table, TableInner, K};
+use table::{lock, Stepper, Table, TableInner, K};
 
 /// How deep apart the taps of two consecutive parameters are (see [`crate::train::taps`]): more
 /// than the ops between two parameters' first uses in the models memsave knows (a convolution,
@@ -199,8 +200,9 @@ impl<B: AutodiffBackend> Tapping<B> {
     }
 
     /// A step pass: backward of `loss` stepping every parameter as its gradient is final
-    /// (`summed`: the group's earlier gradients); `unscale` and `coefficient` prepare each
-    /// gradient as the ordinary step does. Returns the norm (when `log_norm`) and the
+    /// (`summed`: the group's earlier gradients), with the optimizer's state, or on the host
+    /// with `host`'s (optimizer offload); `unscale` and `coefficient` prepare each gradient as
+    /// the ordinary step does. Returns the norm (when `log_norm`) and the
     /// parameters that got a gradient.
     pub(crate) fn step_pass<M: TrainModel<B>>(
         &mut self,
@@ -209,6 +211,7 @@ impl<B: AutodiffBackend> Tapping<B> {
         summed: Option<GradientsParams>,
         unscale: Option<f64>,
         coefficient: Option<f64>,
+        mut host: Option<&mut HostState>,
     ) -> Result<(Option<f64>, HashSet<ParamId>)> {
         let (table, ids) = self.pass.take().expect("a pass was tapped");
         let mixed = state.forward_model.is_some();
@@ -226,7 +229,10 @@ impl<B: AutodiffBackend> Tapping<B> {
             inner.lr = state.lr;
             inner.unscale = unscale;
             inner.coefficient = coefficient;
-            inner.steps = Some(state.optimizer.take_steps());
+            inner.steps = Some(match host.as_deref_mut() {
+                Some(host) => Stepper::Host(host.take_steps()),
+                None => Stepper::Device(state.optimizer.take_steps()),
+            });
             let mut extract = Extract::new(&ids);
             state.model = state.model.clone().map(&mut extract);
             inner.weights = extract.values;
@@ -240,8 +246,10 @@ impl<B: AutodiffBackend> Tapping<B> {
         crate::checkpoint::join_helpers();
         let mut inner = lock(&table.inner);
         let finished = inner.finish_peers(&state.model);
-        if let Some(steps) = inner.steps.take() {
-            state.optimizer.put_back(steps);
+        match (inner.steps.take(), host) {
+            (Some(Stepper::Device(steps)), _) => state.optimizer.put_back(steps),
+            (Some(Stepper::Host(steps)), Some(host)) => host.put_back(steps),
+            _ => {}
         }
         let weights = std::mem::take(&mut inner.weights);
         state.model = state.model.clone().map(&mut Insert { values: &weights });

@@ -15,7 +15,7 @@ use burn::tensor::{DType, Tensor, TensorPrimitive};
 use crate::parallel::in_backward::BackwardReduce;
 use crate::parallel::zero::gather_norm;
 use crate::train::grads;
-use crate::train::optim::ParamSteps;
+use crate::train::optim::{HostSteps, ParamSteps};
 use crate::train::taps::Sink;
 use crate::Result;
 
@@ -53,7 +53,8 @@ pub(super) struct TableInner<B: AutodiffBackend> {
     pub(super) weights: HashMap<ParamId, FloatTensor<K<B>>>,
     /// Under mixed precision: the forward copy's values, taken out of it.
     pub(super) forward: Option<HashMap<ParamId, FloatTensor<K<B>>>>,
-    pub(super) steps: Option<ParamSteps<B>>,
+    /// The optimizer's steps during a step pass: on the device, or on the host.
+    pub(super) steps: Option<Stepper<B>>,
     pub(super) lr: f64,
     /// Under mixed precision, `1 / loss_scale`: the gradients are cast to fp32 and unscaled.
     pub(super) unscale: Option<f64>,
@@ -63,6 +64,30 @@ pub(super) struct TableInner<B: AutodiffBackend> {
     pub(super) peers: Option<BackwardReduce<K<B>>>,
     /// A reduce pass's gradients (those this peer keeps).
     pub(super) kept: GradientsParams,
+}
+
+/// Where a step pass steps each parameter: with the optimizer's state on the device, or with
+/// the state and fp32 master in host memory (optimizer offload).
+pub(super) enum Stepper<B: AutodiffBackend> {
+    Device(ParamSteps<B>),
+    Host(HostSteps),
+}
+
+impl<B: AutodiffBackend> Stepper<B> {
+    /// Steps parameter `id` of value `weight` with its final gradient `grad`; the new value,
+    /// on the device.
+    fn step<const D: usize>(
+        &mut self,
+        lr: f64,
+        id: ParamId,
+        weight: Tensor<K<B>, D>,
+        grad: Tensor<K<B>, D>,
+    ) -> Tensor<K<B>, D> {
+        match self {
+            Stepper::Device(steps) => steps.step::<D>(lr, id, weight, grad),
+            Stepper::Host(steps) => steps.step::<K<B>, D>(lr, id, weight, grad),
+        }
+    }
 }
 
 pub(super) fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {

@@ -16,6 +16,7 @@ use super::super::parts::Parts;
 use super::super::Reducer;
 use super::StepPlace;
 use crate::memory;
+use crate::train::optim::HostState;
 use crate::train::tapping::{self, Phase};
 use crate::train::{TrainModel, TrainState};
 use crate::{Error, Result};
@@ -135,6 +136,19 @@ impl StepPlace for InBackward {
         parts: &mut Parts<'_, R>,
         state: &mut TrainState<B, M>,
     ) -> Result<()> {
+        self.step_pass(parts, state, None)
+    }
+}
+
+impl InBackward {
+    /// The step pass (the only one, or the second), each parameter stepped on the device with
+    /// the optimizer's state, or on the host with `host`'s ([`super::OnHost`]).
+    pub(super) fn step_pass<B: AutodiffBackend, M: TrainModel<B>, R: Reducer<B>>(
+        &mut self,
+        parts: &mut Parts<'_, R>,
+        state: &mut TrainState<B, M>,
+        host: Option<&mut HostState>,
+    ) -> Result<()> {
         let Some(loss) = state.loss.take() else {
             return Ok(());
         };
@@ -163,7 +177,7 @@ impl StepPlace for InBackward {
         *parts.pending = 0;
         let mut tapping = std::mem::take(&mut state.tapping);
         let outcome = memory::in_phase(memory::phase::BACKWARD, || {
-            tapping.step_pass(state, loss, summed, unscale, coefficient)
+            tapping.step_pass(state, loss, summed, unscale, coefficient, host)
         });
         state.tapping = tapping;
         let (norm, reached) = outcome?;

@@ -5,20 +5,24 @@
 //! - [`InBackward`]: in backward, each parameter as its gradient is final, in one pass or two
 //!   (`step_in_backward = true`);
 //! - [`ShardedByOwner`]: after a backward that averages each gradient to the peer that owns it
-//!   (ZeRO stage 2, on Burn's autodiff with peers).
+//!   (ZeRO stage 2, on Burn's autodiff with peers);
+//! - [`OnHost`]: in backward as [`InBackward`], each parameter stepped in host memory with the
+//!   optimizer's state and fp32 master there (`[offload] optimizer = true`).
 //!
 //! ZeRO stage 1, and stage 2 elsewhere, are not places: they are the reduction part's
-//! (`Reducer::keep_own`, `share_stepped`), whichever place steps. A new place (the step on the
-//! host) is a new file and a new variant of [`Place`], not a branch in the hook.
+//! (`Reducer::keep_own`, `share_stepped`), whichever place steps. A new place is a new file and
+//! a new variant of [`Place`], not a branch in the hook.
 
 mod after_backward;
 mod in_backward;
+mod on_host;
 mod sharded;
 
 use burn::tensor::backend::AutodiffBackend;
 
 pub(super) use after_backward::AfterBackward;
 pub(super) use in_backward::InBackward;
+pub(super) use on_host::OnHost;
 pub(super) use sharded::ShardedByOwner;
 
 use super::parts::Parts;
@@ -72,6 +76,12 @@ pub(super) trait StepPlace {
         Ok(())
     }
 
+    /// The optimizer state the place holds instead of `TrainState::optimizer` (the step on the
+    /// host's), as `Optim::to_bytes` writes it, for snapshots.
+    fn held_state(&self) -> Option<Result<Vec<u8>>> {
+        None
+    }
+
     /// After the (last) forward of a group's last iteration: backward, then the step or its
     /// skip.
     fn end_group<B: AutodiffBackend, M: TrainModel<B>, R: Reducer<B>>(
@@ -82,7 +92,7 @@ pub(super) trait StepPlace {
 }
 
 /// The place the hook's step takes in a run, chosen before it ([`Place::choose`]).
-#[derive(Clone, Copy, Debug)]
+#[derive(Debug)]
 pub(super) enum Place {
     /// See [`AfterBackward`].
     AfterBackward(AfterBackward),
@@ -90,6 +100,8 @@ pub(super) enum Place {
     InBackward(InBackward),
     /// See [`ShardedByOwner`].
     ShardedByOwner(ShardedByOwner),
+    /// See [`OnHost`].
+    OnHost(OnHost),
 }
 
 impl Default for Place {
@@ -99,15 +111,29 @@ impl Default for Place {
 }
 
 impl Place {
-    /// The place for a run: in backward where asked (`step_in_backward`); else, where the
+    /// The place for a run: on the host where optimizer offload is asked and the device has
+    /// memory of its own; else in backward where asked (`step_in_backward`); else, where the
     /// reduction keeps each gradient with its owner only (ZeRO stage 2) and the backend can
     /// reduce in backward (Burn's autodiff, with peers), after a backward that does; else after
     /// backward.
     pub(super) fn choose<B: AutodiffBackend, M: TrainModel<B>, R: Reducer<B>>(
         step_in_backward: bool,
+        optimizer_offload: bool,
         reducer: &R,
         state: &TrainState<B, M>,
     ) -> Place {
+        if optimizer_offload {
+            if crate::nn::host_resident::<B::InnerBackend>() != Some(true) {
+                return Place::OnHost(OnHost::default());
+            }
+            // Flex: the host is the device; the step runs where it would without offload.
+            eprintln!(
+                "memsave: `offload.optimizer` is on, but this run's device keeps its tensors in \
+                 host memory (backend `{}`): there is nothing to offload to; the run goes on \
+                 without it",
+                std::any::type_name::<B::InnerBackend>()
+            );
+        }
         if step_in_backward {
             Place::InBackward(InBackward::default())
         } else if reducer.reduces_to_owners() && state.world_size() > 1 && tapping::supported::<B>()
@@ -126,11 +152,16 @@ macro_rules! dispatch {
             Place::AfterBackward(place) => place.$method($($arg),*),
             Place::InBackward(place) => place.$method($($arg),*),
             Place::ShardedByOwner(place) => place.$method($($arg),*),
+            Place::OnHost(place) => place.$method($($arg),*),
         }
     };
 }
 
 impl StepPlace for Place {
+    fn held_state(&self) -> Option<Result<Vec<u8>>> {
+        dispatch!(self, held_state())
+    }
+
     fn before_run<B: AutodiffBackend, M: TrainModel<B>, R: Reducer<B>>(
         &mut self,
         parts: &Parts<'_, R>,

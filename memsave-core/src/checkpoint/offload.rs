@@ -1,0 +1,556 @@
+//! Activation offload, the first half of CPU staging: the input a checkpointed segment keeps
+//! for its recomputation goes to host memory during the forward and comes back before the
+//! recomputation in backward, prefetched (PyTorch's `save_on_cpu`, torchtune's
+//! `OffloadActivations`, DeepSpeed's `cpu_checkpointing`). With every block checkpointed, what a
+//! model keeps between forward and backward is each segment's input; offloaded, the device
+//! holds little more than the segment being recomputed.
+//!
+//! Forward: the float inputs of a checkpointed segment of at least
+//! [`ActivationOffload::min_bytes`] are taken out of the anchor (a one-element placeholder stays
+//! in each one's place, its graph node untouched) and handed to a copier thread, which reads
+//! them into host memory and then drops the device copies. Until a copy is done, its device
+//! bytes are *in flight*: past [`ActivationOffload::max_in_flight`] the forward waits for the
+//! copies under way. A copy that has not started when backward reaches its segment is cancelled
+//! (the device copy is used as is).
+//!
+//! Backward: the anchor of a segment takes its inputs back before it recomputes (ready if a
+//! prefetch brought them, else copied up now), then starts bringing back the
+//! [`ActivationOffload::prefetch`] segments that precede it in the forward, each on a helper
+//! thread, so that their copies overlap its recomputation. The values are the same bytes: the
+//! gradients are bit-identical to a run without offload.
+//!
+//! Streams (CubeCL): the copies are queued on the stream of the thread that trains, as the
+//! recomputations are ([`super::threads`]): stream order makes every buffer ready where it is
+//! read, and the pool meter, which reads that stream's pools, sees every byte. On a GPU the
+//! copies then share one stream with compute; a stream of their own (with the meter reading its
+//! pool too) is where the overlap would come from. Host buffers are ordinary (pageable) memory:
+//! Burn 0.21 has no pinned allocation.
+//!
+//! Not offloaded: segments nested in another's recomputation (their inputs are made in
+//! backward and used at once), and what a segment that is not checkpointed keeps for backward
+//! (Burn 0.21's autodiff keeps it inside its own nodes' states, which memsave cannot reach).
+//! On a backend whose tensors are host memory already (Flex), offload has nothing to save: it
+//! says so once and does nothing.
+
+use std::collections::HashMap;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock, RwLock, Weak};
+use std::thread::ThreadId;
+
+use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
+use burn::backend::Autodiff;
+use burn::prelude::Backend;
+use burn::tensor::ops::FloatTensor;
+use burn::tensor::{FloatDType, TensorData, TensorMetadata};
+
+use super::segment::Segment;
+use super::threads;
+
+/// How activation offload runs (see the module docs); on while set with
+/// [`set_activation_offload`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ActivationOffload {
+    /// Tensors smaller than this stay on the device (torchtune's `min_offload_size`, 1 KiB).
+    pub min_bytes: u64,
+    /// The most device bytes whose copy to the host is under way (their device copies still
+    /// held); past it the forward waits for the copies.
+    pub max_in_flight: u64,
+    /// How many segments backward brings back ahead of the one it recomputes (0: each when its
+    /// recomputation asks). Transformer Engine's advice for full overlap: two.
+    pub prefetch: usize,
+}
+
+impl Default for ActivationOffload {
+    fn default() -> Self {
+        ActivationOffload {
+            min_bytes: 1024,
+            max_in_flight: 256 << 20,
+            prefetch: 2,
+        }
+    }
+}
+
+static SETTING: RwLock<Option<ActivationOffload>> = RwLock::new(None);
+
+/// Switches activation offload on (`Some`) or off (`None`) for the segments checkpointed from
+/// now on, in every thread of the process; returns the previous setting. The config's
+/// `[offload] activations = true` does it for a run.
+pub fn set_activation_offload(setting: Option<ActivationOffload>) -> Option<ActivationOffload> {
+    let mut current = SETTING.write().unwrap_or_else(|e| e.into_inner());
+    std::mem::replace(&mut *current, setting)
+}
+
+/// The activation offload in force, if on.
+pub fn activation_offload() -> Option<ActivationOffload> {
+    *SETTING.read().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Whether activation offload can save anything on the backend `B` (the inner backend of an
+/// autodiff one): `Err` says why not (its tensors live in host memory, or memsave does not know
+/// the backend).
+pub fn can_offload<B: Backend>() -> Result<(), String> {
+    match crate::nn::host_resident::<B>() {
+        Some(false) => Ok(()),
+        Some(true) => Err(format!(
+            "the backend `{}` keeps its tensors in host memory: host and device are one memory, \
+             and offloading to the host saves nothing",
+            std::any::type_name::<B>()
+        )),
+        None => Err(format!(
+            "memsave does not know where the backend `{}` keeps its tensors (register it with \
+             `memsave::nn::register_backend`)",
+            std::any::type_name::<B>()
+        )),
+    }
+}
+
+/// What activation offload did since [`reset_offload_stats`] (for logs, tests and the bench).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct OffloadStats {
+    /// Segments whose input went to the host.
+    pub segments: u64,
+    /// Bytes copied to the host.
+    pub bytes: u64,
+    /// Segments whose input a prefetch had brought back (or was bringing back) when their
+    /// recomputation asked.
+    pub prefetched: u64,
+    /// Segments whose input was copied back only when their recomputation asked.
+    pub on_demand: u64,
+    /// Segments whose copy to the host had not started when backward reached them (their
+    /// device copy was used).
+    pub cancelled: u64,
+    /// Host bytes held now by offloaded inputs.
+    pub host_bytes: u64,
+    /// The most host bytes held at once.
+    pub host_peak: u64,
+}
+
+static SEGMENTS: AtomicU64 = AtomicU64::new(0);
+static BYTES: AtomicU64 = AtomicU64::new(0);
+static PREFETCHED: AtomicU64 = AtomicU64::new(0);
+static ON_DEMAND: AtomicU64 = AtomicU64::new(0);
+static CANCELLED: AtomicU64 = AtomicU64::new(0);
+static HOST_BYTES: AtomicU64 = AtomicU64::new(0);
+static HOST_PEAK: AtomicU64 = AtomicU64::new(0);
+
+/// What offload did since the last reset.
+pub fn offload_stats() -> OffloadStats {
+    OffloadStats {
+        segments: SEGMENTS.load(Ordering::Relaxed),
+        bytes: BYTES.load(Ordering::Relaxed),
+        prefetched: PREFETCHED.load(Ordering::Relaxed),
+        on_demand: ON_DEMAND.load(Ordering::Relaxed),
+        cancelled: CANCELLED.load(Ordering::Relaxed),
+        host_bytes: HOST_BYTES.load(Ordering::Relaxed),
+        host_peak: HOST_PEAK.load(Ordering::Relaxed),
+    }
+}
+
+/// Starts the counts of [`offload_stats`] again (the host peak at the bytes held now).
+pub fn reset_offload_stats() {
+    for counter in [&SEGMENTS, &BYTES, &PREFETCHED, &ON_DEMAND, &CANCELLED] {
+        counter.store(0, Ordering::Relaxed);
+    }
+    HOST_PEAK.store(HOST_BYTES.load(Ordering::Relaxed), Ordering::Relaxed);
+}
+
+fn host_add(bytes: u64) {
+    let now = HOST_BYTES.fetch_add(bytes, Ordering::Relaxed) + bytes;
+    HOST_PEAK.fetch_max(now, Ordering::Relaxed);
+}
+
+fn host_sub(bytes: u64) {
+    HOST_BYTES.fetch_sub(bytes, Ordering::Relaxed);
+}
+
+fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
+    mutex
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+/// Where a segment's offloaded inputs are.
+enum State<B: Backend> {
+    /// On the device, the copy to the host not started.
+    Device(Vec<FloatTensor<B>>),
+    /// Being copied to the host.
+    Copying,
+    /// In host memory.
+    Host(Vec<TensorData>),
+    /// Being copied back.
+    Loading,
+    /// Back on the device.
+    Ready(Vec<FloatTensor<B>>),
+    /// Taken by the recomputation.
+    Taken,
+    /// A copy failed: why.
+    Failed(String),
+}
+
+/// The offloaded inputs of one checkpointed segment.
+struct Slot<B: Backend> {
+    state: Mutex<State<B>>,
+    changed: Condvar,
+    device: B::Device,
+    /// `Type::method`, for messages.
+    name: String,
+    bytes: u64,
+}
+
+/// A segment whose inputs can be brought back ahead of its recomputation.
+trait Prefetch: Send + Sync {
+    /// Starts bringing the inputs back, if they are on the host.
+    fn prefetch(self: Arc<Self>);
+}
+
+impl<B: Backend> Slot<B> {
+    /// The copier: reads the inputs into host memory, then drops their device copies.
+    fn download(&self) {
+        let prims = {
+            let mut state = lock(&self.state);
+            match std::mem::replace(&mut *state, State::Copying) {
+                State::Device(prims) => prims,
+                // Backward took them first.
+                other => {
+                    *state = other;
+                    return;
+                }
+            }
+        };
+        let outcome = catch_unwind(AssertUnwindSafe(|| {
+            prims
+                .into_iter()
+                .map(
+                    |prim| match burn::tensor::try_read_sync(B::float_into_data(prim)) {
+                        Some(Ok(data)) => Ok(data),
+                        Some(Err(error)) => Err(format!("{error:?}")),
+                        None => Err("the device cannot be read synchronously here".to_string()),
+                    },
+                )
+                .collect::<Result<Vec<_>, String>>()
+        }));
+        let next = match outcome {
+            Ok(Ok(datas)) => {
+                host_add(self.bytes);
+                State::Host(datas)
+            }
+            Ok(Err(error)) => State::Failed(format!("the copy to the host failed: {error}")),
+            Err(payload) => State::Failed(format!(
+                "the copy to the host failed: {}",
+                crate::panic_text(payload.as_ref()).unwrap_or("(no message)")
+            )),
+        };
+        *lock(&self.state) = next;
+        self.changed.notify_all();
+    }
+
+    /// Copies `datas` back to the device (on the calling thread).
+    fn upload(&self, datas: Vec<TensorData>) -> State<B> {
+        let outcome = catch_unwind(AssertUnwindSafe(|| {
+            datas
+                .into_iter()
+                .map(|data| B::float_from_data(data, &self.device))
+                .collect::<Vec<_>>()
+        }));
+        host_sub(self.bytes);
+        match outcome {
+            Ok(prims) => State::Ready(prims),
+            Err(payload) => State::Failed(format!(
+                "the copy back to the device failed: {}",
+                crate::panic_text(payload.as_ref()).unwrap_or("(no message)")
+            )),
+        }
+    }
+
+    /// A helper's prefetch: the inputs back to the device, if they are still on the host.
+    fn load(&self) {
+        let datas = {
+            let mut state = lock(&self.state);
+            match std::mem::replace(&mut *state, State::Loading) {
+                State::Host(datas) => datas,
+                other => {
+                    *state = other;
+                    return;
+                }
+            }
+        };
+        let next = self.upload(datas);
+        *lock(&self.state) = next;
+        self.changed.notify_all();
+    }
+
+    /// The inputs, back on the device, for the recomputation: waits for a copy under way.
+    fn take(&self) -> Result<Vec<FloatTensor<B>>, String> {
+        let mut state = lock(&self.state);
+        let mut waited_on_load = false;
+        loop {
+            match std::mem::replace(&mut *state, State::Taken) {
+                State::Device(prims) => {
+                    CANCELLED.fetch_add(1, Ordering::Relaxed);
+                    return Ok(prims);
+                }
+                State::Ready(prims) => {
+                    PREFETCHED.fetch_add(1, Ordering::Relaxed);
+                    return Ok(prims);
+                }
+                State::Host(datas) if !waited_on_load => {
+                    drop(state);
+                    ON_DEMAND.fetch_add(1, Ordering::Relaxed);
+                    return match self.upload(datas) {
+                        State::Ready(prims) => Ok(prims),
+                        State::Failed(error) => Err(error),
+                        _ => unreachable!("an upload ends ready or failed"),
+                    };
+                }
+                State::Host(datas) => {
+                    // A prefetch that gave up: copy back here.
+                    *state = State::Host(datas);
+                    waited_on_load = false;
+                }
+                waiting @ (State::Copying | State::Loading) => {
+                    waited_on_load |= matches!(waiting, State::Loading);
+                    *state = waiting;
+                    state = self
+                        .changed
+                        .wait(state)
+                        .unwrap_or_else(|poisoned| poisoned.into_inner());
+                }
+                State::Failed(error) => {
+                    *state = State::Failed(error.clone());
+                    return Err(error);
+                }
+                State::Taken => return Err("its inputs were taken twice".to_string()),
+            }
+        }
+    }
+}
+
+impl<B: Backend> Prefetch for Slot<B> {
+    fn prefetch(self: Arc<Self>) {
+        if !matches!(&*lock(&self.state), State::Host(_)) {
+            return;
+        }
+        let slot = self.clone();
+        let work = threads::on_this_stream(move || slot.load());
+        // Where no thread can start, the recomputation copies back itself.
+        let _ = std::thread::Builder::new()
+            .name("memsave-prefetch".into())
+            .spawn(work);
+    }
+}
+
+impl<B: Backend> Drop for Slot<B> {
+    fn drop(&mut self) {
+        let state = self.state.get_mut().unwrap_or_else(|e| e.into_inner());
+        if matches!(state, State::Host(_)) {
+            host_sub(self.bytes);
+        }
+    }
+}
+
+/// The offloaded segments of each training thread (a data-parallel peer is one), in forward
+/// order: backward prefetches those before the one it reaches.
+type Order = Mutex<HashMap<ThreadId, Vec<Weak<dyn Prefetch>>>>;
+
+fn order() -> &'static Order {
+    static ORDER: OnceLock<Order> = OnceLock::new();
+    ORDER.get_or_init(|| Mutex::new(HashMap::new()))
+}
+
+fn register(slot: Arc<dyn Prefetch>) {
+    let mut order = lock(order());
+    let list = order.entry(threads::owner()).or_default();
+    list.retain(|weak| weak.strong_count() > 0);
+    list.push(Arc::downgrade(&slot));
+}
+
+/// Drops `slot` from its thread's order and prefetches the `count` live segments before it.
+fn prefetch_before(slot: *const (), count: usize) {
+    let ahead: Vec<Arc<dyn Prefetch>> = {
+        let mut order = lock(order());
+        let Some(list) = order.get_mut(&threads::owner()) else {
+            return;
+        };
+        list.retain(|weak| weak.strong_count() > 0);
+        let Some(at) = list
+            .iter()
+            .position(|weak| Weak::as_ptr(weak) as *const () == slot)
+        else {
+            return;
+        };
+        list.remove(at);
+        list[..at]
+            .iter()
+            .rev()
+            .filter_map(Weak::upgrade)
+            .take(count)
+            .collect()
+    };
+    for slot in ahead {
+        slot.prefetch();
+    }
+}
+
+/// Device bytes whose copy to the host is under way.
+static IN_FLIGHT: Mutex<u64> = Mutex::new(0);
+static IN_FLIGHT_CHANGED: Condvar = Condvar::new();
+
+/// Waits until every copy to the host started so far is done (their device copies dropped):
+/// what a measurement of the memory kept after a forward reads after.
+pub fn wait_for_copies() {
+    let mut in_flight = lock(&IN_FLIGHT);
+    while *in_flight > 0 {
+        in_flight = IN_FLIGHT_CHANGED
+            .wait(in_flight)
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+    }
+}
+
+/// The offloaded inputs of one segment, held by its anchor until its recomputation.
+pub(super) struct Staged<B: Backend> {
+    slot: Arc<Slot<B>>,
+    /// The positions (in [`Segment::map_floats`]' order) of the inputs offloaded.
+    picked: Vec<usize>,
+    prefetch: usize,
+}
+
+/// The segment `name`'s `input` with its large float tensors offloaded, where activation offload
+/// is on and can save something on `B`; else `input` as it is.
+pub(super) fn stage<B, C, I>(input: I, name: impl FnOnce() -> String) -> (I, Option<Staged<B>>)
+where
+    B: Backend,
+    C: CheckpointStrategy,
+    I: Segment<Autodiff<B, C>>,
+{
+    let Some(setting) = activation_offload() else {
+        return (input, None);
+    };
+    if super::context::is_recomputing() {
+        return (input, None);
+    }
+    if let Err(why) = can_offload::<B>() {
+        say_once(&why);
+        return (input, None);
+    }
+    let mut picked = Vec::new();
+    let mut prims = Vec::new();
+    let mut bytes = 0u64;
+    let mut device = None;
+    let mut index = 0;
+    let input = input.map_floats(&mut |mut tensor| {
+        let size =
+            (tensor.primitive.shape().num_elements() * tensor.primitive.dtype().size()) as u64;
+        if size >= setting.min_bytes.max(1) {
+            let here = B::float_device(&tensor.primitive);
+            let stand_in = B::float_zeros([1].into(), &here, FloatDType::F32);
+            prims.push(std::mem::replace(&mut tensor.primitive, stand_in));
+            device.get_or_insert(here);
+            picked.push(index);
+            bytes += size;
+        }
+        index += 1;
+        tensor
+    });
+    let Some(device) = device else {
+        return (input, None);
+    };
+    let slot = Arc::new(Slot {
+        state: Mutex::new(State::Device(prims)),
+        changed: Condvar::new(),
+        device,
+        name: name(),
+        bytes,
+    });
+    SEGMENTS.fetch_add(1, Ordering::Relaxed);
+    BYTES.fetch_add(bytes, Ordering::Relaxed);
+    register(slot.clone());
+
+    // The bound on bytes in flight: wait while others' copies fill it.
+    {
+        let mut in_flight = lock(&IN_FLIGHT);
+        while *in_flight > 0 && *in_flight + bytes > setting.max_in_flight {
+            in_flight = IN_FLIGHT_CHANGED
+                .wait(in_flight)
+                .unwrap_or_else(|poisoned| poisoned.into_inner());
+        }
+        *in_flight += bytes;
+    }
+    let copier = slot.clone();
+    let work = threads::on_this_stream(move || {
+        copier.download();
+        *lock(&IN_FLIGHT) -= copier.bytes;
+        IN_FLIGHT_CHANGED.notify_all();
+    });
+    if let Err(work) = spawn_or_return(work) {
+        // No thread: copy here.
+        work();
+    }
+    (
+        input,
+        Some(Staged {
+            slot,
+            picked,
+            prefetch: setting.prefetch,
+        }),
+    )
+}
+
+/// Starts `work` on a thread of its own, or hands it back where none can start.
+fn spawn_or_return<W: FnOnce() + Send + 'static>(work: W) -> Result<(), W> {
+    let work = Arc::new(Mutex::new(Some(work)));
+    let run = work.clone();
+    let started = std::thread::Builder::new()
+        .name("memsave-offload".into())
+        .spawn(move || {
+            if let Some(work) = lock(&run).take() {
+                work();
+            }
+        });
+    match started {
+        Ok(_) => Ok(()),
+        Err(_) => Err(lock(&work).take().expect("the thread never started")),
+    }
+}
+
+impl<B: Backend> Staged<B> {
+    /// `input` with its offloaded tensors back on the device; starts the prefetch of the
+    /// segments before this one.
+    pub(super) fn restore<C, I>(self, input: I) -> Result<I, String>
+    where
+        C: CheckpointStrategy,
+        I: Segment<Autodiff<B, C>>,
+    {
+        let taken = self.slot.take().map_err(|why| {
+            format!(
+                "memsave: activation offload: the input of the checkpointed segment `{}` could \
+                 not be brought back to the device for its recomputation: {why}",
+                self.slot.name
+            )
+        })?;
+        prefetch_before(Arc::as_ptr(&self.slot) as *const (), self.prefetch);
+        let mut values = taken.into_iter();
+        let mut picked = self.picked.iter().peekable();
+        let mut index = 0;
+        Ok(input.map_floats(&mut |mut tensor| {
+            if picked.peek() == Some(&&index) {
+                picked.next();
+                if let Some(value) = values.next() {
+                    tensor.primitive = value;
+                }
+            }
+            index += 1;
+            tensor
+        }))
+    }
+}
+
+/// Says `why` on stderr, once per process.
+fn say_once(why: &str) {
+    static SAID: Mutex<bool> = Mutex::new(false);
+    let mut said = lock(&SAID);
+    if !*said {
+        eprintln!("memsave: activation offload is off: {why}");
+        *said = true;
+    }
+}

@@ -1,0 +1,161 @@
+//! CPU staging as a policy: `[offload]` in the config, and the hook that switches activation
+//! offload ([`crate::checkpoint::offload`]) on for a run and off after it. Optimizer offload is
+//! a place of the optimizer hook's step (`OptimizerHook::with_optimizer_offload`).
+//!
+//! ```toml
+//! [offload]
+//! optimizer = true          # optimizer state and fp32 masters in host memory, stepped there
+//! activations = true        # checkpointed segments' kept inputs wait in host memory
+//! min_bytes = "1KiB"        # smaller tensors stay on the device
+//! max_in_flight = "256MiB"  # device bytes whose copy to the host may be under way at once
+//! prefetch = 2              # segments brought back ahead of the recomputation
+//! ```
+
+use burn::tensor::backend::AutodiffBackend;
+use serde::Deserialize;
+
+use crate::checkpoint::offload::{self, ActivationOffload};
+use crate::planner::Budget;
+use crate::train::{Hook, TrainModel, TrainState};
+use crate::{Error, Result};
+
+/// `[offload]`: what goes to host memory (see the module docs). Unset values take
+/// [`ActivationOffload::default`]'s.
+#[derive(Clone, Debug, Default, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct OffloadSection {
+    /// The inputs that checkpointed segments keep for their recomputation, to host memory
+    /// during the forward and back before the recomputation (checkpointing must be on).
+    #[serde(default)]
+    pub activations: bool,
+    /// The optimizer's state and the fp32 master weights in host memory, each parameter stepped
+    /// there as its gradient is final ([`crate::hooks::OptimizerHook::with_optimizer_offload`]).
+    #[serde(default)]
+    pub optimizer: bool,
+    /// Tensors smaller than this stay on the device (bytes, or `"1KiB"`).
+    #[serde(default)]
+    pub min_bytes: Option<Bytes>,
+    /// The most device bytes whose copy to the host may be under way at once.
+    #[serde(default)]
+    pub max_in_flight: Option<Bytes>,
+    /// How many segments backward brings back ahead of the one it recomputes.
+    #[serde(default)]
+    pub prefetch: Option<usize>,
+}
+
+impl OffloadSection {
+    /// The activation offload asked for, if any.
+    pub fn activations(&self) -> Option<ActivationOffload> {
+        let default = ActivationOffload::default();
+        self.activations.then(|| ActivationOffload {
+            min_bytes: self.min_bytes.map_or(default.min_bytes, |b| b.0),
+            max_in_flight: self.max_in_flight.map_or(default.max_in_flight, |b| b.0),
+            prefetch: self.prefetch.unwrap_or(default.prefetch),
+        })
+    }
+}
+
+/// A byte count: a number, or a string with a unit (`"1KiB"`, `"256MiB"`, `"2GB"`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Bytes(pub u64);
+
+impl<'de> Deserialize<'de> for Bytes {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
+        #[derive(Deserialize)]
+        #[serde(untagged)]
+        enum Raw {
+            Number(u64),
+            Text(String),
+        }
+        let raw = Raw::deserialize(d).map_err(|_| {
+            serde::de::Error::custom("a size is bytes: a number (1024) or a string (\"1KiB\")")
+        })?;
+        match raw {
+            Raw::Number(bytes) => Ok(Bytes(bytes)),
+            Raw::Text(text) => match Budget::parse(&text, "size") {
+                Ok(Budget::Bytes(bytes)) => Ok(Bytes(bytes)),
+                _ => Err(serde::de::Error::custom(format!(
+                    "`{text}` is not a size: give bytes (1024, \"1KiB\", \"256MiB\", \"2GB\")"
+                ))),
+            },
+        }
+    }
+}
+
+/// Switches activation offload on for the run (before its first iteration) and back to what it
+/// was after it. On a backend whose tensors are host memory (Flex) it says so once and the run
+/// goes on without it.
+pub struct OffloadHook {
+    setting: ActivationOffload,
+    /// The setting before the run, while this hook's is in force.
+    previous: Option<Option<ActivationOffload>>,
+    /// Whether the first iteration's offload was looked at.
+    checked: bool,
+}
+
+impl OffloadHook {
+    /// A hook that puts `setting` in force for the run.
+    pub fn new(setting: ActivationOffload) -> Self {
+        OffloadHook {
+            setting,
+            previous: None,
+            checked: false,
+        }
+    }
+
+    fn restore(&mut self) {
+        if let Some(previous) = self.previous.take() {
+            offload::set_activation_offload(previous);
+        }
+    }
+}
+
+impl Drop for OffloadHook {
+    fn drop(&mut self) {
+        self.restore();
+    }
+}
+
+impl<B: AutodiffBackend, M: TrainModel<B>> Hook<B, M> for OffloadHook {
+    fn name(&self) -> &'static str {
+        "offload"
+    }
+
+    fn before_run(&mut self, _state: &mut TrainState<B, M>) -> Result<()> {
+        if crate::nn::host_resident::<B::InnerBackend>() == Some(true) {
+            eprintln!(
+                "memsave: `offload.activations` is on, but this run's device keeps its tensors in \
+                 host memory (backend `{}`): there is nothing to offload to; the run goes on \
+                 without it",
+                std::any::type_name::<B::InnerBackend>()
+            );
+            return Ok(());
+        }
+        offload::can_offload::<B::InnerBackend>()
+            .map_err(|why| Error::invalid("offload.activations", why))?;
+        self.previous = Some(offload::set_activation_offload(Some(self.setting)));
+        offload::reset_offload_stats();
+        Ok(())
+    }
+
+    fn after_iter(&mut self, _state: &mut TrainState<B, M>) -> Result<()> {
+        if self.previous.is_some() && !self.checked {
+            self.checked = true;
+            if offload::offload_stats().segments == 0 {
+                eprintln!(
+                    "memsave: warning: `offload.activations` is on, but the first iteration \
+                     offloaded nothing: activation offload moves the inputs that checkpointed \
+                     segments keep, and no segment was checkpointed with an input of at least \
+                     {} bytes (switch checkpointing on: `with_cp = true`)",
+                    self.setting.min_bytes
+                );
+            }
+        }
+        Ok(())
+    }
+
+    fn after_run(&mut self, _state: &mut TrainState<B, M>) -> Result<()> {
+        self.restore();
+        Ok(())
+    }
+}

@@ -1,0 +1,115 @@
+//! Optimizer offload, the second half of CPU staging: the optimizer's state and the fp32 master
+//! weights in host memory, each parameter stepped there by the optimizer's own rule on Flex
+//! (memsave's kernels, 8-bit state too) as its gradient arrives from the device, and its new
+//! value copied up (DeepSpeed's ZeRO-Offload). The device then holds the weights the forward
+//! uses, the activations and the gradients in flight.
+//!
+//! The host state is an [`Optim`] over `Autodiff<Flex>` whose per-parameter steps
+//! ([`ParamSteps`]) run with host tensors: the same rule, the same state layout, the same bytes
+//! in snapshots as the device's (a snapshot written with offload resumes without, and back).
+
+use std::collections::HashMap;
+
+use burn::backend::{Autodiff, Flex};
+use burn::module::ParamId;
+use burn::prelude::Backend;
+use burn::tensor::ops::FloatTensor;
+use burn::tensor::ops::FloatTensorOps;
+use burn::tensor::{DType, Tensor, TensorPrimitive};
+
+use super::optimizer::Optim;
+use super::spec::OptimizerSpec;
+use super::steps::ParamSteps;
+use crate::train::snapshot::codec::CodecError;
+
+/// The host's backend.
+pub(crate) type Host = Flex;
+type HostAd = Autodiff<Host>;
+/// An optimizer's steps are per parameter: any module type serves as `Optim`'s.
+type HostModule = burn::nn::Linear<HostAd>;
+
+/// The optimizer's state and the fp32 master weights, in host memory.
+pub(crate) struct HostState {
+    optim: Optim<HostAd, HostModule>,
+    /// The fp32 master of each parameter stepped so far, by id (made from the device's value at
+    /// its first step).
+    masters: HashMap<ParamId, FloatTensor<Host>>,
+}
+
+impl HostState {
+    /// A fresh state for the optimizer `spec` (no state, no master yet).
+    pub(crate) fn new(spec: &OptimizerSpec) -> Self {
+        HostState {
+            optim: Optim::new(spec),
+            masters: HashMap::new(),
+        }
+    }
+
+    /// The state saved by [`Optim::to_bytes`] (the device's or this one's), into host memory.
+    pub(crate) fn load_bytes(&mut self, bytes: &[u8]) -> Result<(), CodecError> {
+        let empty = self.optim.clone();
+        let optim = std::mem::replace(&mut self.optim, empty);
+        self.optim = optim.load_bytes(bytes, &Default::default())?;
+        Ok(())
+    }
+
+    /// The state as [`Optim::to_bytes`] writes it.
+    pub(crate) fn to_bytes(&self) -> Result<Vec<u8>, CodecError> {
+        self.optim.to_bytes()
+    }
+
+    /// The steps and masters, moved out while a backward pass steps parameter by parameter.
+    pub(crate) fn take_steps(&mut self) -> HostSteps {
+        HostSteps {
+            steps: self.optim.take_steps(),
+            masters: std::mem::take(&mut self.masters),
+        }
+    }
+
+    /// Returns what [`HostState::take_steps`] took, as the steps left it.
+    pub(crate) fn put_back(&mut self, steps: HostSteps) {
+        self.optim.put_back(steps.steps);
+        self.masters = steps.masters;
+    }
+}
+
+/// The host's steps during a backward pass (see [`HostState::take_steps`]).
+pub(crate) struct HostSteps {
+    steps: ParamSteps<HostAd>,
+    masters: HashMap<ParamId, FloatTensor<Host>>,
+}
+
+impl HostSteps {
+    /// Steps parameter `id` on the host with `grad` (fp32, unscaled, clipped: as the device's
+    /// step takes it): `weight` is its device value, read only where the host has no master
+    /// yet. Returns the new device value, in `weight`'s dtype.
+    pub(crate) fn step<K: Backend, const D: usize>(
+        &mut self,
+        lr: f64,
+        id: ParamId,
+        weight: Tensor<K, D>,
+        grad: Tensor<K, D>,
+    ) -> Tensor<K, D> {
+        let device = weight.device();
+        let dtype = weight.dtype();
+        let host: burn::tensor::Device<Host> = Default::default();
+        let to_host = |tensor: Tensor<K, D>| -> Tensor<Host, D> {
+            let data = tensor.cast(DType::F32).into_data();
+            Tensor::from_primitive(TensorPrimitive::Float(Host::float_from_data(data, &host)))
+        };
+        let master = match self.masters.remove(&id) {
+            Some(master) => {
+                drop(weight);
+                Tensor::<Host, D>::from_primitive(TensorPrimitive::Float(master))
+            }
+            None => to_host(weight),
+        };
+        let grad = to_host(grad);
+        let stepped = crate::memory::scope(crate::memory::phase::STEP, || {
+            self.steps.step::<D>(lr, id, master, grad)
+        });
+        let data = stepped.to_data().convert_dtype(dtype);
+        self.masters.insert(id, stepped.into_primitive().tensor());
+        Tensor::from_primitive(TensorPrimitive::Float(K::float_from_data(data, &device)))
+    }
+}

@@ -1,0 +1,387 @@
+//! CPU staging on the device: activation offload (the inputs checkpointed segments keep, in host
+//! memory between forward and backward). On the CPU (Flex) offload has nothing to save: the
+//! same tests check that it then does nothing and changes nothing.
+
+use burn::module::Module;
+use burn::prelude::*;
+use burn::tensor::Distribution;
+use memsave::checkpoint::offload::{
+    can_offload, offload_stats, reset_offload_stats, set_activation_offload, wait_for_copies,
+    ActivationOffload, OffloadStats,
+};
+use memsave::checkpoint::{join_helpers, set_with_cp};
+use memsave::memory;
+
+use super::common;
+use super::{device_name, narrow_resnet, on_device, Classifier, Deep, Materialise, Segment, D, K};
+
+/// `f` with activation offload set to `setting`, the counts started again; the setting before
+/// is restored after.
+fn with_offload<T>(setting: Option<ActivationOffload>, f: impl FnOnce() -> T) -> (T, OffloadStats) {
+    let previous = set_activation_offload(setting);
+    reset_offload_stats();
+    let out = f();
+    wait_for_copies();
+    let stats = offload_stats();
+    set_activation_offload(previous);
+    (out, stats)
+}
+
+/// Whether two gradient sets are the same bits.
+fn same_bits(
+    a: &std::collections::HashMap<burn::module::ParamId, Vec<f32>>,
+    b: &std::collections::HashMap<burn::module::ParamId, Vec<f32>>,
+) -> bool {
+    assert!(!b.is_empty(), "no gradients");
+    a.len() == b.len()
+        && b.iter().all(|(id, reference)| {
+            a.get(id).is_some_and(|grads| {
+                grads.len() == reference.len()
+                    && grads
+                        .iter()
+                        .zip(reference)
+                        .all(|(x, y)| x.to_bits() == y.to_bits())
+            })
+        })
+}
+
+#[test]
+fn activation_offload_gives_the_same_gradients_and_frees_the_kept_inputs() {
+    on_device(|| {
+        let device: burn::tensor::Device<D> = Default::default();
+        D::seed(&device, 3);
+        let meter = memory::meter_for(&device).expect("the device's memory can be read");
+        let model: Classifier<D> = set_with_cp(narrow_resnet(18, 8, &device), true);
+        let images =
+            Tensor::<D, 4>::random([4, 3, 160, 160], Distribution::Normal(0.0, 1.0), &device);
+        let labels =
+            Tensor::<D, 1, Int>::from_data(TensorData::new(vec![0i64, 1, 2, 3], [4]), &device);
+        // Two steps each; the second's figures (the pools warm).
+        let run = || {
+            let mut out = None;
+            for _ in 0..2 {
+                let base = meter.reset_peak();
+                let loss = model.loss(images.clone(), labels.clone());
+                wait_for_copies();
+                let kept = meter.live().saturating_sub(base);
+                let grads = loss.backward();
+                join_helpers();
+                let peak = meter.peak().saturating_sub(base);
+                out = Some((common::param_grads::<D, _>(&model, &grads), kept, peak));
+            }
+            out.expect("two steps")
+        };
+        let ((reference, kept, peak), _) = with_offload(None, run);
+        let setting = ActivationOffload {
+            min_bytes: 1024,
+            max_in_flight: 64 << 20,
+            prefetch: 2,
+        };
+        let ((grads, kept_off, peak_off), stats) = with_offload(Some(setting), run);
+        let mib = |b: u64| b as f64 / (1024.0 * 1024.0);
+        println!(
+            "device suite: {}: ResNet-18 width 8, 4 x 160 x 160, every block checkpointed: kept \
+             after the forward {:.2} MiB, with activation offload {:.2} MiB; step peak above its \
+             start {:.2} MiB, with offload {:.2} MiB ({:.2}x); {stats:?}",
+            device_name(),
+            mib(kept),
+            mib(kept_off),
+            mib(peak),
+            mib(peak_off),
+            peak_off as f64 / peak as f64,
+        );
+        assert!(
+            same_bits(&grads, &reference),
+            "offload changed the gradients"
+        );
+        match can_offload::<K>() {
+            Ok(()) => {
+                // Eight blocks a step, two steps.
+                assert_eq!(stats.segments, 16, "{stats:?}");
+                assert!(stats.bytes > 0 && stats.host_peak > 0, "{stats:?}");
+                assert_eq!(stats.host_bytes, 0, "every input came back: {stats:?}");
+                assert!(stats.prefetched > 0, "backward prefetched: {stats:?}");
+                // Every block's input left the device (the stem's activations stay: it is not
+                // checkpointed). The step's peak is the stem's backward here, which offload
+                // does not reach: the next test measures a peak that kept inputs make.
+                assert!(
+                    kept_off + stats.bytes / 2 * 9 / 10 <= kept,
+                    "offload keeps less on the device: {kept_off} vs {kept}, {} offloaded",
+                    stats.bytes / 2
+                );
+            }
+            Err(why) => {
+                println!(
+                    "device suite: {}: offload is off here: {why}",
+                    device_name()
+                );
+                assert_eq!(stats, OffloadStats::default(), "nothing offloaded");
+            }
+        }
+    });
+}
+
+/// Twelve checkpointed segments of two `width`-wide layers.
+fn deep(width: usize, device: &burn::tensor::Device<D>) -> Deep<D> {
+    set_with_cp(
+        Deep {
+            layers: (0..12)
+                .map(|_| Segment {
+                    a: burn::nn::LinearConfig::new(width, width).init(device),
+                    b: burn::nn::LinearConfig::new(width, width).init(device),
+                    with_cp: false,
+                })
+                .collect(),
+        }
+        .map(&mut Materialise),
+        true,
+    )
+}
+
+#[test]
+fn activation_offload_lowers_a_peak_that_kept_inputs_make() {
+    on_device(|| {
+        let device: burn::tensor::Device<D> = Default::default();
+        D::seed(&device, 5);
+        let meter = memory::meter_for(&device).expect("the device's memory can be read");
+        // Narrow layers, a large batch: the kept inputs (1 MiB each) outweigh the weights and
+        // their gradients (32 KiB a layer).
+        let model = deep(64, &device);
+        let x = Tensor::<D, 2>::random([4096, 64], Distribution::Normal(0.0, 1.0), &device)
+            .require_grad();
+        let run = || {
+            let mut peak = 0;
+            for _ in 0..2 {
+                let base = meter.reset_peak();
+                let y = model.layers.iter().fold(x.clone(), |h, l| l.forward(h));
+                let grads = y.square().mean().backward();
+                join_helpers();
+                peak = meter.peak().saturating_sub(base);
+                drop(grads);
+            }
+            peak
+        };
+        let (peak, _) = with_offload(None, run);
+        let setting = ActivationOffload {
+            min_bytes: 1024,
+            max_in_flight: 4 << 20,
+            prefetch: 2,
+        };
+        let (peak_off, stats) = with_offload(Some(setting), run);
+        let mib = |b: u64| b as f64 / (1024.0 * 1024.0);
+        println!(
+            "device suite: {}: 12 checkpointed segments, 4096 x 64 inputs: step peak above its \
+             start {:.2} MiB, with activation offload {:.2} MiB ({:.2}x); {stats:?}",
+            device_name(),
+            mib(peak),
+            mib(peak_off),
+            peak_off as f64 / peak as f64,
+        );
+        if can_offload::<K>().is_ok() {
+            assert_eq!(stats.segments, 24, "{stats:?}");
+            assert!(
+                peak_off * 10 < peak * 6,
+                "offload lowers the peak: {peak_off} vs {peak}"
+            );
+        } else {
+            assert_eq!(stats.segments, 0, "{stats:?}");
+        }
+    });
+}
+
+#[test]
+fn many_segments_prefetched_on_helper_threads_are_written_before_they_are_read() {
+    on_device(|| {
+        let device: burn::tensor::Device<D> = Default::default();
+        D::seed(&device, 4);
+        let width = 128;
+        let model = deep(width, &device);
+        let x = Tensor::<D, 2>::random([64, width], Distribution::Normal(0.0, 1.0), &device);
+        let run = |model: &Deep<D>| {
+            let y = model.layers.iter().fold(x.clone(), |h, l| l.forward(h));
+            let grads = y.square().mean().backward();
+            join_helpers();
+            common::param_grads::<D, _>(model, &grads)
+        };
+        let (reference, _) = with_offload(None, || run(&model));
+        // Three segments prefetched ahead; at most two inputs (32 KiB each) in flight, so that
+        // the forward waits on the copies too.
+        let setting = ActivationOffload {
+            min_bytes: 1024,
+            max_in_flight: 64 << 10,
+            prefetch: 3,
+        };
+        let (same, stats) = with_offload(Some(setting), || {
+            (0..50)
+                .map(|_| same_bits(&run(&model), &reference))
+                .filter(|same| !same)
+                .count()
+        });
+        println!(
+            "device suite: {}: 12 checkpointed segments offloaded, 3 prefetched ahead, 50 \
+             repetitions: {same} with other gradients; {stats:?}",
+            device_name()
+        );
+        assert_eq!(same, 0, "a repetition's gradients differed");
+        if can_offload::<K>().is_ok() {
+            // The first segment's input (the data) is not tracked: MMCV's guard runs it plainly.
+            assert_eq!(stats.segments, 11 * 50, "{stats:?}");
+            assert!(stats.prefetched >= 50, "the helpers prefetched: {stats:?}");
+            assert_eq!(stats.host_bytes, 0, "{stats:?}");
+        } else {
+            assert_eq!(stats.segments, 0, "{stats:?}");
+        }
+    });
+}
+
+/// Every float parameter's values, in the model's visiting order, as fp32.
+fn all_weights<M: Module<D>>(model: &M) -> Vec<f32> {
+    struct Collect(Vec<f32>);
+    impl burn::module::ModuleVisitor<D> for Collect {
+        fn visit_float<const N: usize>(&mut self, param: &burn::module::Param<Tensor<D, N>>) {
+            self.0.extend(super::values(param.val()));
+        }
+    }
+    let mut collect = Collect(Vec::new());
+    model.visit(&mut collect);
+    collect.0
+}
+
+#[test]
+fn optimizer_offload_steps_on_the_host_as_the_device_does_and_frees_the_state() {
+    use memsave::hooks::{GradClip, OptimizerHook, SnapshotHook};
+    use memsave::train::{OptimizerKind, OptimizerSpec, StateDtype};
+    on_device(|| {
+        let device: burn::tensor::Device<D> = Default::default();
+        let meter = || memory::meter_for(&device).expect("the device's memory can be read");
+        let mlp = common::mlp::Mlp::<D>::new(3 * 8 * 8, 256, 4, 0.0, &device)
+            .map(&mut common::tiny::Seeded(5));
+        let weights_bytes = memsave::train::params::param_bytes::<D, _>(&mlp).1;
+        let sgd: OptimizerSpec = OptimizerKind::Sgd {
+            momentum: 0.9,
+            weight_decay: 1e-4,
+            nesterov: false,
+        }
+        .into();
+        // Weights after `iters`, the most a step held (whole step), and what the device holds
+        // with the runner alive after the run (weights, optimizer state, data).
+        let run = |hook: OptimizerHook, spec: OptimizerSpec, iters: usize| {
+            let mut runner = super::mlp_runner(mlp.clone(), spec, hook, iters);
+            let peak = super::run_measured(&mut runner, 1, iters);
+            let held = meter().live();
+            (all_weights(&runner.state().model), peak, held)
+        };
+        let offload = |hook: OptimizerHook| hook.with_optimizer_offload(true);
+        let staged = can_offload::<K>().is_ok();
+        // The tolerance: the same arithmetic in the host's and the device's kernels.
+        let tolerance = if staged { 1e-5 } else { 0.0 };
+        let mib = |b: u64| b as f64 / (1024.0 * 1024.0);
+
+        // SGD with momentum, fp32: the state (one copy of the weights) leaves the device.
+        let (device_sgd, peak, held) = run(OptimizerHook::new(), sgd.clone(), 4);
+        let (host_sgd, peak_off, held_off) = run(offload(OptimizerHook::new()), sgd.clone(), 4);
+        let worst = common::max_relative_difference(&host_sgd, &device_sgd);
+        println!(
+            "device suite: {}: optimizer offload, four 256-wide layers, SGD with momentum, 4 \
+             iterations: worst relative weight difference {worst:e}; whole-step peak {:.2} MiB, \
+             offloaded {:.2} MiB; held after the run {:.2} MiB, offloaded {:.2} MiB (weights \
+             {:.2} MiB)",
+            device_name(),
+            mib(peak),
+            mib(peak_off),
+            mib(held),
+            mib(held_off),
+            mib(weights_bytes),
+        );
+        assert!(worst <= tolerance, "{worst:e}");
+        if staged {
+            assert!(
+                held_off + weights_bytes * 9 / 10 <= held,
+                "the momentum left the device: {held_off} vs {held}"
+            );
+            assert!(
+                peak_off + weights_bytes <= peak,
+                "no gradient set, no state on the device: {peak_off} vs {peak}"
+            );
+        }
+
+        // Adam, clipped (two passes), and mixed precision (the overflow check's pass too).
+        let adam: OptimizerSpec = OptimizerKind::Adam {
+            betas: (0.9, 0.999),
+            eps: 1e-8,
+            weight_decay: 0.0,
+        }
+        .into();
+        let clipped =
+            || OptimizerHook::new().with_grad_clip(Some(GradClip::new(0.5, 2.0).unwrap()));
+        let (device_adam, _, _) = run(clipped(), adam.clone(), 3);
+        let (host_adam, _, _) = run(offload(clipped()), adam.clone(), 3);
+        let worst_adam = common::max_relative_difference(&host_adam, &device_adam);
+        let mixed = || {
+            OptimizerHook::new().with_mixed_precision(
+                memsave::scaler::LossScaler::new(
+                    1024.0,
+                    memsave::scaler::ScaleMode::Dynamic,
+                    2.0,
+                    1000,
+                )
+                .unwrap(),
+                memsave::fp16::Precision::F16,
+            )
+        };
+        // The tiny classifier casts its input for a half forward (the MLP does not).
+        let tiny =
+            common::tiny::TinyNet::<D>::new(4, false, &device).map(&mut common::tiny::Seeded(7));
+        let (device_f16, _) = super::tiny_run(mixed(), sgd.clone(), 3, &tiny);
+        let (host_f16, _) = super::tiny_run(offload(mixed()), sgd.clone(), 3, &tiny);
+        let worst_f16 = common::max_relative_difference(&host_f16, &device_f16);
+        // 8-bit AdamW: the host's quantization (Flex's kernel) against the device's.
+        let adamw8 = OptimizerKind::AdamW {
+            betas: (0.9, 0.999),
+            eps: 1e-8,
+            weight_decay: 0.01,
+        }
+        .with_state_dtype(StateDtype::Int8);
+        let (device_8, _, _) = run(OptimizerHook::new(), adamw8.clone(), 3);
+        let (host_8, _, _) = run(offload(OptimizerHook::new()), adamw8.clone(), 3);
+        let worst_8 = common::max_relative_difference(&host_8, &device_8);
+        println!(
+            "device suite: {}: optimizer offload against the device's step, worst relative \
+             weight difference: Adam clipped (two passes) {worst_adam:e}, f16 with loss scaling \
+             {worst_f16:e}, 8-bit AdamW {worst_8:e}",
+            device_name()
+        );
+        assert!(worst_adam <= tolerance.max(1e-5) * 10.0, "{worst_adam:e}");
+        assert!(worst_f16 <= 1e-3, "{worst_f16:e}");
+        assert!(worst_8 <= 1e-2, "{worst_8:e}");
+
+        // A snapshot taken with offload holds the host's state: resumed, the run ends where the
+        // uninterrupted one does, in every bit.
+        let dir = std::env::temp_dir().join(format!("memsave-device-mlp-{}", std::process::id()));
+        let mut whole =
+            super::mlp_runner(mlp.clone(), sgd.clone(), offload(OptimizerHook::new()), 4);
+        whole.register_hook(Box::new(SnapshotHook::new(2, false)));
+        whole.run().unwrap();
+        let expected = all_weights(&whole.state().model);
+        drop(whole);
+        let snapshot = dir.join("resume-from.ckpt");
+        std::fs::copy(dir.join("iter_2.ckpt"), &snapshot).unwrap();
+        let mut resumed =
+            super::mlp_runner(mlp.clone(), sgd.clone(), offload(OptimizerHook::new()), 4);
+        resumed.resume(&snapshot).unwrap();
+        assert_eq!(resumed.state().iter, 2);
+        resumed.run().unwrap();
+        let got = all_weights(&resumed.state().model);
+        let _ = std::fs::remove_dir_all(&dir);
+        println!(
+            "device suite: {}: a snapshot taken with optimizer offload, resumed: {}",
+            device_name(),
+            if got == expected {
+                "the same weights"
+            } else {
+                "other weights"
+            }
+        );
+        assert!(got == expected, "the resumed run's weights differ");
+    });
+}
