@@ -335,6 +335,11 @@ fn optimizer_offload_steps_on_the_host_as_the_device_does_and_frees_the_state() 
         let (device_f16, _) = super::tiny_run(mixed(), sgd.clone(), 3, &tiny);
         let (host_f16, _) = super::tiny_run(offload(mixed()), sgd.clone(), 3, &tiny);
         let worst_f16 = common::max_relative_difference(&host_f16, &device_f16);
+        // Accumulation: groups of two, the group's last micro-batch stepping in its backward.
+        let groups = || OptimizerHook::new().with_groups(memsave::hooks::Groups::new(2).unwrap());
+        let (device_groups, _, _) = run(groups(), sgd.clone(), 4);
+        let (host_groups, _, _) = run(offload(groups()), sgd.clone(), 4);
+        let worst_groups = common::max_relative_difference(&host_groups, &device_groups);
         // 8-bit AdamW: the host's quantization (Flex's kernel) against the device's.
         let adamw8 = OptimizerKind::AdamW {
             betas: (0.9, 0.999),
@@ -348,11 +353,13 @@ fn optimizer_offload_steps_on_the_host_as_the_device_does_and_frees_the_state() 
         println!(
             "device suite: {}: optimizer offload against the device's step, worst relative \
              weight difference: Adam clipped (two passes) {worst_adam:e}, f16 with loss scaling \
-             {worst_f16:e}, 8-bit AdamW {worst_8:e}",
+             {worst_f16:e}, accumulation in groups of 2 {worst_groups:e}, 8-bit AdamW \
+             {worst_8:e}",
             device_name()
         );
         assert!(worst_adam <= tolerance.max(1e-5) * 10.0, "{worst_adam:e}");
         assert!(worst_f16 <= 1e-3, "{worst_f16:e}");
+        assert!(worst_groups <= tolerance, "{worst_groups:e}");
         assert!(worst_8 <= 1e-2, "{worst_8:e}");
 
         // A snapshot taken with offload holds the host's state: resumed, the run ends where the
