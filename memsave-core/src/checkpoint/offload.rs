@@ -283,7 +283,6 @@ impl<B: Backend> Slot<B> {
     /// The inputs, back on the device, for the recomputation: waits for a copy under way.
     fn take(&self) -> Result<Vec<FloatTensor<B>>, String> {
         let mut state = lock(&self.state);
-        let mut waited_on_load = false;
         loop {
             match std::mem::replace(&mut *state, State::Taken) {
                 State::Device(prims) => {
@@ -294,7 +293,7 @@ impl<B: Backend> Slot<B> {
                     PREFETCHED.fetch_add(1, Ordering::Relaxed);
                     return Ok(prims);
                 }
-                State::Host(datas) if !waited_on_load => {
+                State::Host(datas) => {
                     drop(state);
                     ON_DEMAND.fetch_add(1, Ordering::Relaxed);
                     return match self.upload(datas) {
@@ -303,13 +302,7 @@ impl<B: Backend> Slot<B> {
                         _ => unreachable!("an upload ends ready or failed"),
                     };
                 }
-                State::Host(datas) => {
-                    // A prefetch that gave up: copy back here.
-                    *state = State::Host(datas);
-                    waited_on_load = false;
-                }
                 waiting @ (State::Copying | State::Loading) => {
-                    waited_on_load |= matches!(waiting, State::Loading);
                     *state = waiting;
                     state = self
                         .changed
