@@ -306,6 +306,24 @@ fn bad_detector_settings_are_errors_naming_the_field() {
         assert!(log.contains(field), "{set}: {log}");
         assert!(!log.contains("panicked"), "{set}: {log}");
     }
+    // The planner picks the neck's and head's segments under "auto": their own key beside it
+    // would be ignored, so it is an error naming it.
+    let out = memsave(&[
+        "train",
+        config.to_str().unwrap(),
+        "--work-dir",
+        dir.join("w").to_str().unwrap(),
+        "--set",
+        "model.backbone.with_cp=\"auto\"",
+        "--set",
+        "memory.memory_budget=\"80%\"",
+        "--set",
+        "model.bbox_head.with_cp=true",
+    ]);
+    let log = text(&out);
+    assert!(!out.status.success(), "{log}");
+    assert!(log.contains("model.bbox_head.with_cp"), "{log}");
+    assert!(log.contains("planner"), "{log}");
 }
 
 #[test]

@@ -1,5 +1,6 @@
-//! What the lean operations and the in-graph accumulation keep, measured by the counting
-//! allocator. One test: the counters are process-wide, and parallel tests would move them.
+//! What the lean operations, the in-graph accumulation and the detector's checkpointed neck and
+//! head keep, measured by the counting allocator. The counters are process-wide: the tests take
+//! turns.
 
 use burn::backend::{Autodiff, Flex};
 use burn::nn::conv::Conv2dConfig;
@@ -15,8 +16,12 @@ static ALLOCATOR: CountingAllocator = CountingAllocator;
 
 type AB = Autodiff<Flex>;
 
+/// Parallel tests would move each other's counters.
+static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
 #[test]
 fn lean_layers_keep_two_activations_per_conv_bn_relu_and_accumulation_keeps_one_gradient_set() {
+    let _turn = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
     let device = Default::default();
     let (n, c, s) = (2, 16, 32);
     let activation = (n * c * s * s * 4) as f64;
@@ -141,4 +146,65 @@ fn lean_layers_keep_two_activations_per_conv_bn_relu_and_accumulation_keeps_one_
     eprintln!("backward peak above its start: {plain} B alone, {seeded} B onto the sums");
     assert!(seeded <= plain + weights / 8, "{seeded} vs {plain}");
     drop(summed);
+}
+
+/// With the backbone checkpointed, what the detector keeps after its forward is mostly the
+/// neck's and the head's activations; their own `with_cp` keys recompute them, and the head keeps
+/// each level's input alone.
+#[test]
+fn the_detectors_neck_and_head_checkpointed_keep_less_after_the_forward() {
+    use memsave::models::detection::fpn::FpnConfig;
+    use memsave::models::detection::retinanet::RetinaNetConfig;
+    use memsave::models::resnet::ResNetConfig;
+    let _turn = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let device = Default::default();
+    let model = |neck: bool, head: bool| {
+        let mut config = RetinaNetConfig::r50_fpn(4);
+        config.backbone = ResNetConfig {
+            depth: 18,
+            base_channels: 8,
+            frozen_stages: -1,
+            ..ResNetConfig::default()
+        }
+        .with_with_cp(true);
+        config.neck = FpnConfig {
+            in_channels: vec![8, 16, 32, 64],
+            out_channels: 32,
+            with_cp: neck,
+            ..FpnConfig::default()
+        };
+        config.bbox_head.in_channels = 32;
+        config.bbox_head.feat_channels = 32;
+        config.bbox_head.with_cp = head;
+        config.init::<AB>(&device).unwrap()
+    };
+    let images = Tensor::<AB, 4>::random([2, 3, 128, 128], Distribution::Default, &device);
+    // Kept after the forward, the outputs included (the same in both).
+    let kept = |neck: bool, head: bool| {
+        let model = model(neck, head);
+        // Lazy weights first.
+        drop(model.forward(images.clone()));
+        let before = memory::current_bytes();
+        let (outs, _) = model.forward(images.clone());
+        let kept = memory::current_bytes() - before;
+        let loss = outs
+            .into_iter()
+            .map(|(cls, reg)| cls.sum() + reg.sum())
+            .reduce(|a, b| a + b)
+            .unwrap();
+        drop(loss.backward());
+        memsave::checkpoint::join_helpers();
+        kept as f64 / (1 << 20) as f64
+    };
+    let (backbone, neck, both) = (kept(false, false), kept(true, false), kept(true, true));
+    eprintln!(
+        "RetinaNet R18-FPN (8-wide backbone, 32-channel FPN and head), 2 x 128 x 128, kept after \
+         the forward with the backbone checkpointed: {backbone:.2} MiB; the neck too \
+         {neck:.2} MiB; the neck and the head {both:.2} MiB ({:.2}x)",
+        both / backbone
+    );
+    assert!(neck < backbone, "{neck} vs {backbone}");
+    // What stays: the stem's activations (nothing checkpoints it), the images, the outputs and
+    // each segment's input.
+    assert!(both < 0.8 * backbone, "{both} vs {backbone}");
 }

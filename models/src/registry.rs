@@ -336,7 +336,7 @@ where
         data,
         batch: data_config.samples_per_gpu,
         hooks,
-        with_cp: config.model.backbone.with_cp.clone(),
+        with_cp: detector.with_cp(),
         keys: entry.keys,
     };
     job.run(&config, built)

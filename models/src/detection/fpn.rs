@@ -13,7 +13,7 @@ use smart_default::SmartDefault;
 
 use crate::memsave::fp16::Fp16;
 use crate::memsave::nn::{conv2d, relu};
-use crate::memsave::{auto_fp16, Error, Result};
+use crate::memsave::{auto_fp16, with_cp, Error, Result};
 
 /// Where the extra levels' first conv reads from (MMDetection's `add_extra_convs`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -63,6 +63,10 @@ pub struct FpnConfig {
     pub num_outs: usize,
     /// ReLU before each extra conv (RetinaNet: no).
     pub relu_before_extra_convs: bool,
+    /// Recompute the whole pyramid in backward (one segment: it keeps the backbone levels it
+    /// reads, which the backbone's checkpointed blocks keep anyway, and none of its laterals,
+    /// sums or outputs). Beyond MMDetection, whose FPN has no `with_cp`.
+    pub with_cp: bool,
 }
 
 fn conv<B: Backend>(
@@ -163,6 +167,7 @@ impl FpnConfig {
                 _ => 0,
             },
             relu_before_extra_convs: self.relu_before_extra_convs,
+            with_cp: self.with_cp,
             fp16_enabled: Fp16::Off,
         })
     }
@@ -180,37 +185,20 @@ pub struct Fpn<B: Backend> {
     /// 0: on input, 1: on lateral, 2: on output.
     source: usize,
     relu_before_extra_convs: bool,
+    with_cp: bool,
     fp16_enabled: Fp16,
 }
 
-impl<B: Backend> Fpn<B> {
+impl<B: crate::memsave::Backend> Fpn<B> {
     /// Backbone feature maps (all of them, C2..C5) -> `num_outs` maps of `out_channels`,
     /// strides doubling from the first used level's.
     #[auto_fp16]
     pub fn forward(&self, inputs: Vec<Tensor<B, 4>>) -> Vec<Tensor<B, 4>> {
-        let used = &inputs[self.start_level..];
-        let mut laterals: Vec<Tensor<B, 4>> = self
-            .lateral_convs
-            .iter()
-            .zip(used)
-            .map(|(conv, x)| conv2d(conv, x.clone()))
-            .collect();
-        for i in (1..laterals.len()).rev() {
-            let [_, _, h, w] = laterals[i - 1].dims();
-            let up = interpolate(
-                laterals[i].clone(),
-                [h, w],
-                InterpolateOptions::new(InterpolateMode::Nearest),
-            );
-            laterals[i - 1] = laterals[i - 1].clone() + up;
-        }
-        let last_lateral = laterals.last().cloned();
-        let mut outs: Vec<Tensor<B, 4>> = self
-            .fpn_convs
-            .iter()
-            .zip(laterals)
-            .map(|(conv, x)| conv2d(conv, x))
-            .collect();
+        // Only the levels used cross into the segment: a checkpointed pyramid keeps no others.
+        let mut inputs = inputs;
+        let used = inputs.split_off(self.start_level.min(inputs.len()));
+        let last_input = used.last().cloned();
+        let (mut outs, last_lateral) = self.pyramid(used);
         if self.extra_convs.is_empty() {
             while outs.len() < self.num_outs {
                 let last = outs.last().expect("at least one level").clone();
@@ -218,9 +206,12 @@ impl<B: Backend> Fpn<B> {
             }
             return outs;
         }
+        // The extra levels (a quarter of the last level's area and less) run outside the
+        // segment: a tensor that three ops read (P6: the head's two branches and P7's conv)
+        // then has its gradients summed in the same order with and without checkpointing.
         let mut x = match self.source {
-            0 => used.last().expect("at least one level").clone(),
-            1 => last_lateral.expect("at least one level"),
+            0 => last_input.expect("at least one level"),
+            1 => last_lateral.expect("the pyramid returns its last lateral"),
             _ => outs.last().expect("at least one level").clone(),
         };
         for (i, conv) in self.extra_convs.iter().enumerate() {
@@ -232,5 +223,38 @@ impl<B: Backend> Fpn<B> {
             outs.push(x.clone());
         }
         outs
+    }
+
+    /// The used levels (C3..C5 for RetinaNet) -> their outputs (P3..P5), and the last lateral
+    /// where the extra levels read it; one segment when `with_cp` is on.
+    #[with_cp]
+    fn pyramid(&self, used: Vec<Tensor<B, 4>>) -> (Vec<Tensor<B, 4>>, Option<Tensor<B, 4>>) {
+        let mut laterals: Vec<Tensor<B, 4>> = self
+            .lateral_convs
+            .iter()
+            .zip(used)
+            .map(|(conv, x)| conv2d(conv, x))
+            .collect();
+        for i in (1..laterals.len()).rev() {
+            let [_, _, h, w] = laterals[i - 1].dims();
+            let up = interpolate(
+                laterals[i].clone(),
+                [h, w],
+                InterpolateOptions::new(InterpolateMode::Nearest),
+            );
+            laterals[i - 1] = laterals[i - 1].clone() + up;
+        }
+        let last_lateral = if self.source == 1 && !self.extra_convs.is_empty() {
+            laterals.last().cloned()
+        } else {
+            None
+        };
+        let outs = self
+            .fpn_convs
+            .iter()
+            .zip(laterals)
+            .map(|(conv, x)| conv2d(conv, x))
+            .collect();
+        (outs, last_lateral)
     }
 }

@@ -12,7 +12,7 @@ use smart_default::SmartDefault;
 use super::anchors::AnchorGeneratorConfig;
 use crate::memsave::fp16::Fp16;
 use crate::memsave::nn::{conv2d, relu};
-use crate::memsave::{auto_fp16, Error, Result};
+use crate::memsave::{auto_fp16, with_cp, Error, Result};
 
 /// `bbox_coder`.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize, SmartDefault)]
@@ -93,6 +93,11 @@ pub struct RetinaHeadConfig {
     pub loss_cls: FocalLossConfig,
     /// The box loss.
     pub loss_bbox: L1LossConfig,
+    /// Recompute each branch at each level in backward (a segment per level and branch, which
+    /// keeps only the level's input): the head's stacked convs at the largest level are the
+    /// detector's biggest activations at the end of the forward. Beyond MMDetection, whose
+    /// heads have no `with_cp`.
+    pub with_cp: bool,
 }
 
 /// A 3x3 conv of `channels`, weights from N(0, 0.01), bias `bias`.
@@ -205,6 +210,7 @@ impl RetinaHeadConfig {
             ),
             retina_reg: conv3x3([last, anchors * 4], 0.0, device),
             num_classes: self.num_classes,
+            with_cp: self.with_cp,
             fp16_enabled: Fp16::Off,
         })
     }
@@ -219,10 +225,11 @@ pub struct RetinaHead<B: Backend> {
     retina_cls: Conv2d<B>,
     retina_reg: Conv2d<B>,
     num_classes: usize,
+    with_cp: bool,
     fp16_enabled: Fp16,
 }
 
-impl<B: Backend> RetinaHead<B> {
+impl<B: crate::memsave::Backend> RetinaHead<B> {
     /// Pyramid levels `[N, C, H_l, W_l]` -> per level, class logits `[N, H_l * W_l * A,
     /// classes]` and box deltas `[N, H_l * W_l * A, 4]`, location-major (as the anchors).
     #[auto_fp16]
@@ -230,16 +237,8 @@ impl<B: Backend> RetinaHead<B> {
         feats
             .into_iter()
             .map(|x| {
-                let mut cls = x.clone();
-                for conv in &self.cls_convs {
-                    cls = relu(conv2d(conv, cls));
-                }
-                let mut reg = x;
-                for conv in &self.reg_convs {
-                    reg = relu(conv2d(conv, reg));
-                }
-                let cls = conv2d(&self.retina_cls, cls);
-                let reg = conv2d(&self.retina_reg, reg);
+                let cls = self.branch(x.clone(), false);
+                let reg = self.branch(x, true);
                 let n = cls.dims()[0] as i32;
                 let cls = cls
                     .permute([0, 2, 3, 1])
@@ -248,5 +247,22 @@ impl<B: Backend> RetinaHead<B> {
                 (cls, reg)
             })
             .collect()
+    }
+
+    /// One level through one branch: the stacked 3x3 conv + ReLU layers and the branch's
+    /// predictor (`reg`: the box deltas, else the class logits), `[N, C, H, W]` -> `[N, A * K,
+    /// H, W]`; one segment when `with_cp` is on.
+    #[with_cp]
+    fn branch(&self, x: Tensor<B, 4>, reg: bool) -> Tensor<B, 4> {
+        let (convs, predictor) = if reg {
+            (&self.reg_convs, &self.retina_reg)
+        } else {
+            (&self.cls_convs, &self.retina_cls)
+        };
+        let mut x = x;
+        for conv in convs {
+            x = relu(conv2d(conv, x));
+        }
+        conv2d(predictor, x)
     }
 }

@@ -17,6 +17,7 @@ use super::postprocess::{detections, level_candidates, TestCfg};
 use super::{Detection, DetectionBatch, ImageMeta};
 use crate::memsave::fp16::Fp16;
 use crate::memsave::memory;
+use crate::memsave::planner::WithCp;
 use crate::memsave::train::TrainModel;
 use crate::memsave::{auto_fp16, force_fp32, Error, Result};
 use crate::resnet::{ResNet, ResNetConfig};
@@ -73,10 +74,47 @@ impl RetinaNetConfig {
         }
     }
 
+    /// The segments to checkpoint, as one setting for the whole model (applied once it is
+    /// built): the backbone's `with_cp`, and where that is a list of paths, `neck` and
+    /// `bbox_head` added when their own `with_cp` is on. (`true` and `false` need nothing more:
+    /// each part's flag is set as it is built.)
+    pub fn with_cp(&self) -> WithCp {
+        match &self.backbone.with_cp {
+            WithCp::Paths(paths) => {
+                let mut paths = paths.clone();
+                for (on, path) in [
+                    (self.neck.with_cp, "neck"),
+                    (self.bbox_head.with_cp, "bbox_head"),
+                ] {
+                    if on && !paths.iter().any(|p| p == path) {
+                        paths.push(path.to_string());
+                    }
+                }
+                WithCp::Paths(paths)
+            }
+            other => other.clone(),
+        }
+    }
+
     /// Checks that the pieces fit together; errors name the field.
     pub fn check(&self) -> Result<()> {
         self.neck.check().map_err(|e| e.within("neck"))?;
         self.bbox_head.check().map_err(|e| e.within("bbox_head"))?;
+        if self.backbone.with_cp == WithCp::Auto {
+            for (on, key) in [
+                (self.neck.with_cp, "neck.with_cp"),
+                (self.bbox_head.with_cp, "bbox_head.with_cp"),
+            ] {
+                if on {
+                    return Err(Error::invalid(
+                        key,
+                        "with `backbone.with_cp = \"auto\"` the planner picks the neck's and \
+                         the head's segments too: remove this key, or pin the segments by path \
+                         in `backbone.with_cp` (`memsave plan` prints them)",
+                    ));
+                }
+            }
+        }
         self.train_cfg
             .assigner
             .check()
@@ -167,10 +205,13 @@ pub struct Settings {
 #[crate::memsave::model]
 #[derive(Module, Debug)]
 pub struct RetinaNet<B: Backend> {
-    /// `set_with_cp` reaches the backbone's blocks (the neck and head are not checkpointed).
+    /// `set_with_cp` reaches the backbone's blocks, the neck (one segment) and the head (a
+    /// segment per level and branch).
     #[with_cp]
     backbone: ResNet<B>,
+    #[with_cp]
     neck: Fpn<B>,
+    #[with_cp]
     bbox_head: RetinaHead<B>,
     #[module(skip)]
     settings: Settings,
