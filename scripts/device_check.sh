@@ -9,8 +9,11 @@
 # 3. runs the device suite on CUDA (tests/device.rs: with_cp gradients, memsave's ops vs
 #    Burn's, f16/bf16 with dynamic loss scaling, the pool meter, helper-thread recomputation,
 #    `memsave train` and `memsave bench` on the device);
-# 4. runs `memsave bench --device cuda --image-size 1000x600` and, where PyTorch with CUDA is
-#    installed, `scripts/torch_reference.py --device cuda` beside it (fp16 with a GradScaler);
+# 4. runs `memsave bench --device cuda --image-size 1000x600` (the strategy table and, on a
+#    device, CPU staging's rows: offload_activations, offload_optimizer, all_offload, with the
+#    host's peak) and, where PyTorch with CUDA is installed, `scripts/torch_reference.py --device
+#    cuda` beside it (fp16 with a GradScaler; save_on_cpu and a host-stepped SGD for the offload
+#    rows), so that the copies' time cost is measured in one run;
 # 5. writes OUT_DIR/device_check.md (one Markdown table to paste into docs/src/devices.md) and
 #    OUT_DIR/device_check.json, and the logs of every step.
 #
@@ -53,7 +56,9 @@ set +e
 TORCH=skipped
 COMPARE=()
 if python3 -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
-  timeout 240 python3 scripts/torch_reference.py --device cuda --image-size 1000x600 --iters 3 \
+  # The strategy table's configurations and CPU staging's (save_on_cpu, a host-stepped SGD).
+  timeout 300 python3 scripts/torch_reference.py --device cuda --image-size 1000x600 --iters 3 \
+    --only base,amp,accumulation,checkpoint,all,step_in_backward,lean,offload_activations,offload_optimizer,all_offload \
     --out "$OUT/torch.json" > "$OUT/torch.log" 2>&1 && TORCH=ran || TORCH=failed
   [ "$TORCH" = ran ] && COMPARE=(--compare "$OUT/torch.json")
 else

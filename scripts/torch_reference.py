@@ -25,7 +25,13 @@ once), which cannot clip (its tutorial and torchtune refuse global-norm clipping
 configuration runs unclipped, and `all` keeps the ordinary step, since the hooks refuse
 accumulation and loss scaling too); `lean` checkpointing with the hooks in backward;
 `int8_state` needs bitsandbytes or torchao, not installed here: it is left absent (memsave's
-`lean` adds 8-bit state, PyTorch's does not).
+`lean` adds 8-bit state, PyTorch's does not). CPU staging (`--device cuda` only, in
+OFFLOAD_CONFIGS): `offload_activations` is `checkpoint` with the forward under
+`torch.autograd.graph.save_on_cpu(pin_memory=True)` (what the checkpointed blocks keep goes to
+pinned host memory); `offload_optimizer` keeps the optimizer's state and fp32 masters on the host, hand-written
+(`HostSGD`: each gradient copied to pinned host memory after backward, unscaled and clipped there,
+SGD stepped on the masters, the new weights copied up; torchao's `CPUOffloadOptimizer` would not
+take the loss scale); `all_offload` is `all` with both, its loss scale static (512) as `amp`'s.
 
 Memory: the peak of live bytes during one step above the step's start, from the profiler's
 allocator events (`profile_memory=True`: the running sum of every allocation and free in its
@@ -41,6 +47,7 @@ run under it. Not run in CI: torch is not a dependency of memsave.
 """
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -52,6 +59,8 @@ import time
 CONFIGS = [
     "base", "amp", "accumulation", "checkpoint", "all", "step_in_backward", "int8_state", "lean",
 ]
+# CPU staging, on CUDA (memsave runs the same three by default on a device).
+OFFLOAD_CONFIGS = ["offload_activations", "offload_optimizer", "all_offload"]
 # Configurations that need a library not installed here (bitsandbytes, torchao).
 ABSENT = {"int8_state": "8-bit optimizer state needs bitsandbytes or torchao, not installed"}
 
@@ -96,6 +105,45 @@ def build_model(height, width, num_classes, checkpoint):
     )
 
 
+class HostSGD:
+    """SGD with momentum and weight decay whose state and fp32 masters live in pinned host
+    memory: each gradient is copied down, stepped on the host, and the new weights copied up
+    (ZeRO-Offload's shape, without DeepSpeed)."""
+
+    def __init__(self, params, lr, momentum, weight_decay):
+        import torch
+
+        self.params = params
+        self.masters = [p.detach().to("cpu", torch.float32).pin_memory() for p in params]
+        for m in self.masters:
+            m.requires_grad_(True)
+        self.host = torch.optim.SGD(
+            self.masters, lr=lr, momentum=momentum, weight_decay=weight_decay
+        )
+
+    # MMCV's static `loss_scale=512.` under `amp`.
+    LOSS_SCALE = 512.0
+
+    def step(self, scale, max_norm):
+        import torch
+
+        for p, m in zip(self.params, self.masters):
+            if p.grad is None:
+                m.grad = None
+                continue
+            m.grad = p.grad.to("cpu", torch.float32, non_blocking=True)
+            p.grad = None
+        torch.cuda.synchronize()
+        stepped = [m for m in self.masters if m.grad is not None]
+        for m in stepped:
+            m.grad.div_(scale)
+        torch.nn.utils.clip_grad_norm_(stepped, max_norm)
+        self.host.step()
+        for p, m in zip(self.params, self.masters):
+            p.data.copy_(m.detach(), non_blocking=True)
+            m.grad = None
+
+
 def make_batches(count, batch, height, width, num_classes, device, seed=0):
     import torch
 
@@ -122,11 +170,16 @@ def worker(args):
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     name = args.worker
-    amp = name in ("amp", "all")
-    micro = 2 if name in ("accumulation", "all") else 1
+    amp = name in ("amp", "all", "all_offload")
+    micro = 2 if name in ("accumulation", "all", "all_offload") else 1
     height, width = args.image_size
     in_backward = name in ("step_in_backward", "lean")
-    model = build_model(height, width, 20, name in ("checkpoint", "all", "lean")).to(device)
+    offload_activations = name in ("offload_activations", "all_offload")
+    offload_optimizer = name in ("offload_optimizer", "all_offload")
+    if (offload_activations or offload_optimizer) and device.type != "cuda":
+        raise SystemExit(f"{name}: CPU staging needs --device cuda")
+    checkpointed = ("checkpoint", "all", "lean", "offload_activations", "all_offload")
+    model = build_model(height, width, 20, name in checkpointed).to(device)
     model.train()
     for module in model.backbone.body.modules():
         if isinstance(module, torch.nn.BatchNorm2d):
@@ -145,8 +198,11 @@ def worker(args):
 
         for p in params:
             p.register_post_accumulate_grad_hook(hook)
+    host_optimizer = None
+    if offload_optimizer:
+        host_optimizer = HostSGD(params, lr=1e-5, momentum=0.9, weight_decay=1e-4)
     scaler = None
-    if amp and device.type == "cuda":
+    if amp and device.type == "cuda" and host_optimizer is None:
         scaler = torch.amp.GradScaler("cuda", init_scale=512.0, growth_interval=10**9)
     dtype = torch.bfloat16 if device.type == "cpu" else torch.float16
     batches = make_batches(2, args.batch, height, width, 20, device)
@@ -159,17 +215,27 @@ def worker(args):
         for m in range(micro):
             part_images = images[m * per:(m + 1) * per]
             part_targets = targets[m * per:(m + 1) * per]
-            with torch.autocast(device.type, dtype=dtype, enabled=amp):
+            staging = (
+                torch.autograd.graph.save_on_cpu(pin_memory=True)
+                if offload_activations
+                else contextlib.nullcontext()
+            )
+            with staging, torch.autocast(device.type, dtype=dtype, enabled=amp):
                 losses = model(part_images, part_targets)
                 loss = sum(losses.values()) / micro
             if scaler is not None:
                 scaler.scale(loss).backward()
+            elif host_optimizer is not None and amp:
+                (loss * HostSGD.LOSS_SCALE).backward()
             else:
                 loss.backward()
             total += float(loss.detach()) * micro
             del losses, loss
         if in_backward:
             return total / micro  # stepped in backward, unclipped
+        if host_optimizer is not None:
+            host_optimizer.step(HostSGD.LOSS_SCALE if amp else 1.0, 35.0)
+            return total / micro
         if scaler is not None:
             scaler.unscale_(optimizer)
         torch.nn.utils.clip_grad_norm_(params, 35.0)

@@ -832,7 +832,7 @@ fn train_and_bench_run_on_the_device_and_end_cleanly() {
                 "--image-size",
                 "64",
                 "--only",
-                "base,checkpoint",
+                "base,checkpoint,offload_activations,offload_optimizer",
                 "--out",
             ])
             .arg(dir.join("bench"))
@@ -844,10 +844,26 @@ fn train_and_bench_run_on_the_device_and_end_cleanly() {
             String::from_utf8_lossy(&out.stderr)
         );
         assert!(out.status.success(), "bench on {}: {bench}", device_name());
+        // CPU staging's rows: the host's peak beside the device's on a device; on the CPU none
+        // (one memory), and each offload said off.
+        let report: serde_json::Value = serde_json::from_str(
+            &std::fs::read_to_string(dir.join("bench").join("bench.json")).unwrap(),
+        )
+        .unwrap();
+        let configs = report["configs"].as_array().unwrap();
+        assert_eq!(configs.len(), 4, "{bench}");
+        for config in configs {
+            let host = config.get("host_peak_bytes").and_then(|v| v.as_u64());
+            match memsave::checkpoint::offload::can_offload::<K>() {
+                Ok(()) => assert!(host.is_some(), "{config}"),
+                Err(_) => assert!(host.is_none(), "{config}"),
+            }
+        }
         println!(
             "device suite: {}: `memsave train` (1 epoch, 4 iterations, checkpointed, activation \
              offload asked for) and \
-             `memsave bench` (the narrow R18-FPN, 64 x 64, base and checkpoint) ended cleanly",
+             `memsave bench` (the narrow R18-FPN, 64 x 64, base, checkpoint and both offloads) ended \
+             cleanly",
             device_name()
         );
         let _ = std::fs::remove_dir_all(&dir);

@@ -234,6 +234,69 @@ fn many_segments_prefetched_on_helper_threads_are_written_before_they_are_read()
     });
 }
 
+/// `min_bytes` and `max_in_flight` are read: inputs below the minimum stay on the device (none
+/// offloaded, at the minimum all), and the copies under way never hold more device bytes than the
+/// bound (here one segment's input), where without a bound they pile up behind the forward.
+#[test]
+fn the_minimum_size_and_the_bound_on_bytes_in_flight_are_kept() {
+    on_device(|| {
+        let device: burn::tensor::Device<D> = Default::default();
+        D::seed(&device, 6);
+        let width = 128;
+        let model = deep(width, &device);
+        // Each segment keeps one 512 x 128 fp32 input: 256 KiB.
+        let input = 512 * width as u64 * 4;
+        let x = Tensor::<D, 2>::random([512, width], Distribution::Normal(0.0, 1.0), &device);
+        let run = || {
+            let mut all = Vec::new();
+            for _ in 0..5 {
+                let y = model.layers.iter().fold(x.clone(), |h, l| l.forward(h));
+                let grads = y.square().mean().backward();
+                join_helpers();
+                all.push(common::param_grads::<D, _>(&model, &grads));
+            }
+            all
+        };
+        let (reference, _) = with_offload(None, run);
+        let setting = |min_bytes: u64, max_in_flight: u64| ActivationOffload {
+            min_bytes,
+            max_in_flight,
+            prefetch: 2,
+        };
+        let (above, above_stats) = with_offload(Some(setting(input + 1, 256 << 20)), run);
+        let (at, at_stats) = with_offload(Some(setting(input, 256 << 20)), run);
+        let (tight, tight_stats) = with_offload(Some(setting(input, input)), run);
+        println!(
+            "device suite: {}: 12 segments with 256 KiB inputs, 5 runs each: min_bytes 256 KiB + \
+             1: {} offloaded; min_bytes 256 KiB: {} offloaded, at most {} KiB in flight; \
+             max_in_flight 256 KiB: at most {} KiB in flight, {} waits",
+            device_name(),
+            above_stats.segments,
+            at_stats.segments,
+            at_stats.in_flight_peak >> 10,
+            tight_stats.in_flight_peak >> 10,
+            tight_stats.waits,
+        );
+        for (what, got) in [("above", &above), ("at", &at), ("tight", &tight)] {
+            assert!(
+                got.iter().zip(&reference).all(|(g, r)| same_bits(g, r)),
+                "{what}: other gradients"
+            );
+        }
+        if can_offload::<K>().is_ok() {
+            assert_eq!(above_stats.segments, 0, "{above_stats:?}");
+            assert_eq!(at_stats.segments, 11 * 5, "{at_stats:?}");
+            assert_eq!(tight_stats.segments, 11 * 5, "{tight_stats:?}");
+            assert!(
+                tight_stats.in_flight_peak <= input,
+                "the bound: {tight_stats:?}"
+            );
+        } else {
+            assert_eq!(at_stats.segments, 0, "{at_stats:?}");
+        }
+    });
+}
+
 /// Every float parameter's values, in the model's visiting order, as fp32.
 fn all_weights<M: Module<D>>(model: &M) -> Vec<f32> {
     struct Collect(Vec<f32>);

@@ -124,6 +124,11 @@ pub struct OffloadStats {
     pub host_bytes: u64,
     /// The most host bytes held at once.
     pub host_peak: u64,
+    /// The most device bytes whose copy to the host was under way at once (bounded by
+    /// [`ActivationOffload::max_in_flight`], or one segment's inputs where those are larger).
+    pub in_flight_peak: u64,
+    /// Times the forward waited for copies to make room under `max_in_flight`.
+    pub waits: u64,
 }
 
 static SEGMENTS: AtomicU64 = AtomicU64::new(0);
@@ -133,6 +138,8 @@ static ON_DEMAND: AtomicU64 = AtomicU64::new(0);
 static CANCELLED: AtomicU64 = AtomicU64::new(0);
 static HOST_BYTES: AtomicU64 = AtomicU64::new(0);
 static HOST_PEAK: AtomicU64 = AtomicU64::new(0);
+static IN_FLIGHT_PEAK: AtomicU64 = AtomicU64::new(0);
+static WAITS: AtomicU64 = AtomicU64::new(0);
 
 /// What offload did since the last reset.
 pub fn offload_stats() -> OffloadStats {
@@ -144,12 +151,22 @@ pub fn offload_stats() -> OffloadStats {
         cancelled: CANCELLED.load(Ordering::Relaxed),
         host_bytes: HOST_BYTES.load(Ordering::Relaxed),
         host_peak: HOST_PEAK.load(Ordering::Relaxed),
+        in_flight_peak: IN_FLIGHT_PEAK.load(Ordering::Relaxed),
+        waits: WAITS.load(Ordering::Relaxed),
     }
 }
 
 /// Starts the counts of [`offload_stats`] again (the host peak at the bytes held now).
 pub fn reset_offload_stats() {
-    for counter in [&SEGMENTS, &BYTES, &PREFETCHED, &ON_DEMAND, &CANCELLED] {
+    for counter in [
+        &SEGMENTS,
+        &BYTES,
+        &PREFETCHED,
+        &ON_DEMAND,
+        &CANCELLED,
+        &IN_FLIGHT_PEAK,
+        &WAITS,
+    ] {
         counter.store(0, Ordering::Relaxed);
     }
     HOST_PEAK.store(HOST_BYTES.load(Ordering::Relaxed), Ordering::Relaxed);
@@ -462,12 +479,16 @@ where
     // The bound on bytes in flight: wait while others' copies fill it.
     {
         let mut in_flight = lock(&IN_FLIGHT);
+        if *in_flight > 0 && *in_flight + bytes > setting.max_in_flight {
+            WAITS.fetch_add(1, Ordering::Relaxed);
+        }
         while *in_flight > 0 && *in_flight + bytes > setting.max_in_flight {
             in_flight = IN_FLIGHT_CHANGED
                 .wait(in_flight)
                 .unwrap_or_else(|poisoned| poisoned.into_inner());
         }
         *in_flight += bytes;
+        IN_FLIGHT_PEAK.fetch_max(*in_flight, Ordering::Relaxed);
     }
     let copier = slot.clone();
     let work = threads::on_this_stream(move || {

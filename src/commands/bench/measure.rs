@@ -25,6 +25,9 @@ pub(super) struct Record {
     pub(super) timeline: Vec<memory::Sample>,
     /// Segments recomputed in the measured steps' backward passes (a count, not a sample).
     pub(super) recomputations: u64,
+    /// On a device: the host's highest live bytes over the measured steps (the counting
+    /// allocator's).
+    pub(super) host_peak: Option<usize>,
 }
 
 /// Times each optimizer step (a group of `micro` iterations), and takes its peak.
@@ -40,6 +43,8 @@ pub(super) struct Measure {
     pub(super) started: Option<(Instant, u64, Vec<TagBytes>, u64)>,
     pub(super) timeline: Option<Timeline>,
     pub(super) losses: Vec<f64>,
+    /// Whether the host's bytes are measured beside the device's (a device run).
+    pub(super) host: bool,
 }
 
 impl<B: AutodiffBackend, M: TrainModel<B>> Hook<B, M> for Measure {
@@ -77,6 +82,9 @@ impl<B: AutodiffBackend, M: TrainModel<B>> Hook<B, M> for Measure {
             Vec::new()
         };
         let baseline = self.meter.reset_peak();
+        if self.host {
+            memory::reset_peak();
+        }
         let recomputed = memsave::checkpoint::recomputations();
         self.started = Some((Instant::now(), baseline, at_start, recomputed));
         Ok(())
@@ -110,6 +118,10 @@ impl<B: AutodiffBackend, M: TrainModel<B>> Hook<B, M> for Measure {
                 }
             }
             record.steps.push((seconds, peak, at_peak, baseline));
+            if self.host {
+                let host = memory::peak_bytes();
+                record.host_peak = Some(record.host_peak.map_or(host, |h| h.max(host)));
+            }
             if let Some(timeline) = self.timeline.take() {
                 record.timeline = timeline.stop();
             }

@@ -18,7 +18,7 @@ use indicatif::{MultiProgress, ProgressBar, ProgressDrawTarget, ProgressStyle};
 use memsave::{Error, Result};
 
 use super::Device;
-use report::{BenchReport, ConfigResult, CONFIGS};
+use report::{BenchReport, ConfigResult, CONFIGS, OFFLOAD_CONFIGS};
 
 /// The default config: MMDetection's RetinaNet R50-FPN for VOC (its weights left random and its
 /// data replaced by the synthetic set).
@@ -114,15 +114,22 @@ pub fn strategy_lines(name: &str, batch: usize) -> Result<Vec<String>> {
         format!("data.samples_per_gpu={}", batch / 2),
     ];
     let checkpoint = vec!["model.backbone.with_cp=true".to_string()];
+    // Beyond MMDetection: the neck and the head recomputed too.
+    let neck_and_head = vec![
+        "model.neck.with_cp=true".to_string(),
+        "model.bbox_head.with_cp=true".to_string(),
+    ];
     let step_in_backward = vec!["optimizer_config.step_in_backward=true".to_string()];
     let int8_state = vec!["optimizer.state_dtype=\"int8\"".to_string()];
+    let offload_activations = vec!["offload.activations=true".to_string()];
+    let offload_optimizer = vec!["offload.optimizer=true".to_string()];
     // The planner picks the blocks for a budget (`--planned-budget` sets another).
     let planned = vec![
         "model.backbone.with_cp=\"auto\"".to_string(),
         format!("memory.memory_budget=\"{PLANNED_BUDGET}\""),
     ];
     let base = vec![format!("data.samples_per_gpu={batch}")];
-    if matches!(name, "accumulation" | "all") && (batch < 2 || batch % 2 == 1) {
+    if matches!(name, "accumulation" | "all" | "all_offload") && (batch < 2 || batch % 2 == 1) {
         return Err(Error::invalid(
             "--batch",
             format!(
@@ -137,19 +144,41 @@ pub fn strategy_lines(name: &str, batch: usize) -> Result<Vec<String>> {
         "accumulation" => accumulation,
         "checkpoint" => [base, checkpoint].concat(),
         "planned" => [base, planned].concat(),
-        "all" => [amp, accumulation, checkpoint, step_in_backward].concat(),
+        "all" => [
+            amp,
+            accumulation,
+            checkpoint,
+            neck_and_head,
+            step_in_backward,
+        ]
+        .concat(),
         "step_in_backward" => [base, step_in_backward].concat(),
         "int8_state" => [base, int8_state].concat(),
         // Every exact strategy that lowers the peak (accumulation keeps a whole set of sums
         // through its group, which the step in backward saves: left out), with 8-bit state.
         "lean" => [base, checkpoint, step_in_backward, int8_state].concat(),
+        // CPU staging: activation offload moves what checkpointed segments keep, so every part
+        // is checkpointed with it.
+        "offload_activations" => [base, checkpoint, neck_and_head, offload_activations].concat(),
+        "offload_optimizer" => [base, offload_optimizer].concat(),
+        "all_offload" => [
+            amp,
+            accumulation,
+            checkpoint,
+            neck_and_head,
+            step_in_backward,
+            offload_activations,
+            offload_optimizer,
+        ]
+        .concat(),
         other => {
             return Err(Error::invalid(
                 "--only",
                 format!(
-                    "`{other}` is not a configuration: {}, or `planned` (the planner's \
-                     checkpoint set for `--planned-budget`)",
-                    CONFIGS.join(", ")
+                    "`{other}` is not a configuration: {}, {} (CPU staging, on a device), or \
+                     `planned` (the planner's checkpoint set for `--planned-budget`)",
+                    CONFIGS.join(", "),
+                    OFFLOAD_CONFIGS.join(", ")
                 ),
             ))
         }
@@ -191,7 +220,15 @@ pub fn bench(args: BenchArgs) -> Result<()> {
         return Err(Error::invalid("--batch", "at least 1 image per step"));
     }
     let names: Vec<String> = if args.only.is_empty() {
-        CONFIGS.iter().map(|s| s.to_string()).collect()
+        let offload = match args.device {
+            Device::Cpu => &[][..],
+            _ => &OFFLOAD_CONFIGS[..],
+        };
+        CONFIGS
+            .iter()
+            .chain(offload)
+            .map(|s| s.to_string())
+            .collect()
     } else {
         args.only.iter().map(|s| s.trim().to_string()).collect()
     };
@@ -456,6 +493,8 @@ mod tests {
         let all = strategy_lines("all", 4).unwrap();
         assert!(all.contains(&"data.samples_per_gpu=2".to_string()));
         assert!(all.contains(&"model.backbone.with_cp=true".to_string()));
+        assert!(all.contains(&"model.neck.with_cp=true".to_string()));
+        assert!(all.contains(&"model.bbox_head.with_cp=true".to_string()));
         assert!(all.contains(&"fp16.loss_scale=512.0".to_string()));
         assert!(strategy_lines("accumulation", 3).is_err());
         assert!(strategy_lines("fast", 2).is_err());

@@ -8,7 +8,7 @@ use serde::{Deserialize, Serialize};
 
 /// The configurations, in the table's order: the article's five, then the strategies beyond
 /// MMCV's (the optimizer's step in backward, 8-bit optimizer state, and `lean`: every exact
-/// strategy that lowers the peak with 8-bit state).
+/// strategy that lowers the peak with 8-bit state). Run when `--only` names none.
 pub const CONFIGS: [&str; 8] = [
     "base",
     "amp",
@@ -19,6 +19,13 @@ pub const CONFIGS: [&str; 8] = [
     "int8_state",
     "lean",
 ];
+
+/// CPU staging's configurations, run by default on a device (`--device wgpu` or `cuda`) after
+/// [`CONFIGS`]: on the CPU host and device are one memory and offload saves nothing (`--only`
+/// still runs them there, and each says so). `offload_activations`: every part of the detector
+/// checkpointed and the segments' inputs in host memory; `offload_optimizer`: the optimizer's
+/// state and fp32 masters in host memory, stepped there; `all_offload`: `all` with both.
+pub const OFFLOAD_CONFIGS: [&str; 3] = ["offload_activations", "offload_optimizer", "all_offload"];
 
 /// What one run of the benchmark measured: `bench.json`.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -86,6 +93,12 @@ pub struct ConfigResult {
     /// checkpointing).
     #[serde(default)]
     pub recomputations: u64,
+    /// On a device: the host memory the run held at its highest during the measured steps, above
+    /// what the process held before the training loop was built (the offloaded activations,
+    /// the optimizer's state and masters under optimizer offload, the runtime's staging). Absent
+    /// on the CPU, where host and device are one memory.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub host_peak_bytes: Option<u64>,
 }
 
 impl BenchReport {
@@ -167,12 +180,16 @@ pub fn table(report: &BenchReport) -> String {
         report.optimizer.as_deref().unwrap_or("SGD"),
         report.device
     );
+    // The host's column where a run on a device measured it.
+    let host = report.configs.iter().any(|c| c.host_peak_bytes.is_some());
     out.push_str(
         "| config | peak MiB | memory vs base | whole-step peak MiB | whole step vs base | \
          s/step | time vs base | final loss | parameters | optimizer state | activations | \
-         gradients | optimizer step | other (MiB live at the peak) |\n",
+         gradients | optimizer step | other (MiB live at the peak) |",
     );
-    out.push_str("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
+    out.push_str(if host { " host peak MiB |\n" } else { "\n" });
+    out.push_str("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|");
+    out.push_str(if host { "---|\n" } else { "\n" });
     for config in &report.configs {
         let whole = if config.whole_step_peak_bytes > 0 {
             format!("{:.1}", mib(config.whole_step_peak_bytes))
@@ -180,7 +197,7 @@ pub fn table(report: &BenchReport) -> String {
             "-".to_string()
         };
         out.push_str(&format!(
-            "| {} | {:.1} | {} | {whole} | {} | {:.2} | {} | {:.4} | {} | {} | {} | {} | {} | {} |\n",
+            "| {} | {:.1} | {} | {whole} | {} | {:.2} | {} | {:.4} | {} | {} | {} | {} | {} | {} |",
             config.name,
             mib(config.peak_bytes),
             ratio(report.memory_ratio(&config.name)),
@@ -195,6 +212,11 @@ pub fn table(report: &BenchReport) -> String {
             part(config, "optimizer_step"),
             part(config, "other"),
         ));
+        if host {
+            let bytes = config.host_peak_bytes;
+            out.push_str(&bytes.map_or(" - |".to_string(), |b| format!(" {:.1} |", mib(b))));
+        }
+        out.push('\n');
     }
     out
 }
@@ -260,6 +282,7 @@ mod tests {
             timeline_phase: Vec::new(),
             peak_tags: Vec::new(),
             recomputations: 0,
+            host_peak_bytes: None,
         }
     }
 

@@ -251,7 +251,7 @@ where
     let before_model = meter.live();
     let model: RetinaNet<B> = memory::scope("model", || {
         let model = detector.init::<B>(&device).map_err(|e| e.within("model"))?;
-        let model = match &config.model.backbone.with_cp {
+        let model = match &detector.with_cp() {
             memsave::planner::WithCp::Paths(paths) => {
                 memsave::checkpoint::set_with_cp_paths(model, paths)?
             }
@@ -274,6 +274,8 @@ where
     };
 
     let work_dir = std::env::temp_dir().join(format!("memsave-bench-{}", std::process::id()));
+    // On a device, the host's own bytes are measured too (the counting allocator), from here.
+    let host_start = (!meter.tags() && memory::is_counting()).then(memory::current_bytes);
     let mut runner = Runner::new(
         model,
         config.optimizer(),
@@ -286,6 +288,10 @@ where
     runner.register_hook(Box::new(LrUpdaterHook {
         schedule: config.lr_schedule(),
     }));
+    // `[offload] activations` (the optimizer's offload is the optimizer hook's).
+    if let Some(setting) = config.offload.activations() {
+        runner.register_hook(Box::new(memsave::hooks::OffloadHook::new(setting)));
+    }
     let record = Rc::new(RefCell::new(Record::default()));
     runner.register_hook(Box::new(Measure {
         micro,
@@ -297,6 +303,7 @@ where
         started: None,
         timeline: None,
         losses: Vec::new(),
+        host: host_start.is_some(),
     }));
     let keys = memsave::models::registry::entry(&args.config, &args.set)?.keys;
     if let Some(budget) = config.memory_budget(&config.model.backbone.with_cp, &keys)? {
@@ -318,7 +325,11 @@ where
         .sum();
     drop(runner);
     let record = record.take();
-    summarise(args, &record, parameters, half_weights, built, meter.tags())
+    let mut result = summarise(args, &record, parameters, half_weights, built, meter.tags())?;
+    result.host_peak_bytes = host_start
+        .zip(record.host_peak)
+        .map(|(start, peak)| peak.saturating_sub(start) as u64);
+    Ok(result)
 }
 
 /// Samples kept of a timeline.
@@ -418,6 +429,7 @@ fn summarise(
             .map(|t| (t.tag.clone(), t.live))
             .collect(),
         recomputations: record.recomputations,
+        host_peak_bytes: None,
     })
 }
 
