@@ -48,7 +48,7 @@ pub const ENTRIES: &[Entry] = &[
     },
     Entry {
         kind: ModelType::RetinaNet,
-        keys: BACKBONE_KEYS,
+        keys: DETECTOR_KEYS,
         detector: true,
     },
 ];
@@ -57,6 +57,13 @@ pub const ENTRIES: &[Entry] = &[
 pub const BACKBONE_KEYS: ModelKeys = ModelKeys {
     with_cp: "model.backbone.with_cp",
     batch: "data.samples_per_gpu",
+    also_with_cp: &[],
+};
+
+/// A detector's: the backbone's switch, and the neck's and head's beside it.
+pub const DETECTOR_KEYS: ModelKeys = ModelKeys {
+    also_with_cp: &["model.neck.with_cp", "model.bbox_head.with_cp"],
+    ..BACKBONE_KEYS
 };
 
 /// The entry of the model a config names (its data section is not read yet).

@@ -13,6 +13,10 @@ pub struct ModelKeys {
     pub with_cp: &'static str,
     /// Samples per micro-batch (`data.samples_per_gpu`).
     pub batch: &'static str,
+    /// The model's other checkpointing switches (a detector's `model.neck.with_cp` and
+    /// `model.bbox_head.with_cp`). A plan names their segments by path in `with_cp`, so wherever
+    /// the planner sets `with_cp` it sets these off.
+    pub also_with_cp: &'static [&'static str],
 }
 
 /// A memory budget: bytes, or a share of the unplanned peak.

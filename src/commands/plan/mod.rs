@@ -90,7 +90,10 @@ pub fn plan(args: PlanArgs) -> Result<()> {
             eprintln!("{line}");
         }
     };
-    let unplanned_sets = vec![format!("{}=false", keys.with_cp)];
+    let unplanned_sets: Vec<String> = std::iter::once(keys.with_cp)
+        .chain(keys.also_with_cp.iter().copied())
+        .map(|key| format!("{key}=false"))
+        .collect();
     say("memsave plan: measuring the config without checkpointing ...");
     let unplanned = run_worker(
         &args,

@@ -45,5 +45,40 @@ pub fn overrides(
     }
     let quoted: Vec<String> = paths.iter().map(|p| format!("\"{p}\"")).collect();
     sets.push(format!("{}=[{}]", keys.with_cp, quoted.join(", ")));
+    sets.extend(keys.also_with_cp.iter().map(|key| format!("{key}=false")));
     sets
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A detector's plan names the neck and head by path: their own switches go off beside it,
+    /// or a config that had them on would checkpoint them whatever the plan said.
+    #[test]
+    fn the_models_other_switches_go_off_beside_the_plans_paths() {
+        let keys = ModelKeys {
+            with_cp: "model.backbone.with_cp",
+            batch: "data.samples_per_gpu",
+            also_with_cp: &["model.neck.with_cp", "model.bbox_head.with_cp"],
+        };
+        let setting = Setting {
+            fp16: false,
+            micro_batch: 2,
+            cumulative: 1,
+            adam: false,
+            step_in_backward: false,
+            int8_state: false,
+            clips: false,
+        };
+        let sets = overrides(&setting, &setting, &["neck".to_string()], &keys);
+        assert_eq!(
+            sets,
+            [
+                "model.backbone.with_cp=[\"neck\"]",
+                "model.neck.with_cp=false",
+                "model.bbox_head.with_cp=false"
+            ]
+        );
+    }
 }

@@ -158,6 +158,7 @@ mod tests {
     const KEYS: ModelKeys = ModelKeys {
         with_cp: "model.backbone.with_cp",
         batch: "data.samples_per_gpu",
+        also_with_cp: &[],
     };
 
     fn setting() -> Setting {
