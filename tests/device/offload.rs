@@ -138,6 +138,17 @@ fn deep(width: usize, device: &burn::tensor::Device<D>) -> Deep<D> {
     )
 }
 
+/// The parameters' gradients of one step of `model` on `x` (a mean square loss).
+fn deep_grads(
+    model: &Deep<D>,
+    x: &Tensor<D, 2>,
+) -> std::collections::HashMap<burn::module::ParamId, Vec<f32>> {
+    let y = model.layers.iter().fold(x.clone(), |h, l| l.forward(h));
+    let grads = y.square().mean().backward();
+    join_helpers();
+    common::param_grads::<D, _>(model, &grads)
+}
+
 #[test]
 fn activation_offload_lowers_a_peak_that_kept_inputs_make() {
     on_device(|| {
@@ -197,12 +208,7 @@ fn many_segments_prefetched_on_helper_threads_are_written_before_they_are_read()
         let width = 128;
         let model = deep(width, &device);
         let x = Tensor::<D, 2>::random([64, width], Distribution::Normal(0.0, 1.0), &device);
-        let run = |model: &Deep<D>| {
-            let y = model.layers.iter().fold(x.clone(), |h, l| l.forward(h));
-            let grads = y.square().mean().backward();
-            join_helpers();
-            common::param_grads::<D, _>(model, &grads)
-        };
+        let run = |model: &Deep<D>| deep_grads(model, &x);
         let (reference, _) = with_offload(None, || run(&model));
         // Three segments prefetched ahead; at most two inputs (32 KiB each) in flight, so that
         // the forward waits on the copies too.
@@ -247,16 +253,7 @@ fn the_minimum_size_and_the_bound_on_bytes_in_flight_are_kept() {
         // Each segment keeps one 512 x 128 fp32 input: 256 KiB.
         let input = 512 * width as u64 * 4;
         let x = Tensor::<D, 2>::random([512, width], Distribution::Normal(0.0, 1.0), &device);
-        let run = || {
-            let mut all = Vec::new();
-            for _ in 0..5 {
-                let y = model.layers.iter().fold(x.clone(), |h, l| l.forward(h));
-                let grads = y.square().mean().backward();
-                join_helpers();
-                all.push(common::param_grads::<D, _>(&model, &grads));
-            }
-            all
-        };
+        let run = || (0..5).map(|_| deep_grads(&model, &x)).collect::<Vec<_>>();
         let (reference, _) = with_offload(None, run);
         let setting = |min_bytes: u64, max_in_flight: u64| ActivationOffload {
             min_bytes,
