@@ -89,6 +89,8 @@ fn a_step_over_the_budget_adds_segments_and_says_so() {
             step_in_backward: false,
             int8_state: false,
             clips: false,
+            offload_activations: false,
+            offload_optimizer: false,
         };
         // The whole unplanned peak: nothing needs checkpointing at first.
         let planner = AutoPlanHook::new(Budget::Fraction(1.0), setting, BACKBONE_KEYS, &device)
@@ -168,6 +170,8 @@ fn a_device_out_of_memory_after_the_plan_ends_with_what_would_fit() {
             step_in_backward: false,
             int8_state: false,
             clips: false,
+            offload_activations: false,
+            offload_optimizer: false,
         };
         let planner =
             AutoPlanHook::new(Budget::Fraction(1.0), setting, BACKBONE_KEYS, &device).unwrap();
@@ -231,6 +235,8 @@ fn a_step_skipped_on_an_overflow_is_not_profiled_the_next_one_is() {
             step_in_backward: true,
             int8_state: false,
             clips: false,
+            offload_activations: false,
+            offload_optimizer: false,
         };
         let planner =
             AutoPlanHook::new(Budget::Fraction(1.0), setting, BACKBONE_KEYS, &device).unwrap();

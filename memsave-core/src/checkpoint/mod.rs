@@ -34,8 +34,8 @@ pub(crate) use autodiff::{mark_ours, take_grad};
 pub use context::{is_recomputing, random};
 pub use id::SegmentId;
 pub use offload::{
-    activation_offload, offload_stats, reset_offload_stats, set_activation_offload,
-    wait_for_copies, ActivationOffload, OffloadStats,
+    activation_offload, measure_link, offload_stats, reset_offload_stats, set_activation_offload,
+    wait_for_copies, ActivationOffload, Link, OffloadStats,
 };
 pub use reached::{no_segment_message, reached, unreached};
 pub use segment::{floats, Segment};

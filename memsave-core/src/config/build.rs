@@ -86,6 +86,8 @@ impl<M, D> Config<M, D> {
             step_in_backward: self.optimizer_config.step_in_backward,
             int8_state: self.optimizer.state_dtype == crate::train::StateDtype::Int8,
             clips: self.optimizer_config.grad_clip.is_some(),
+            offload_activations: self.offload.activations,
+            offload_optimizer: self.offload.optimizer,
         }
     }
 

@@ -158,6 +158,7 @@ impl<B: AutodiffBackend, M: TrainModel<B> + CheckpointModule> Hook<B, M> for Aut
             held,
             &self.keys,
             self.allow_approximate,
+            None,
         );
         Some(format!(
             "the plan ({} of {} segments checkpointed, predicted {}) did not fit; {}",
@@ -254,6 +255,7 @@ impl<B: AutodiffBackend, M: TrainModel<B> + CheckpointModule> Hook<B, M> for Aut
                         budget,
                         &self.keys,
                         self.allow_approximate,
+                        None,
                     );
                     return Err(Error::OutOfMemory {
                         what: format!(

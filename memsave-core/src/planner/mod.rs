@@ -22,7 +22,9 @@ mod profile_hook;
 mod step_meter;
 
 pub use auto::AutoPlanHook;
-pub use budget::{Budget, MemorySection, ModelKeys, WithCp};
+pub use budget::{
+    available_host_memory, Bandwidth, Budget, MemorySection, ModelKeys, WithCp, DEFAULT_HOST_SHARE,
+};
 pub use profile::{GradientEstimate, Profile, SegmentProfile, Window};
 pub use profile_hook::ProfileHook;
 pub use solve::{plan, BelowFloor, Plan};

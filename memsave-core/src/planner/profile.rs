@@ -105,6 +105,18 @@ pub struct Profile {
     /// The first pass's seconds, when there were two (its recomputations included).
     #[serde(default)]
     pub first_pass_seconds: f64,
+    /// Under activation offload: the bytes of the segments' inputs copied to host memory in the
+    /// profiled pass (each copied down in the forward and up before its recomputation).
+    #[serde(default)]
+    pub offloaded_bytes: u64,
+    /// Under optimizer offload: the seconds of the optimizer's rule on the host in the step
+    /// (the copies excluded).
+    #[serde(default)]
+    pub host_step_seconds: f64,
+    /// The link between the device and host memory, measured before the step (bytes a second
+    /// each way, the slower of the two); 0 where the device is host memory (the CPU).
+    #[serde(default)]
+    pub link_bytes_per_second: f64,
 }
 
 fn one() -> usize {
@@ -355,6 +367,9 @@ impl Profile {
                 .map_or(0.0, |(end, start)| end - start),
             passes: 1,
             first_pass_seconds: 0.0,
+            offloaded_bytes: 0,
+            host_step_seconds: 0.0,
+            link_bytes_per_second: 0.0,
         }
     }
 

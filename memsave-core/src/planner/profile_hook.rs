@@ -48,6 +48,9 @@ pub struct ProfileHook {
     meter: Option<Box<dyn Meter>>,
     /// The seconds of the profiled step's first pass, when it runs two.
     first_pass: Option<f64>,
+    /// CPU staging's counts as the profiled step began: activation offload's bytes copied and
+    /// the host's optimizer-step seconds.
+    staged_at_start: (u64, f64),
 }
 
 impl ProfileHook {
@@ -60,6 +63,7 @@ impl ProfileHook {
             ids: HashMap::new(),
             meter: Some(meter),
             first_pass: None,
+            staged_at_start: (0, 0.0),
         }
     }
 
@@ -72,6 +76,8 @@ impl ProfileHook {
     ) {
         self.first_pass = Some(recorder::restart());
         self.ids = segment_ids(state.forward_model());
+        // The bytes offloaded are the profiled (second) pass's.
+        self.staged_at_start.0 = crate::checkpoint::offload_stats().bytes;
     }
 
     pub(super) fn begin<B: AutodiffBackend, M: TrainModel<B> + CheckpointModule>(
@@ -82,6 +88,10 @@ impl ProfileHook {
             set_flags(state, &|_| true);
         }
         self.ids = segment_ids(state.forward_model());
+        self.staged_at_start = (
+            crate::checkpoint::offload_stats().bytes,
+            crate::train::host_step_seconds(),
+        );
         match self.meter.take() {
             Some(meter) => {
                 recorder::start(meter);
@@ -124,6 +134,11 @@ impl ProfileHook {
             profile.passes = 2;
             profile.first_pass_seconds = seconds;
         }
+        let (bytes, host_seconds) = self.staged_at_start;
+        profile.offloaded_bytes = crate::checkpoint::offload_stats()
+            .bytes
+            .saturating_sub(bytes);
+        profile.host_step_seconds = (crate::train::host_step_seconds() - host_seconds).max(0.0);
         profile
     }
 }

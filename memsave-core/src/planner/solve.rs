@@ -466,6 +466,9 @@ pub(crate) mod tests {
             backward_seconds: 0.0,
             passes: 1,
             first_pass_seconds: 0.0,
+            offloaded_bytes: 0,
+            host_step_seconds: 0.0,
+            link_bytes_per_second: 0.0,
         }
     }
 

@@ -16,7 +16,9 @@ pub(crate) mod taps;
 
 pub use hook::{Hook, Priority};
 pub use length::RunLength;
-pub use optim::{Optim, OptimizerKind, OptimizerSpec, StateDtype};
+pub use optim::{
+    host_step_seconds, reset_host_step_seconds, Optim, OptimizerKind, OptimizerSpec, StateDtype,
+};
 pub use runner::Runner;
 pub use snapshot::{load_weights, Snapshot, SnapshotMeta};
 pub use state::{

@@ -17,8 +17,8 @@ use std::time::Instant;
 
 use memsave::config::Config;
 use memsave::memory::human;
-use memsave::planner::advise::{self, Measured, Setting};
-use memsave::planner::Budget;
+use memsave::planner::advise::{self, Measured, Setting, Staging};
+use memsave::planner::{available_host_memory, Budget, MemorySection};
 use memsave::{Error, Result};
 
 use super::Device;
@@ -73,7 +73,12 @@ pub fn plan(args: PlanArgs) -> Result<()> {
     if args.devices == 0 {
         return Err(Error::invalid("--devices", "at least one peer"));
     }
-    let (setting, allow_approximate, zero): (Setting, bool, memsave::parallel::ZeroStage) = {
+    let (setting, allow_approximate, zero, memory): (
+        Setting,
+        bool,
+        memsave::parallel::ZeroStage,
+        MemorySection,
+    ) = {
         let config =
             Config::<memsave::models::config::ModelKind, memsave::models::config::AnyData>::load(
                 &args.config,
@@ -83,7 +88,15 @@ pub fn plan(args: PlanArgs) -> Result<()> {
             config.planner_setting(batch),
             args.allow_approximate || config.memory.allow_approximate,
             config.optimizer_config.zero()?,
+            config.memory.clone(),
         )
+    };
+    // CPU staging is planned on a device with memory of its own (never on the CPU, whose
+    // tensors are host memory): the host budget is read now, so that a bad one stops the plan
+    // before anything is measured.
+    let host_budget = match args.device {
+        Device::Cpu => None,
+        _ => Some(memory.host_budget_bytes(available_host_memory())?),
     };
     let say = |line: &str| {
         if !args.json {
@@ -109,6 +122,7 @@ pub fn plan(args: PlanArgs) -> Result<()> {
         budget_bytes,
         unplanned: unplanned_breakdown.clone(),
         per_peer: (args.devices > 1).then(|| PerPeer::of(&unplanned_breakdown, args.devices, zero)),
+        staging: None,
         nothing_needed: budget_bytes >= unplanned_breakdown.peak,
         segments: Vec::new(),
         floor: 0,
@@ -215,6 +229,9 @@ pub fn plan(args: PlanArgs) -> Result<()> {
                 profile: measurement.profile,
             });
         }
+        if let Some(host_budget) = host_budget {
+            report.staging = staging(&args, &setting, &mut measured, host_budget, &memory, &say)?;
+        }
         // The search itself, at a budget it can meet (below the floor it stops at once).
         let started = Instant::now();
         let _ = memsave::planner::plan(&base.profile, budget_bytes.max(base.profile.floor()));
@@ -222,8 +239,14 @@ pub fn plan(args: PlanArgs) -> Result<()> {
         report.segments = base.profile.segments.clone();
         report.floor = base.profile.floor();
         let started = Instant::now();
-        report.candidates =
-            advise::advise(&setting, &measured, budget_bytes, &keys, allow_approximate);
+        report.candidates = advise::advise(
+            &setting,
+            &measured,
+            budget_bytes,
+            &keys,
+            allow_approximate,
+            report.staging.as_ref(),
+        );
         report.advice_ms = started.elapsed().as_secs_f64() * 1e3;
         report.chosen = report.candidates.first().filter(|c| c.fits).cloned();
     }
@@ -313,4 +336,88 @@ pub fn plan(args: PlanArgs) -> Result<()> {
         ));
     }
     Ok(())
+}
+
+/// On a device: profiles with activation offload, optimizer offload and both (every segment
+/// checkpointed, each where the config does not have it already), added to `measured`, and the
+/// staging they are planned with: the host budget and the link, from `[memory] link_bandwidth`
+/// or measured by the offload profiles before their steps. `None` where the link could not be
+/// measured (then no offload is offered, and the report says why).
+fn staging(
+    args: &PlanArgs,
+    setting: &Setting,
+    measured: &mut Vec<Measured>,
+    host_budget: u64,
+    memory: &MemorySection,
+    say: &dyn Fn(&str),
+) -> Result<Option<Staging>> {
+    let current = (setting.offload_activations, setting.offload_optimizer);
+    for (what, activations, optimizer) in [
+        ("activation offload", true, false),
+        ("optimizer offload", false, true),
+        ("activation and optimizer offload", true, true),
+    ] {
+        let flags = (activations || current.0, optimizer || current.1);
+        if flags == current {
+            continue;
+        }
+        if measured
+            .iter()
+            .any(|m| (m.setting.offload_activations, m.setting.offload_optimizer) == flags)
+        {
+            continue;
+        }
+        say(&format!("memsave plan: profiling with {what} ..."));
+        let sets = vec![
+            format!("offload.activations={}", flags.0),
+            format!("offload.optimizer={}", flags.1),
+        ];
+        let measurement = run_worker(args, (&format!("the config with {what}"), &sets), 0, true)?;
+        measured.push(Measured {
+            setting: Setting {
+                offload_activations: flags.0,
+                offload_optimizer: flags.1,
+                ..*setting
+            },
+            profile: measurement.profile,
+        });
+    }
+    let measured_link = measured
+        .iter()
+        .map(|m| m.profile.link_bytes_per_second)
+        .fold(0.0, f64::max);
+    let (link_bytes_per_second, link_source) = match memory.link_bandwidth {
+        Some(bandwidth) => (bandwidth.0, "memory.link_bandwidth".to_string()),
+        None if measured_link > 0.0 => (
+            measured_link,
+            format!(
+                "measured before profiling: 32 MiB each way, the slower way{}",
+                if lavapipe(args) {
+                    " (lavapipe: its device memory is host memory, so this is a memory copy, \
+                     not a bus)"
+                } else {
+                    ""
+                }
+            ),
+        ),
+        None => {
+            say(
+                "memsave plan: the link between the device and host memory could not be \
+                 measured: no offload is planned (give `[memory] link_bandwidth`)",
+            );
+            return Ok(None);
+        }
+    };
+    Ok(Some(Staging {
+        host_budget,
+        link_bytes_per_second,
+        link_source,
+    }))
+}
+
+/// Whether the device is Mesa's lavapipe (a software Vulkan device).
+fn lavapipe(args: &PlanArgs) -> bool {
+    args.device
+        .describe()
+        .is_ok_and(|what| what.to_ascii_lowercase().contains("llvmpipe"))
 }

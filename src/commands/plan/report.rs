@@ -3,7 +3,7 @@
 use std::path::PathBuf;
 
 use memsave::memory::human;
-use memsave::planner::advise::{Candidate, Setting};
+use memsave::planner::advise::{Candidate, Setting, Staging};
 use memsave::planner::SegmentProfile;
 use serde::Serialize;
 
@@ -29,6 +29,8 @@ pub struct PlanReport {
     pub unplanned: Breakdown,
     /// One peer's share of it, with `--devices` above 1.
     pub per_peer: Option<PerPeer>,
+    /// On a device: the host budget and the link offload is planned with.
+    pub staging: Option<Staging>,
     pub nothing_needed: bool,
     pub segments: Vec<SegmentProfile>,
     pub floor: u64,
@@ -175,15 +177,24 @@ pub(super) fn print_report(report: &PlanReport, setting: &Setting) {
             report.candidates.len(),
             report.advice_ms
         );
+        if let Some(staging) = &report.staging {
+            println!(
+                "  (CPU staging: host budget {} MiB; link {:.2} GiB/s, {})",
+                mib(staging.host_budget),
+                staging.link_bytes_per_second / (1u64 << 30) as f64,
+                staging.link_source
+            );
+        }
         println!(
-            "  {:<62} {:>10} {:>9} {:>5}",
-            "strategies", "peak MiB", "step s", "fits"
+            "  {:<62} {:>10} {:>9} {:>9} {:>5}",
+            "strategies", "peak MiB", "host MiB", "step s", "fits"
         );
         for c in &report.candidates {
             println!(
-                "  {:<62} {:>10} {:>9.3} {:>5}{}",
+                "  {:<62} {:>10} {:>9} {:>9.3} {:>5}{}",
                 c.label,
                 mib(c.peak),
+                mib(c.host_bytes),
                 c.seconds,
                 if c.fits { "yes" } else { "no" },
                 c.changes_training
@@ -195,9 +206,14 @@ pub(super) fn print_report(report: &PlanReport, setting: &Setting) {
         match &report.chosen {
             Some(c) => {
                 println!(
-                    "\nchosen: {}: predicted peak {} MiB, step {:.3} s{}",
+                    "\nchosen: {}: predicted peak {} MiB{}, step {:.3} s{}",
                     c.label,
                     mib(c.peak),
+                    if c.host_bytes > 0 {
+                        format!(" (host {} MiB)", mib(c.host_bytes))
+                    } else {
+                        String::new()
+                    },
                     c.seconds,
                     if c.exact { "" } else { " (greedy search)" }
                 );

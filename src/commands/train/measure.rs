@@ -8,6 +8,9 @@ use memsave::train::{DataSource, Runner, TrainModel};
 
 use super::Measurement;
 
+/// Bytes copied each way to price the link between the device and host memory.
+const LINK_PROBE_BYTES: usize = 32 << 20;
+
 /// `warmup` steps, `iters` measured ones and a profiled one of `model` on `data`; the
 /// [`Measurement`] reported to the parent.
 pub(super) fn measure<B, S, D, M, Data>(
@@ -64,6 +67,18 @@ where
         Box::new(memsave::hooks::LrUpdaterHook::new(config.lr_schedule())?),
         memsave::train::Priority::VeryHigh,
     );
+    // CPU staging: the link priced first (before the run's tensors fill the device), then
+    // activation offload switched on as training does (the profile counts the bytes it copies
+    // and the host's step time).
+    let stages = config.offload.activations || config.offload.optimizer;
+    let link = if stages {
+        memsave::checkpoint::measure_link::<B::InnerBackend>(&device, LINK_PROBE_BYTES)
+    } else {
+        None
+    };
+    if let Some(offload) = config.offload.activations() {
+        runner.register_hook(Box::new(memsave::hooks::OffloadHook::new(offload)));
+    }
     let meter = StepMeter::new(warmup, warmup + iters, probe()?);
     let steps = meter.steps.clone();
     let mut profiler = ProfileHook::new(warmup + iters + micro - 1, probe()?);
@@ -84,6 +99,8 @@ where
         }
         _ => memsave::Error::Data("the profiled step did not run".into()),
     })?;
+    let mut profile = profile;
+    profile.link_bytes_per_second = link.map_or(0.0, |link| link.slower());
     let measurement = Measurement {
         steps: steps.take(),
         profile,

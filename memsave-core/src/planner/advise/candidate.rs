@@ -5,6 +5,7 @@ use serde::{Deserialize, Serialize};
 
 use super::overrides::overrides;
 use super::setting::Setting;
+use super::staging::{OffloadCost, Staging};
 use crate::planner::{plan, ModelKeys, Plan, Profile};
 
 /// One combination considered.
@@ -16,11 +17,15 @@ pub struct Candidate {
     pub setting: Setting,
     /// The checkpointed segments' paths (empty: none needed).
     pub checkpoint: Vec<String>,
-    /// Predicted peak, bytes.
+    /// Predicted peak, bytes (the device's).
     pub peak: u64,
+    /// Predicted host bytes for staging (offloaded activations, the optimizer's masters and
+    /// state on the host); 0 without offload.
+    #[serde(default)]
+    pub host_bytes: u64,
     /// Predicted optimizer-step time, seconds.
     pub seconds: f64,
-    /// Whether it fits the budget.
+    /// Whether it fits the budget (and, with offload, the host budget).
     pub fits: bool,
     /// How it changes the training, if it does (`the batch is 2, not 4`).
     pub changes_training: Option<String>,
@@ -33,14 +38,24 @@ pub struct Candidate {
     pub sets: Vec<String>,
 }
 
+/// Where an offload setting's time and host bytes come from: the staging the device gives, the
+/// profile of the same setting without offload (its compute) and what the offload profiles
+/// measured.
+pub(super) struct Offload<'a> {
+    pub staging: &'a Staging,
+    pub compute: &'a Profile,
+    pub cost: OffloadCost,
+}
+
 pub(super) fn candidate(
     current: &Setting,
     setting: &Setting,
     profile: &Profile,
     budget: u64,
     keys: &ModelKeys,
+    offload: Option<Offload<'_>>,
 ) -> Candidate {
-    let (plan, fits) = match plan(profile, budget) {
+    let (mut plan, mut fits) = match plan(profile, budget) {
         Ok(plan) => (plan, true),
         Err(_) => {
             let all = vec![true; profile.segments.len()];
@@ -56,6 +71,23 @@ pub(super) fn candidate(
             )
         }
     };
+    let mut host_bytes = 0;
+    if let Some(offload) = &offload {
+        plan.seconds = offload.compute.predict_seconds(&plan.checkpointed)
+            + offload.staging.copy_seconds(
+                setting,
+                offload.compute,
+                &plan.checkpointed,
+                &offload.cost,
+            );
+        host_bytes = Staging::host_bytes(
+            setting,
+            profile.trainable,
+            &plan.checkpointed,
+            &offload.cost,
+        );
+        fits &= host_bytes <= offload.staging.host_budget;
+    }
     let mut words = Vec::new();
     if setting.fp16 && !current.fp16 {
         words.push("mixed precision".to_string());
@@ -78,6 +110,12 @@ pub(super) fn candidate(
     }
     if setting.int8_state && !current.int8_state {
         words.push("8-bit optimizer state (approximate)".to_string());
+    }
+    if setting.offload_activations && !current.offload_activations {
+        words.push("activation offload".to_string());
+    }
+    if setting.offload_optimizer && !current.offload_optimizer {
+        words.push("optimizer offload".to_string());
     }
     if setting.batch() != current.batch() {
         words.push(format!("batch {}", setting.batch()));
@@ -115,6 +153,7 @@ pub(super) fn candidate(
         sets: overrides(current, setting, &plan.paths, keys),
         checkpoint: plan.paths,
         peak: plan.peak,
+        host_bytes,
         seconds: plan.seconds,
         fits,
         changes_training: (!changes.is_empty()).then(|| changes.join("; ")),

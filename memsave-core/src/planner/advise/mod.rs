@@ -16,15 +16,22 @@
 //! A micro-batch's time is fitted as a fixed part plus a part per sample on the config's batch
 //! and half of it (both measured), so that a smaller micro-batch is not predicted faster than
 //! it runs. Then the checkpoint set is planned on that prediction.
+//!
+//! On a device that can stage (not the CPU), activation offload and optimizer offload are
+//! offered where profiles were measured with them: their device bytes from those profiles,
+//! their host bytes against the host budget and their time from the link's bandwidth
+//! ([`Staging`]).
 
 mod candidate;
 mod overrides;
 mod rank;
 mod scale;
 mod setting;
+mod staging;
 
 pub use candidate::Candidate;
 pub use overrides::overrides;
 pub use rank::advise;
 pub use scale::{scale, scale_timed, BatchTime, INT8_STATE_SHARE};
 pub use setting::{Measured, Setting};
+pub use staging::Staging;

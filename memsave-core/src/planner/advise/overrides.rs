@@ -43,6 +43,15 @@ pub fn overrides(
         let dtype = if setting.int8_state { "int8" } else { "fp32" };
         sets.push(format!("optimizer.state_dtype=\"{dtype}\""));
     }
+    if setting.offload_activations != current.offload_activations {
+        sets.push(format!(
+            "offload.activations={}",
+            setting.offload_activations
+        ));
+    }
+    if setting.offload_optimizer != current.offload_optimizer {
+        sets.push(format!("offload.optimizer={}", setting.offload_optimizer));
+    }
     let quoted: Vec<String> = paths.iter().map(|p| format!("\"{p}\"")).collect();
     sets.push(format!("{}=[{}]", keys.with_cp, quoted.join(", ")));
     sets.extend(keys.also_with_cp.iter().map(|key| format!("{key}=false")));
@@ -70,6 +79,8 @@ mod tests {
             step_in_backward: false,
             int8_state: false,
             clips: false,
+            offload_activations: false,
+            offload_optimizer: false,
         };
         let sets = overrides(&setting, &setting, &["neck".to_string()], &keys);
         assert_eq!(

@@ -1,16 +1,19 @@
 //! The combinations considered from a setting, each predicted from the nearest measured
 //! profile, planned, and ranked.
 
-use super::candidate::{candidate, Candidate};
+use super::candidate::{candidate, Candidate, Offload};
 use super::scale::{scale_timed, BatchTime};
 use super::setting::{Measured, Setting};
+use super::staging::{OffloadCost, Staging};
 use crate::planner::ModelKeys;
 
 /// Every combination worth considering from `current`, best first: those that fit, in order of
 /// how little they change (the training kept, then SGD, then a smaller batch) and then of
 /// predicted time; then those that do not fit, by predicted peak. The step in backward is
 /// considered where a profile was measured with it, 8-bit state only where
-/// `allow_approximate` (and a profile measured with it gives its time).
+/// `allow_approximate` (and a profile measured with it gives its time), activation and optimizer
+/// offload only with `staging` (a device that can stage) and where a profile was measured with
+/// them (in the config's precision and place of the step).
 /// `keys` are the model's own settings in the config.
 pub fn advise(
     current: &Setting,
@@ -18,6 +21,7 @@ pub fn advise(
     budget: u64,
     keys: &ModelKeys,
     allow_approximate: bool,
+    staging: Option<&Staging>,
 ) -> Vec<Candidate> {
     let batch = current.batch();
     let divisors: Vec<usize> = (1..=batch).filter(|k| batch % k == 0).collect();
@@ -54,26 +58,50 @@ pub fn advise(
     if !current.int8_state && allow_approximate && int8_seconds.is_some() {
         int8.push(true);
     }
+    // Offload (activations, optimizer): the config's, and where the device can stage, each
+    // combination a profile was measured with.
+    let offloaded = |m: &Measured| (m.setting.offload_activations, m.setting.offload_optimizer);
+    let mut offloads = vec![(current.offload_activations, current.offload_optimizer)];
+    if staging.is_some() {
+        for (activations, optimizer) in [(true, false), (false, true), (true, true)] {
+            let flags = (
+                activations || current.offload_activations,
+                optimizer || current.offload_optimizer,
+            );
+            if !offloads.contains(&flags) && measured.iter().any(|m| offloaded(m) == flags) {
+                offloads.push(flags);
+            }
+        }
+    }
     for &adam in &optimizers {
         for &fp16 in &precisions {
             for &step_in_backward in &in_backward {
                 for &int8_state in &int8 {
-                    let with = |micro_batch: usize, cumulative: usize| Setting {
-                        fp16,
-                        micro_batch,
-                        cumulative,
-                        adam,
-                        step_in_backward,
-                        int8_state,
-                        clips: current.clips,
-                    };
-                    // Accumulation: the same samples per optimizer step.
-                    for &k in &divisors {
-                        settings.push(with(batch / k, k));
-                    }
-                    // A smaller batch: fewer samples per step.
-                    for &smaller in divisors.iter().rev().skip(1) {
-                        settings.push(with(smaller, 1));
+                    for &(offload_activations, offload_optimizer) in &offloads {
+                        // On the host the step taps as in backward whichever is asked: one
+                        // place of the step is enough.
+                        if offload_optimizer && step_in_backward != current.step_in_backward {
+                            continue;
+                        }
+                        let with = |micro_batch: usize, cumulative: usize| Setting {
+                            fp16,
+                            micro_batch,
+                            cumulative,
+                            adam,
+                            step_in_backward,
+                            int8_state,
+                            clips: current.clips,
+                            offload_activations,
+                            offload_optimizer,
+                        };
+                        // Accumulation: the same samples per optimizer step.
+                        for &k in &divisors {
+                            settings.push(with(batch / k, k));
+                        }
+                        // A smaller batch: fewer samples per step.
+                        for &smaller in divisors.iter().rev().skip(1) {
+                            settings.push(with(smaller, 1));
+                        }
                     }
                 }
             }
@@ -102,35 +130,83 @@ pub fn advise(
             _ => BatchTime::PROPORTIONAL,
         }
     };
+    // The nearest measured profile to `setting` among those `like` it, scaled to it.
+    let nearest = |setting: &Setting, like: &dyn Fn(&Setting) -> bool| {
+        let source = measured
+            .iter()
+            .filter(|m| like(&m.setting))
+            .min_by_key(|m| {
+                (
+                    m.setting.int8_state != setting.int8_state,
+                    m.setting.adam != setting.adam && !m.setting.adam,
+                    {
+                        let d = m.setting.micro_batch as i64 - setting.micro_batch as i64;
+                        d.abs()
+                    },
+                )
+            })?;
+        Some(scale_timed(
+            &source.profile,
+            &source.setting,
+            setting,
+            int8_seconds.unwrap_or(0.0),
+            batch_time,
+        ))
+    };
     let mut candidates: Vec<Candidate> = settings
         .iter()
         .filter_map(|setting| {
-            let source = measured
-                .iter()
-                .filter(|m| {
-                    m.setting.fp16 == setting.fp16
-                        && m.setting.step_in_backward == setting.step_in_backward
-                })
-                .min_by_key(|m| {
-                    (
-                        m.setting.int8_state != setting.int8_state,
-                        m.setting.adam != setting.adam && !m.setting.adam,
-                        {
-                            let d = m.setting.micro_batch as i64 - setting.micro_batch as i64;
-                            d.abs()
+            // The device's bytes: a profile measured with the same offload.
+            let profile = nearest(setting, &|m: &Setting| {
+                m.fp16 == setting.fp16
+                    && m.step_in_backward == setting.step_in_backward
+                    && (m.offload_activations, m.offload_optimizer)
+                        == (setting.offload_activations, setting.offload_optimizer)
+            })?;
+            let offload = match staging {
+                Some(staging) if setting.offload_activations || setting.offload_optimizer => {
+                    // The compute: the same setting without offload (on the host the step taps
+                    // as in backward: that profile where there is one).
+                    let plain = |in_backward: bool| {
+                        move |m: &Setting| {
+                            m.fp16 == setting.fp16
+                                && m.step_in_backward == in_backward
+                                && !m.offload_activations
+                                && !m.offload_optimizer
+                        }
+                    };
+                    let tapped = setting.step_in_backward || setting.offload_optimizer;
+                    let compute = nearest(setting, &plain(tapped))
+                        .or_else(|| nearest(setting, &plain(setting.step_in_backward)))?;
+                    Some((staging, compute))
+                }
+                _ => None,
+            };
+            Some(match &offload {
+                Some((staging, compute)) => candidate(
+                    current,
+                    setting,
+                    &profile,
+                    budget,
+                    keys,
+                    Some(Offload {
+                        staging,
+                        compute,
+                        cost: OffloadCost {
+                            offloaded_bytes: profile.offloaded_bytes,
+                            host_step_seconds: profile.host_step_seconds,
                         },
-                    )
-                })?;
-            let profile = scale_timed(
-                &source.profile,
-                &source.setting,
-                setting,
-                int8_seconds.unwrap_or(0.0),
-                batch_time,
-            );
-            Some(candidate(current, setting, &profile, budget, keys))
+                    }),
+                ),
+                None => candidate(current, setting, &profile, budget, keys, None),
+            })
         })
         .collect();
+    // Activation offload moves the checkpointed segments' inputs: with none checkpointed it
+    // does nothing, and is not offered.
+    candidates.retain(|c| {
+        !(c.setting.offload_activations && !current.offload_activations && c.checkpoint.is_empty())
+    });
     candidates.sort_by(|a, b| {
         let rank = |c: &Candidate| {
             (
@@ -170,6 +246,8 @@ mod tests {
             step_in_backward: false,
             int8_state: false,
             clips: true,
+            offload_activations: false,
+            offload_optimizer: false,
         }
     }
 
@@ -231,7 +309,7 @@ mod tests {
     #[test]
     fn the_step_in_backward_is_offered_with_its_second_pass_priced() {
         // Budget 1150: the weights and state (1000) and 150 more.
-        let candidates = advise(&setting(), &measured(), 1150, &KEYS, false);
+        let candidates = advise(&setting(), &measured(), 1150, &KEYS, false, None);
         let in_backward = candidates
             .iter()
             .find(|c| {
@@ -273,7 +351,7 @@ mod tests {
 
     #[test]
     fn eight_bit_state_is_offered_only_when_allowed_and_marked_approximate() {
-        let candidates = advise(&setting(), &measured(), 900, &KEYS, true);
+        let candidates = advise(&setting(), &measured(), 900, &KEYS, true, None);
         let int8 = candidates
             .iter()
             .find(|c| c.setting.int8_state && !c.setting.step_in_backward && !c.setting.fp16)
@@ -304,7 +382,7 @@ mod tests {
         }
         assert!((scaled.step_seconds - source.step_seconds - 0.5).abs() < 1e-9);
         assert!(candidates.iter().any(|c| c.setting == to && c.approximate));
-        let strict = advise(&setting(), &measured(), 900, &KEYS, false);
+        let strict = advise(&setting(), &measured(), 900, &KEYS, false, None);
         assert!(strict.iter().all(|c| !c.setting.int8_state));
     }
 
@@ -326,7 +404,7 @@ mod tests {
             },
             profile: profile(200, 10.0),
         });
-        let candidates = advise(&setting(), &measured, 1 << 40, &KEYS, false);
+        let candidates = advise(&setting(), &measured, 1 << 40, &KEYS, false, None);
         let accumulated = Setting {
             micro_batch: 1,
             cumulative: 2,
@@ -362,6 +440,216 @@ mod tests {
             (in_backward.seconds - expected).abs() < 1e-9,
             "{} vs {expected}",
             in_backward.seconds
+        );
+    }
+
+    fn staging(host_budget: u64, link_bytes_per_second: f64) -> Staging {
+        Staging {
+            host_budget,
+            link_bytes_per_second,
+            link_source: "the test".into(),
+        }
+    }
+
+    /// `measured()` and two profiles measured with offload, in the config's precision and
+    /// place of the step: activation offload (every window but the step's 50 bytes lower, 300
+    /// bytes of inputs on the host) and optimizer offload (it taps as the step in backward does:
+    /// no gradients at the step; Adam's two moments, 400 bytes, off the device; the host's
+    /// rule 0.5 s).
+    fn measured_with_offload(with_activations: bool, with_optimizer: bool) -> Vec<Measured> {
+        let mut measured = measured();
+        let mut activations = profile(200, 14.0);
+        for window in &mut activations.windows {
+            if window.label != "step" {
+                window.peak -= 50;
+            }
+        }
+        activations.offloaded_bytes = 300;
+        measured.extend(with_activations.then_some(Measured {
+            setting: Setting {
+                offload_activations: true,
+                ..setting()
+            },
+            profile: activations,
+        }));
+        let mut optimizer = profile(0, 14.0);
+        optimizer.resident -= 400;
+        for window in &mut optimizer.windows {
+            window.peak -= 400;
+        }
+        optimizer.host_step_seconds = 0.5;
+        measured.extend(with_optimizer.then_some(Measured {
+            setting: Setting {
+                offload_optimizer: true,
+                ..setting()
+            },
+            profile: optimizer,
+        }));
+        measured
+    }
+
+    #[test]
+    fn optimizer_offload_is_offered_where_the_device_stages_and_priced_by_the_link() {
+        let optimizer = Setting {
+            offload_optimizer: true,
+            ..setting()
+        };
+        // Budget 700: the weights and what a window holds above them, without the moments.
+        let cpu = advise(
+            &setting(),
+            &measured_with_offload(true, true),
+            700,
+            &KEYS,
+            false,
+            None,
+        );
+        assert!(
+            cpu.iter()
+                .all(|c| !c.setting.offload_optimizer && !c.setting.offload_activations),
+            "no staging (the CPU): no offload"
+        );
+        assert!(cpu.iter().all(|c| !c.fits), "nothing else fits 700");
+        let candidates = advise(
+            &setting(),
+            &measured_with_offload(true, true),
+            700,
+            &KEYS,
+            false,
+            Some(&staging(10_000, 100.0)),
+        );
+        let first = &candidates[0];
+        assert_eq!(first.setting, optimizer, "{candidates:#?}");
+        assert!(first.fits && first.peak <= 700, "{first:?}");
+        assert!(first.label.contains("optimizer offload"), "{}", first.label);
+        assert!(first.sets.contains(&"offload.optimizer=true".to_string()));
+        // On the host: the fp32 masters (200) and Adam's two moments (400).
+        assert_eq!(first.host_bytes, 600);
+        // The compute of the step in backward with every segment checkpointed and its norm
+        // pass (clipping: 14 + 3 + 5 s), the gradients down and the weights up (400 bytes at
+        // 100 a second) and the host's rule (0.5 s).
+        assert!(
+            (first.seconds - (22.0 + 4.0 + 0.5)).abs() < 1e-9,
+            "{}",
+            first.seconds
+        );
+        // The link's bandwidth is read: half of it, twice the copies' time.
+        let slow = advise(
+            &setting(),
+            &measured_with_offload(true, true),
+            700,
+            &KEYS,
+            false,
+            Some(&staging(10_000, 50.0)),
+        );
+        let slow = slow.iter().find(|c| c.setting == optimizer).unwrap();
+        assert!(
+            (slow.seconds - (22.0 + 8.0 + 0.5)).abs() < 1e-9,
+            "{}",
+            slow.seconds
+        );
+        // The host budget is read: 599 bytes cannot hold the masters and the state.
+        let tight = advise(
+            &setting(),
+            &measured_with_offload(true, true),
+            700,
+            &KEYS,
+            false,
+            Some(&staging(599, 100.0)),
+        );
+        let held = tight.iter().find(|c| c.setting == optimizer).unwrap();
+        assert!(!held.fits && held.host_bytes == 600, "{held:?}");
+        assert!(
+            tight.iter().filter(|c| c.setting.adam).all(|c| !c.fits),
+            "{tight:#?}"
+        );
+        // SGD's momentum on the host: one copy of the weights fewer there, none on the device
+        // (the offload profile holds no state on it).
+        let sgd = tight
+            .iter()
+            .find(|c| {
+                c.setting
+                    == Setting {
+                        adam: false,
+                        ..optimizer
+                    }
+            })
+            .unwrap();
+        assert!(
+            sgd.fits && sgd.host_bytes == 400 && sgd.peak == first.peak,
+            "{sgd:?}"
+        );
+        // Both offloads together were not measured: not offered.
+        assert!(candidates
+            .iter()
+            .all(|c| !(c.setting.offload_activations && c.setting.offload_optimizer)));
+    }
+
+    #[test]
+    fn activation_offload_costs_only_the_copy_time_the_compute_does_not_hide() {
+        let activations = Setting {
+            offload_activations: true,
+            ..setting()
+        };
+        // Budget 1080: every plain window holds 1100; with the inputs on the host, 1050 (the
+        // step's 1040 is below both).
+        let plain = profile(40, 14.0);
+        let mut offloaded = plain.clone();
+        for window in &mut offloaded.windows {
+            if window.label != "step" {
+                window.peak -= 50;
+            }
+        }
+        offloaded.offloaded_bytes = 300;
+        let measured = vec![
+            Measured {
+                setting: setting(),
+                profile: plain,
+            },
+            Measured {
+                setting: activations,
+                profile: offloaded,
+            },
+        ];
+        let priced = |bandwidth: f64, host_budget: u64| {
+            let candidates = advise(
+                &setting(),
+                &measured,
+                1080,
+                &KEYS,
+                false,
+                Some(&staging(host_budget, bandwidth)),
+            );
+            let first = candidates[0].clone();
+            assert_eq!(first.setting, activations, "{candidates:#?}");
+            first
+        };
+        let fast = priced(100.0, 10_000);
+        assert!(fast.fits && fast.peak == 1050, "{fast:?}");
+        assert_eq!(fast.checkpoint.len(), 4);
+        assert!(fast.sets.contains(&"offload.activations=true".to_string()));
+        assert_eq!(fast.host_bytes, 300);
+        // 300 bytes at 100 a second: 3 s each way, hidden by the forward (3 s) and the four
+        // recomputations (4 s): the plain step's 14 s.
+        assert!((fast.seconds - 14.0).abs() < 1e-9, "{}", fast.seconds);
+        // At 50 bytes a second, 6 s each way: 3 s and 2 s not hidden.
+        let slow = priced(50.0, 10_000);
+        assert!((slow.seconds - 19.0).abs() < 1e-9, "{}", slow.seconds);
+        // A host budget below the 300 bytes offloaded: it does not fit.
+        let candidates = advise(
+            &setting(),
+            &measured,
+            1080,
+            &KEYS,
+            false,
+            Some(&staging(299, 100.0)),
+        );
+        let offloaded = candidates
+            .iter()
+            .find(|c| c.setting == activations)
+            .unwrap();
+        assert!(
+            !offloaded.fits && offloaded.host_bytes == 300,
+            "{offloaded:?}"
         );
     }
 }

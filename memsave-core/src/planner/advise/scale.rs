@@ -65,7 +65,9 @@ pub fn scale_timed(
     // Seconds: each micro-batch's time, times the micro-batches.
     let time_factor = batch_time.ratio(from.micro_batch, to.micro_batch);
     let mut out = profile.clone();
-    let optimizer_copy = if from.adam && !to.adam {
+    // Under optimizer offload the state is in host memory: the optimizer changes no device
+    // byte.
+    let optimizer_copy = if from.adam && !to.adam && !from.offload_optimizer {
         profile.trainable
     } else {
         0
@@ -107,6 +109,8 @@ pub fn scale_timed(
     out.forward_seconds *= micro_steps;
     out.backward_seconds *= micro_steps;
     out.first_pass_seconds *= time_factor;
+    // Activation offload copies each micro-batch's segment inputs: they grow with it.
+    out.offloaded_bytes = (profile.offloaded_bytes as f64 * factor) as u64;
     out.growth = profile.growth.saturating_sub(optimizer_copy);
     // The passes of the group's last micro-batch: a first pass to find the norm, or none.
     match (profile.passes.max(1), to.passes()) {
@@ -124,7 +128,12 @@ pub fn scale_timed(
     // 8-bit state: a quarter of the state's bytes, resident in every window.
     if to.int8_state != from.int8_state {
         let state = (profile.trainable * to.state_copies()) as f64;
-        let saved = (state * (1.0 - INT8_STATE_SHARE)) as u64;
+        // Under optimizer offload the state is in host memory: its time changes, no device byte.
+        let saved = if from.offload_optimizer {
+            0
+        } else {
+            (state * (1.0 - INT8_STATE_SHARE)) as u64
+        };
         let seconds = if to.int8_state {
             int8_seconds
         } else {

@@ -25,6 +25,14 @@ pub struct Setting {
     /// passes).
     #[serde(default)]
     pub clips: bool,
+    /// Activation offload (`offload.activations`): the inputs checkpointed segments keep wait
+    /// in host memory.
+    #[serde(default)]
+    pub offload_activations: bool,
+    /// Optimizer offload (`offload.optimizer`): the optimizer's state and the fp32 masters in
+    /// host memory, each parameter stepped there in backward.
+    #[serde(default)]
+    pub offload_optimizer: bool,
 }
 
 impl Setting {
@@ -33,10 +41,10 @@ impl Setting {
         self.micro_batch * self.cumulative
     }
 
-    /// Forwards and backwards per micro-batch that steps: 2 for a step in backward under
-    /// clipping or mixed precision, else 1.
+    /// Forwards and backwards per micro-batch that steps: 2 for a step in backward (or on the
+    /// host, which taps as it does) under clipping or mixed precision, else 1.
     pub fn passes(&self) -> usize {
-        if self.step_in_backward && (self.clips || self.fp16) {
+        if (self.step_in_backward || self.offload_optimizer) && (self.clips || self.fp16) {
             2
         } else {
             1
@@ -44,7 +52,7 @@ impl Setting {
     }
 
     /// Copies of the trainable weights the optimizer keeps: Adam's two moments, SGD's momentum.
-    pub(super) fn state_copies(&self) -> u64 {
+    pub fn state_copies(&self) -> u64 {
         if self.adam {
             2
         } else {

@@ -9,6 +9,8 @@
 //! in snapshots as the device's (a snapshot written with offload resumes without, and back).
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Instant;
 
 use burn::backend::{Autodiff, Flex};
 use burn::module::ParamId;
@@ -73,6 +75,21 @@ impl HostState {
     }
 }
 
+/// Nanoseconds the optimizer's rule ran on the host (every thread) since the last reset.
+static HOST_STEP_NANOS: AtomicU64 = AtomicU64::new(0);
+
+/// Seconds the optimizer's rule has run on the host under optimizer offload (the copies to and
+/// from the device excluded) since [`reset_host_step_seconds`]: what the planner prices the
+/// host's step at.
+pub fn host_step_seconds() -> f64 {
+    HOST_STEP_NANOS.load(Ordering::Relaxed) as f64 * 1e-9
+}
+
+/// Starts [`host_step_seconds`] again.
+pub fn reset_host_step_seconds() {
+    HOST_STEP_NANOS.store(0, Ordering::Relaxed);
+}
+
 /// The host's steps during a backward pass (see [`HostState::take_steps`]).
 pub(crate) struct HostSteps {
     steps: ParamSteps<HostAd>,
@@ -105,9 +122,11 @@ impl HostSteps {
             None => to_host(weight),
         };
         let grad = to_host(grad);
+        let started = Instant::now();
         let stepped = crate::memory::scope(crate::memory::phase::STEP, || {
             self.steps.step::<D>(lr, id, master, grad)
         });
+        HOST_STEP_NANOS.fetch_add(started.elapsed().as_nanos() as u64, Ordering::Relaxed);
         let data = stepped.to_data().convert_dtype(dtype);
         self.masters.insert(id, stepped.into_primitive().tensor());
         Tensor::from_primitive(TensorPrimitive::Float(K::float_from_data(data, &device)))

@@ -5,6 +5,7 @@ mod optimizer;
 mod spec;
 mod steps;
 
+pub use host::{host_step_seconds, reset_host_step_seconds};
 pub(crate) use host::{HostState, HostSteps};
 pub use optimizer::Optim;
 pub use spec::{OptimizerKind, OptimizerSpec, StateDtype};

@@ -1,0 +1,115 @@
+//! CPU staging in the advice: what the host and the link between it and the device give a
+//! plan ([`Staging`]), and what an offload setting costs in host bytes and in seconds.
+//!
+//! The device bytes of an offload setting come from a profile measured with it (its windows
+//! hold what offload leaves on the device). Its time is the time of the same setting without
+//! offload plus the copies' time at the link's bandwidth, the part of it that the compute does
+//! not hide:
+//! - activation offload copies each checkpointed segment's input down during the forward and up
+//!   before its recomputation, on helper threads: `max(0, A/bw - F) + max(0, A/bw - R)` a pass,
+//!   with `A` the bytes offloaded in a pass (measured with every segment checkpointed, a share
+//!   of them for a smaller set), `F` the forward's seconds, `R` the recomputations' seconds;
+//! - optimizer offload copies each gradient down (fp32) and its new weight up (in the weights'
+//!   precision) on the training thread, and steps on the host: `(G + W)/bw + H`, with `H` the
+//!   host's step measured in the profile, and the step in backward's compute beside it (it taps
+//!   as that does).
+//!
+//! Host bytes: the offloaded inputs (measured, a share for a smaller set) and, under optimizer
+//! offload, the fp32 masters and the optimizer's state (8-bit state at its share).
+
+use serde::{Deserialize, Serialize};
+
+use super::scale::INT8_STATE_SHARE;
+use super::setting::Setting;
+use crate::planner::Profile;
+
+/// What a device that can stage its tensors in host memory gives a plan (none on the CPU,
+/// whose tensors are host memory already: the advice then offers no offload).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Staging {
+    /// Host bytes a plan may use for staging (`[memory] host_budget`).
+    pub host_budget: u64,
+    /// Bytes a second between the device and host memory, each way.
+    pub link_bytes_per_second: f64,
+    /// Where the bandwidth comes from, in words (`measured before profiling` or
+    /// `memory.link_bandwidth`).
+    pub link_source: String,
+}
+
+/// What a setting with offload adds, from the profiles measured with it.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub(super) struct OffloadCost {
+    /// Bytes of segment inputs copied to the host per micro-batch, every segment checkpointed.
+    pub offloaded_bytes: u64,
+    /// The host's optimizer step, seconds per optimizer step.
+    pub host_step_seconds: f64,
+}
+
+impl Staging {
+    /// The seconds `setting`'s copies add to a step whose compute `compute` predicts (a profile
+    /// for the same setting without offload), with the segments `checkpointed`.
+    pub(super) fn copy_seconds(
+        &self,
+        setting: &Setting,
+        compute: &Profile,
+        checkpointed: &[bool],
+        cost: &OffloadCost,
+    ) -> f64 {
+        let bandwidth = self.link_bytes_per_second.max(1.0);
+        let mut seconds = 0.0;
+        if setting.offload_activations {
+            let share = share(checkpointed);
+            let bytes = cost.offloaded_bytes as f64 * share * setting.cumulative as f64;
+            let recompute: f64 = compute
+                .segments
+                .iter()
+                .zip(checkpointed)
+                .filter(|(_, &on)| on)
+                .map(|(s, _)| s.recompute_seconds)
+                .sum();
+            let copy = bytes / bandwidth;
+            // Each pass copies (the step in backward's first pass, under clipping, too).
+            seconds += ((copy - compute.forward_seconds).max(0.0) + (copy - recompute).max(0.0))
+                * setting.passes() as f64;
+        }
+        if setting.offload_optimizer {
+            let weight_bytes = if setting.fp16 { 2 } else { 4 };
+            // `trainable` is fp32 bytes: a gradient down in fp32, its weight up in its dtype.
+            let bytes = compute.trainable as f64 * (1.0 + weight_bytes as f64 / 4.0);
+            seconds += bytes / bandwidth + cost.host_step_seconds;
+        }
+        seconds
+    }
+
+    /// The host bytes `setting` stages: the inputs offloaded (per micro-batch, a share for a
+    /// smaller checkpoint set) and the optimizer's masters and state.
+    pub(super) fn host_bytes(
+        setting: &Setting,
+        trainable: u64,
+        checkpointed: &[bool],
+        cost: &OffloadCost,
+    ) -> u64 {
+        let mut bytes = 0;
+        if setting.offload_activations {
+            bytes += (cost.offloaded_bytes as f64 * share(checkpointed)) as u64;
+        }
+        if setting.offload_optimizer {
+            let state = (trainable * setting.state_copies()) as f64;
+            let state = if setting.int8_state {
+                state * INT8_STATE_SHARE
+            } else {
+                state
+            };
+            bytes += trainable + state as u64;
+        }
+        bytes
+    }
+}
+
+/// The share of the segments checkpointed (each one's input offloaded).
+fn share(checkpointed: &[bool]) -> f64 {
+    if checkpointed.is_empty() {
+        return 0.0;
+    }
+    checkpointed.iter().filter(|&&on| on).count() as f64 / checkpointed.len() as f64
+}
