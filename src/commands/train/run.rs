@@ -116,6 +116,9 @@ where
         ),
         None => None,
     };
+    if let Job::Train = job {
+        host_budget_holds(config, &model)?;
+    }
     let zero = config.optimizer_config.zero()?;
     if zero != memsave::parallel::ZeroStage::Off && peer.is_none() && main {
         eprintln!(
@@ -176,4 +179,48 @@ where
         work_dir.display()
     );
     Ok(())
+}
+
+/// Optimizer offload on a device with memory of its own: the host must hold the fp32 masters and
+/// the optimizer's state within `[memory] host_budget` (default: half the machine's available
+/// memory), or the run stops before it starts, naming the key and what fits.
+fn host_budget_holds<B, S, D, M>(config: &Config<S, D>, model: &M) -> memsave::Result<()>
+where
+    B: AutodiffBackend + memsave::Backend,
+    M: TrainModel<B>,
+{
+    if !config.offload.optimizer
+        || memsave::checkpoint::offload::can_offload::<B::InnerBackend>().is_err()
+    {
+        return Ok(());
+    }
+    let available = memsave::planner::available_host_memory();
+    if config.memory.host_budget.is_none() && available.is_none() {
+        return Ok(());
+    }
+    let budget = config.memory.host_budget_bytes(available)?;
+    let (_, trainable) = memsave::train::params::param_bytes::<B, M>(model);
+    let state = (trainable as f64 * config.optimizer().state_per_weight()) as u64;
+    let needed = trainable + state;
+    if needed <= budget {
+        return Ok(());
+    }
+    Err(memsave::Error::invalid(
+        "offload.optimizer",
+        format!(
+            "the host must hold the fp32 master weights ({}) and the optimizer's state ({}), {} \
+             in all, and `[memory] host_budget` leaves {}{}: raise `memory.host_budget`, keep \
+             the state in 8 bits (`optimizer.state_dtype = \"int8\"`, a quarter of it), or \
+             turn optimizer offload off",
+            memsave::memory::human(trainable),
+            memsave::memory::human(state),
+            memsave::memory::human(needed),
+            memsave::memory::human(budget),
+            if config.memory.host_budget.is_none() {
+                " (half the machine's available memory)"
+            } else {
+                ""
+            }
+        ),
+    ))
 }
