@@ -495,28 +495,24 @@ mod tests {
             ..setting()
         };
         // Budget 700: the weights and what a window holds above them, without the moments.
-        let cpu = advise(
-            &setting(),
-            &measured_with_offload(true, true),
-            700,
-            &KEYS,
-            false,
-            None,
-        );
+        let at_700 = |staging: Option<&Staging>| {
+            advise(
+                &setting(),
+                &measured_with_offload(true, true),
+                700,
+                &KEYS,
+                false,
+                staging,
+            )
+        };
+        let cpu = at_700(None);
         assert!(
             cpu.iter()
                 .all(|c| !c.setting.offload_optimizer && !c.setting.offload_activations),
             "no staging (the CPU): no offload"
         );
         assert!(cpu.iter().all(|c| !c.fits), "nothing else fits 700");
-        let candidates = advise(
-            &setting(),
-            &measured_with_offload(true, true),
-            700,
-            &KEYS,
-            false,
-            Some(&staging(10_000, 100.0)),
-        );
+        let candidates = at_700(Some(&staging(10_000, 100.0)));
         let first = &candidates[0];
         assert_eq!(first.setting, optimizer, "{candidates:#?}");
         assert!(first.fits && first.peak <= 700, "{first:?}");
@@ -533,14 +529,7 @@ mod tests {
             first.seconds
         );
         // The link's bandwidth is read: half of it, twice the copies' time.
-        let slow = advise(
-            &setting(),
-            &measured_with_offload(true, true),
-            700,
-            &KEYS,
-            false,
-            Some(&staging(10_000, 50.0)),
-        );
+        let slow = at_700(Some(&staging(10_000, 50.0)));
         let slow = slow.iter().find(|c| c.setting == optimizer).unwrap();
         assert!(
             (slow.seconds - (22.0 + 8.0 + 0.5)).abs() < 1e-9,
@@ -548,14 +537,7 @@ mod tests {
             slow.seconds
         );
         // The host budget is read: 599 bytes cannot hold the masters and the state.
-        let tight = advise(
-            &setting(),
-            &measured_with_offload(true, true),
-            700,
-            &KEYS,
-            false,
-            Some(&staging(599, 100.0)),
-        );
+        let tight = at_700(Some(&staging(599, 100.0)));
         let held = tight.iter().find(|c| c.setting == optimizer).unwrap();
         assert!(!held.fits && held.host_bytes == 600, "{held:?}");
         assert!(
@@ -610,15 +592,18 @@ mod tests {
                 profile: offloaded,
             },
         ];
-        let priced = |bandwidth: f64, host_budget: u64| {
-            let candidates = advise(
+        let at_1080 = |bandwidth: f64, host_budget: u64| {
+            advise(
                 &setting(),
                 &measured,
                 1080,
                 &KEYS,
                 false,
                 Some(&staging(host_budget, bandwidth)),
-            );
+            )
+        };
+        let priced = |bandwidth: f64, host_budget: u64| {
+            let candidates = at_1080(bandwidth, host_budget);
             let first = candidates[0].clone();
             assert_eq!(first.setting, activations, "{candidates:#?}");
             first
@@ -635,14 +620,7 @@ mod tests {
         let slow = priced(50.0, 10_000);
         assert!((slow.seconds - 19.0).abs() < 1e-9, "{}", slow.seconds);
         // A host budget below the 300 bytes offloaded: it does not fit.
-        let candidates = advise(
-            &setting(),
-            &measured,
-            1080,
-            &KEYS,
-            false,
-            Some(&staging(299, 100.0)),
-        );
+        let candidates = at_1080(100.0, 299);
         let offloaded = candidates
             .iter()
             .find(|c| c.setting == activations)
