@@ -169,7 +169,8 @@ impl MemorySection {
             (None, Some(available)) => Ok(Budget::Fraction(DEFAULT_HOST_SHARE).bytes(available)),
             (_, None) => Err(Error::invalid(
                 "memory.host_budget",
-                "the machine's available memory could not be read (/proc/meminfo), so a share                  of it cannot be taken: give the host bytes staging may use (\"16GiB\")",
+                "the machine's available memory could not be read (/proc/meminfo), so a share \
+                 of it cannot be taken: give the host bytes staging may use (\"16GiB\")",
             )),
         }
     }

@@ -94,9 +94,18 @@ pub fn plan(args: PlanArgs) -> Result<()> {
     // CPU staging is planned on a device with memory of its own (never on the CPU, whose
     // tensors are host memory): the host budget is read now, so that a bad one stops the plan
     // before anything is measured.
-    let host_budget = match args.device {
-        Device::Cpu => None,
-        _ => Some(memory.host_budget_bytes(available_host_memory())?),
+    let host_budget = match (args.device, memory.host_budget, available_host_memory()) {
+        (Device::Cpu, _, _) => None,
+        (_, None, None) => {
+            if !args.json {
+                eprintln!(
+                    "memsave plan: the machine's available memory could not be read: no offload \
+                     is planned (give `[memory] host_budget`, the host bytes staging may use)"
+                );
+            }
+            None
+        }
+        (_, _, available) => Some(memory.host_budget_bytes(available)?),
     };
     let say = |line: &str| {
         if !args.json {
@@ -352,6 +361,24 @@ fn staging(
     say: &dyn Fn(&str),
 ) -> Result<Option<Staging>> {
     let current = (setting.offload_activations, setting.offload_optimizer);
+    if current != (false, false) {
+        // An offload candidate's compute is the same setting's without offload: measured too
+        // where the config has offload on already.
+        say("memsave plan: profiling without offload ...");
+        let sets = vec![
+            "offload.activations=false".to_string(),
+            "offload.optimizer=false".to_string(),
+        ];
+        let measurement = run_worker(args, ("the config without offload", &sets), 0, true)?;
+        measured.push(Measured {
+            setting: Setting {
+                offload_activations: false,
+                offload_optimizer: false,
+                ..*setting
+            },
+            profile: measurement.profile,
+        });
+    }
     for (what, activations, optimizer) in [
         ("activation offload", true, false),
         ("optimizer offload", false, true),
@@ -417,7 +444,10 @@ fn staging(
 
 /// Whether the device is Mesa's lavapipe (a software Vulkan device).
 fn lavapipe(args: &PlanArgs) -> bool {
-    args.device
-        .describe()
-        .is_ok_and(|what| what.to_ascii_lowercase().contains("llvmpipe"))
+    // Only wgpu's adapter can be lavapipe (asking CUDA would open a context in this process).
+    args.device == Device::Wgpu
+        && args
+            .device
+            .describe()
+            .is_ok_and(|what| what.to_ascii_lowercase().contains("llvmpipe"))
 }

@@ -55,7 +55,28 @@ pub(super) fn candidate(
     keys: &ModelKeys,
     offload: Option<Offload<'_>>,
 ) -> Candidate {
-    let (mut plan, mut fits) = match plan(profile, budget) {
+    // Activation offload is planned with every segment checkpointed: the profile measured it
+    // so, and a segment left unchecked would keep its input on the device, which the profile's
+    // kept bytes do not count.
+    let every_segment = setting.offload_activations && offload.is_some();
+    let planned = if every_segment {
+        let all = vec![true; profile.segments.len()];
+        let peak = profile.predict_peak(&all);
+        if peak <= budget {
+            Ok(Plan {
+                paths: profile.segments.iter().map(|s| s.path.clone()).collect(),
+                peak,
+                seconds: profile.predict_seconds(&all),
+                checkpointed: all,
+                exact: true,
+            })
+        } else {
+            Err(())
+        }
+    } else {
+        plan(profile, budget).map_err(|_| ())
+    };
+    let (mut plan, mut fits) = match planned {
         Ok(plan) => (plan, true),
         Err(_) => {
             let all = vec![true; profile.segments.len()];

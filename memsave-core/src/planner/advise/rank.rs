@@ -620,6 +620,21 @@ mod tests {
         let slow = priced(50.0, 10_000);
         assert!((slow.seconds - 19.0).abs() < 1e-9, "{}", slow.seconds);
         // A host budget below the 300 bytes offloaded: it does not fit.
+        // Activation offload is planned with every segment checkpointed, even where the budget
+        // would leave one unchecked (its input would then stay on the device, which the
+        // profile's kept bytes do not count); without offload one is left unchecked.
+        let roomy = advise(
+            &setting(),
+            &measured,
+            1200,
+            &KEYS,
+            false,
+            Some(&staging(10_000, 100.0)),
+        );
+        let offloaded = roomy.iter().find(|c| c.setting == activations).unwrap();
+        assert_eq!(offloaded.checkpoint.len(), 4, "{offloaded:?}");
+        let plain = roomy.iter().find(|c| c.setting == setting()).unwrap();
+        assert!(plain.fits && plain.checkpoint.len() == 3, "{plain:?}");
         let candidates = at_1080(100.0, 299);
         let offloaded = candidates
             .iter()

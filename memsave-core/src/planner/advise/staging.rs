@@ -6,15 +6,18 @@
 //! offload plus the copies' time at the link's bandwidth, the part of it that the compute does
 //! not hide:
 //! - activation offload copies each checkpointed segment's input down during the forward and up
-//!   before its recomputation, on helper threads: `max(0, A/bw - F) + max(0, A/bw - R)` a pass,
-//!   with `A` the bytes offloaded in a pass (measured with every segment checkpointed, a share
-//!   of them for a smaller set), `F` the forward's seconds, `R` the recomputations' seconds;
-//! - optimizer offload copies each gradient down (fp32) and its new weight up (in the weights'
-//!   precision) on the training thread, and steps on the host: `(G + W)/bw + H`, with `H` the
-//!   host's step measured in the profile, and the step in backward's compute beside it (it taps
-//!   as that does).
+//!   before its recomputation, on helper threads: `max(0, A/bw - F/k) + max(0, A/bw - R/k)` for
+//!   each of a step's `k + p - 1` micro-batch passes (`k` micro-batches, `p` passes of the
+//!   group's last), with `A` the bytes offloaded in a micro-batch's pass (measured with every
+//!   segment checkpointed: activation offload is planned with all of them), `F` the forward's
+//!   seconds, `R` the recomputations' seconds;
+//! - optimizer offload copies each gradient down and its new value up (both fp32: the device
+//!   keeps the model's fp32 weights) on the training thread, and steps on the host:
+//!   `2T/bw + H`, with `T` the trainable bytes and `H` the host's step measured in the profile,
+//!   beside the step in backward's compute (it taps as that does; the device's own update in
+//!   that profile is left in, a small overestimate).
 //!
-//! Host bytes: the offloaded inputs (measured, a share for a smaller set) and, under optimizer
+//! Host bytes: the offloaded inputs (measured) and, under optimizer
 //! offload, the fp32 masters and the optimizer's state (8-bit state at its share).
 
 use serde::{Deserialize, Serialize};
@@ -58,8 +61,10 @@ impl Staging {
         let bandwidth = self.link_bytes_per_second.max(1.0);
         let mut seconds = 0.0;
         if setting.offload_activations {
-            let share = share(checkpointed);
-            let bytes = cost.offloaded_bytes as f64 * share * setting.cumulative as f64;
+            // A micro-batch's copies against its share of the forward and recomputations;
+            // every micro-batch copies once, the group's last once more under two passes.
+            let micro_batches = setting.cumulative.max(1) as f64;
+            let bytes = cost.offloaded_bytes as f64 * share(checkpointed);
             let recompute: f64 = compute
                 .segments
                 .iter()
@@ -68,14 +73,15 @@ impl Staging {
                 .map(|(s, _)| s.recompute_seconds)
                 .sum();
             let copy = bytes / bandwidth;
-            // Each pass copies (the step in backward's first pass, under clipping, too).
-            seconds += ((copy - compute.forward_seconds).max(0.0) + (copy - recompute).max(0.0))
-                * setting.passes() as f64;
+            let exposed = (copy - compute.forward_seconds / micro_batches).max(0.0)
+                + (copy - recompute / micro_batches).max(0.0);
+            seconds += exposed * (micro_batches + setting.passes() as f64 - 1.0);
         }
         if setting.offload_optimizer {
-            let weight_bytes = if setting.fp16 { 2 } else { 4 };
-            // `trainable` is fp32 bytes: a gradient down in fp32, its weight up in its dtype.
-            let bytes = compute.trainable as f64 * (1.0 + weight_bytes as f64 / 4.0);
+            // `trainable` is fp32 bytes: each gradient goes down in fp32 and its new value comes
+            // up in fp32 (the device keeps the model's fp32 weights, under mixed precision
+            // too, beside the half copy the forward runs on).
+            let bytes = compute.trainable as f64 * 2.0;
             seconds += bytes / bandwidth + cost.host_step_seconds;
         }
         seconds
