@@ -395,11 +395,47 @@ fn optimizer_offload_steps_on_the_host_as_the_device_does_and_frees_the_state() 
         let (device_f16, _) = super::tiny_run(mixed(), sgd.clone(), 3, &tiny);
         let (host_f16, _) = super::tiny_run(offload(mixed()), sgd.clone(), 3, &tiny);
         let worst_f16 = common::max_relative_difference(&host_f16, &device_f16);
-        // Accumulation: groups of two, the group's last micro-batch stepping in its backward.
-        let groups = || OptimizerHook::new().with_groups(memsave::hooks::Groups::new(2).unwrap());
-        let (device_groups, _, _) = run(groups(), sgd.clone(), 4);
-        let (host_groups, _, _) = run(offload(groups()), sgd.clone(), 4);
+        // Accumulation: groups of two, the group's last micro-batch stepping in its backward,
+        // the group's sums on the host (each micro-batch's gradients added there as made).
+        let two = || memsave::hooks::Groups::new(2).unwrap();
+        let groups = || OptimizerHook::new().with_groups(two());
+        let (device_groups, peak_groups, _) = run(groups(), sgd.clone(), 4);
+        let (host_groups, peak_groups_off, _) = run(offload(groups()), sgd.clone(), 4);
         let worst_groups = common::max_relative_difference(&host_groups, &device_groups);
+        // Clipped (the norm pass reads the sums on the host) and in half precision.
+        let (device_groups_clip, _, _) = run(clipped().with_groups(two()), adam.clone(), 4);
+        let (host_groups_clip, _, _) = run(offload(clipped().with_groups(two())), adam.clone(), 4);
+        let worst_groups_clip =
+            common::max_relative_difference(&host_groups_clip, &device_groups_clip);
+        let (device_groups_f16, _) =
+            super::tiny_run(mixed().with_groups(two()), sgd.clone(), 4, &tiny);
+        let (host_groups_f16, _) =
+            super::tiny_run(offload(mixed().with_groups(two())), sgd.clone(), 4, &tiny);
+        let worst_groups_f16 =
+            common::max_relative_difference(&host_groups_f16, &device_groups_f16);
+        println!(
+            "device suite: {}: optimizer offload with accumulation (groups of 2, SGD with \
+             momentum): whole-step peak {:.2} MiB on the device, {:.2} MiB offloaded with the \
+             sums on the host (weights {:.2} MiB); worst relative weight difference: clipped Adam \
+             {worst_groups_clip:e}, f16 {worst_groups_f16:e}",
+            device_name(),
+            mib(peak_groups),
+            mib(peak_groups_off),
+            mib(weights_bytes),
+        );
+        if staged {
+            // Neither the momentum nor the group's sums are on the device: two copies of the
+            // weights less (one, were the sums on the device).
+            assert!(
+                peak_groups_off + weights_bytes * 18 / 10 <= peak_groups,
+                "the sums and the state left the device: {peak_groups_off} vs {peak_groups}"
+            );
+        }
+        assert!(
+            worst_groups_clip <= tolerance.max(1e-5) * 10.0,
+            "{worst_groups_clip:e}"
+        );
+        assert!(worst_groups_f16 <= 1e-3, "{worst_groups_f16:e}");
         // 8-bit AdamW: the host's quantization (Flex's kernel) against the device's.
         let adamw8 = OptimizerKind::AdamW {
             betas: (0.9, 0.999),

@@ -117,7 +117,7 @@ where
         None => None,
     };
     if let Job::Train = job {
-        host_budget_holds(config, &model)?;
+        host_budget_holds(config, &model, peer.is_none())?;
     }
     let zero = config.optimizer_config.zero()?;
     if zero != memsave::parallel::ZeroStage::Off && peer.is_none() && main {
@@ -184,7 +184,11 @@ where
 /// Optimizer offload on a device with memory of its own: the host must hold the fp32 masters and
 /// the optimizer's state within `[memory] host_budget` (default: half the machine's available
 /// memory), or the run stops before it starts, naming the key and what fits.
-fn host_budget_holds<B, S, D, M>(config: &Config<S, D>, model: &M) -> memsave::Result<()>
+fn host_budget_holds<B, S, D, M>(
+    config: &Config<S, D>,
+    model: &M,
+    alone: bool,
+) -> memsave::Result<()>
 where
     B: AutodiffBackend + memsave::Backend,
     M: TrainModel<B>,
@@ -201,17 +205,31 @@ where
     let budget = config.memory.host_budget_bytes(available)?;
     let (_, trainable) = memsave::train::params::param_bytes::<B, M>(model);
     let state = (trainable as f64 * config.optimizer().state_per_weight()) as u64;
-    let needed = trainable + state;
+    // Under accumulation, training alone, the group's fp32 sums are on the host too.
+    let accumulates = config
+        .optimizer_config
+        .groups()
+        .is_ok_and(|groups| groups.cumulative_iters() > 1);
+    let sums = if accumulates && alone { trainable } else { 0 };
+    let needed = trainable + state + sums;
     if needed <= budget {
         return Ok(());
     }
+    let sums_said = if sums > 0 {
+        format!(
+            ", the group's gradient sums ({})",
+            memsave::memory::human(sums)
+        )
+    } else {
+        String::new()
+    };
     Err(memsave::Error::invalid(
         "offload.optimizer",
         format!(
-            "the host must hold the fp32 master weights ({}) and the optimizer's state ({}), {} \
-             in all, and `[memory] host_budget` leaves {}{}: raise `memory.host_budget`, keep \
-             the state in 8 bits (`optimizer.state_dtype = \"int8\"`, a quarter of it), or \
-             turn optimizer offload off",
+            "the host must hold the fp32 master weights ({}) and the optimizer's state \
+             ({}){sums_said}, {} in all, and `[memory] host_budget` leaves {}{}: raise \
+             `memory.host_budget`, keep the state in 8 bits (`optimizer.state_dtype = \"int8\"`, \
+             a quarter of it), or turn optimizer offload off",
             memsave::memory::human(trainable),
             memsave::memory::human(state),
             memsave::memory::human(needed),

@@ -231,11 +231,13 @@ impl<B: AutodiffBackend, M: TrainModel<B>, R: Reducer<B>> Hook<B, M> for Optimiz
     }
 
     fn before_iter(&mut self, state: &mut TrainState<B, M>) -> Result<()> {
-        if !self.groups.boundary(state) {
-            return Ok(());
-        }
+        let boundary = self.groups.boundary(state);
         let (place, parts) = self.split();
-        place.before_last_iter(&parts, state)
+        if boundary {
+            place.before_last_iter(&parts, state)
+        } else {
+            place.before_micro_batch(&parts, state)
+        }
     }
 
     fn after_first_pass(&mut self, state: &mut TrainState<B, M>) -> Result<()> {
@@ -249,7 +251,7 @@ impl<B: AutodiffBackend, M: TrainModel<B>, R: Reducer<B>> Hook<B, M> for Optimiz
         if boundary {
             place.end_group(&mut parts, state)
         } else {
-            parts.accumulate(state)
+            place.accumulate(&mut parts, state)
         }
     }
 

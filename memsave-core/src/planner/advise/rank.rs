@@ -513,8 +513,20 @@ mod tests {
         );
         assert!(cpu.iter().all(|c| !c.fits), "nothing else fits 700");
         let candidates = at_700(Some(&staging(10_000, 100.0)));
-        let first = &candidates[0];
-        assert_eq!(first.setting, optimizer, "{candidates:#?}");
+        // First: accumulation with the sums on the host (its micro-batch's activations half,
+        // fewer segments checkpointed), the sums' 200 bytes on the host.
+        let grouped = &candidates[0];
+        assert_eq!(
+            grouped.setting,
+            Setting {
+                micro_batch: 1,
+                cumulative: 2,
+                ..optimizer
+            },
+            "{candidates:#?}"
+        );
+        assert!(grouped.fits && grouped.host_bytes == 800, "{grouped:?}");
+        let first = candidates.iter().find(|c| c.setting == optimizer).unwrap();
         assert!(first.fits && first.peak <= 700, "{first:?}");
         assert!(first.label.contains("optimizer offload"), "{}", first.label);
         assert!(first.sets.contains(&"offload.optimizer=true".to_string()));
@@ -564,6 +576,68 @@ mod tests {
         assert!(candidates
             .iter()
             .all(|c| !(c.setting.offload_activations && c.setting.offload_optimizer)));
+    }
+
+    #[test]
+    fn under_optimizer_offload_accumulations_sums_are_host_bytes_and_copies() {
+        let offload = Setting {
+            offload_optimizer: true,
+            ..setting()
+        };
+        let grouped = Setting {
+            micro_batch: 1,
+            cumulative: 2,
+            ..offload
+        };
+        let link = staging(10_000, 100.0);
+        let compute = profile(0, 14.0);
+        let cost = OffloadCost {
+            host_step_seconds: 0.5,
+            ..OffloadCost::default()
+        };
+        let all = [true; 4];
+        let seconds = |setting: &Setting| link.copy_seconds(setting, &compute, &all, &cost);
+        // Alone: the step pass's gradients down, the weights up (200 bytes each at 100 a
+        // second), the host's rule.
+        assert!(
+            (seconds(&offload) - 4.5).abs() < 1e-9,
+            "{}",
+            seconds(&offload)
+        );
+        // In groups of two, clipped: both micro-batches and the norm pass copy their gradients
+        // down to the sums on the host (3 x 200), the weights up (200).
+        assert!(
+            (seconds(&grouped) - 8.5).abs() < 1e-9,
+            "{}",
+            seconds(&grouped)
+        );
+        // In half precision the gradients cross in half (3 x 100).
+        let half = Setting {
+            fp16: true,
+            ..grouped
+        };
+        assert!((seconds(&half) - 5.5).abs() < 1e-9, "{}", seconds(&half));
+        // The host holds the masters (200), Adam's moments (400) and, grouped, the sums (200).
+        assert_eq!(Staging::host_bytes(&offload, 200, &all, &cost), 600);
+        assert_eq!(Staging::host_bytes(&grouped, 200, &all, &cost), 800);
+        // On the device, a profile scaled to groups of two gains the sums without offload, and
+        // none with it.
+        let step_gradients = |profile: &Profile| {
+            profile
+                .windows
+                .iter()
+                .find(|w| w.label == "step")
+                .map(|w| w.gradients)
+        };
+        let grouped_on_device = Setting {
+            micro_batch: 1,
+            cumulative: 2,
+            ..setting()
+        };
+        let on_device = scale(&profile(0, 14.0), &setting(), &grouped_on_device, 0.0);
+        let on_host = scale(&compute, &offload, &grouped, 0.0);
+        assert_eq!(step_gradients(&on_device), Some(200));
+        assert_eq!(step_gradients(&on_host), Some(0));
     }
 
     #[test]

@@ -72,7 +72,8 @@ pub fn scale_timed(
     } else {
         0
     };
-    let accumulates = to.cumulative > 1 && from.cumulative == 1;
+    // Accumulation's fp32 sums, on the device unless optimizer offload keeps them on the host.
+    let accumulates = to.cumulative > 1 && from.cumulative == 1 && !to.offload_optimizer;
     let sums = if accumulates { profile.trainable } else { 0 };
     out.resident = profile.resident.saturating_sub(optimizer_copy);
     for window in &mut out.windows {

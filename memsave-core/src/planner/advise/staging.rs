@@ -11,14 +11,19 @@
 //!   group's last), with `A` the bytes offloaded in a micro-batch's pass (measured with every
 //!   segment checkpointed: activation offload is planned with all of them), `F` the forward's
 //!   seconds, `R` the recomputations' seconds;
-//! - optimizer offload copies each gradient down and its new value up (both fp32: the device
-//!   keeps the model's fp32 weights) on the training thread, and steps on the host:
-//!   `2T/bw + H`, with `T` the trainable bytes and `H` the host's step measured in the profile,
-//!   beside the step in backward's compute (it taps as that does; the device's own update in
+//! - optimizer offload copies each gradient down (in the forward's precision: half under mixed
+//!   precision) and its new value up (fp32: the device keeps the model's fp32 weights) on the
+//!   training thread, and steps on the host: `n G/bw + T/bw + H`, with `T` the trainable bytes,
+//!   `G` a gradient set's (`T`, or `T/2` in half), `H` the host's step measured in the profile
+//!   and `n` the passes that copy gradients down: under accumulation every micro-batch adds its
+//!   gradients to the sums on the host, and a norm pass reads them there (`n = k + p - 1`);
+//!   without, the group's one step pass (`n = 1`, a norm pass reading the device's gradients).
+//!   Beside the step in backward's compute (it taps as that does; the device's own update in
 //!   that profile is left in, a small overestimate).
 //!
-//! Host bytes: the offloaded inputs (measured) and, under optimizer
-//! offload, the fp32 masters and the optimizer's state (8-bit state at its share).
+//! Host bytes: the offloaded inputs (measured) and, under optimizer offload, the fp32 masters,
+//! the optimizer's state (8-bit state at its share) and, under accumulation, the group's fp32
+//! sums.
 
 use serde::{Deserialize, Serialize};
 
@@ -78,17 +83,28 @@ impl Staging {
             seconds += exposed * (micro_batches + setting.passes() as f64 - 1.0);
         }
         if setting.offload_optimizer {
-            // `trainable` is fp32 bytes: each gradient goes down in fp32 and its new value comes
-            // up in fp32 (the device keeps the model's fp32 weights, under mixed precision
-            // too, beside the half copy the forward runs on).
-            let bytes = compute.trainable as f64 * 2.0;
+            // `trainable` is fp32 bytes: each gradient goes down in the forward's precision and
+            // its new value comes up in fp32 (the device keeps the model's fp32 weights, under
+            // mixed precision too, beside the half copy the forward runs on).
+            let trainable = compute.trainable as f64;
+            let gradients = if setting.fp16 {
+                trainable / 2.0
+            } else {
+                trainable
+            };
+            let downs = match setting.cumulative {
+                0 | 1 => 1,
+                k => k + setting.passes() - 1,
+            };
+            let bytes = gradients * downs as f64 + trainable;
             seconds += bytes / bandwidth + cost.host_step_seconds;
         }
         seconds
     }
 
     /// The host bytes `setting` stages: the inputs offloaded (per micro-batch, a share for a
-    /// smaller checkpoint set) and the optimizer's masters and state.
+    /// smaller checkpoint set) and the optimizer's masters and state, and the group's sums
+    /// under accumulation.
     pub(super) fn host_bytes(
         setting: &Setting,
         trainable: u64,
@@ -106,7 +122,8 @@ impl Staging {
             } else {
                 state
             };
-            bytes += trainable + state as u64;
+            let sums = if setting.cumulative > 1 { trainable } else { 0 };
+            bytes += trainable + state as u64 + sums;
         }
         bytes
     }

@@ -7,6 +7,11 @@
 //! The host state is an [`Optim`] over `Autodiff<Flex>` whose per-parameter steps
 //! ([`ParamSteps`]) run with host tensors: the same rule, the same state layout, the same bytes
 //! in snapshots as the device's (a snapshot written with offload resumes without, and back).
+//!
+//! Under accumulation the group's gradient sums are kept in host memory too ([`HostSums`],
+//! ZeRO-Offload's): each micro-batch's gradient is copied down as backward makes it final and
+//! added there, so the device never holds a whole set of gradients. The group's last gradient
+//! is added to its sum on the host, unscaled and clipped there, as the device's step would.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -36,6 +41,8 @@ pub(crate) struct HostState {
     /// The fp32 master of each parameter stepped so far, by id (made from the device's value at
     /// its first step).
     masters: HashMap<ParamId, FloatTensor<Host>>,
+    /// The current group's gradient sums (fp32), under accumulation.
+    sums: HostSums,
 }
 
 impl HostState {
@@ -44,7 +51,18 @@ impl HostState {
         HostState {
             optim: Optim::new(spec),
             masters: HashMap::new(),
+            sums: HostSums::default(),
         }
+    }
+
+    /// The group's sums, moved out while a backward pass adds to them or uses them up.
+    pub(crate) fn take_sums(&mut self) -> HostSums {
+        std::mem::take(&mut self.sums)
+    }
+
+    /// Returns what [`HostState::take_sums`] took.
+    pub(crate) fn put_back_sums(&mut self, sums: HostSums) {
+        self.sums = sums;
     }
 
     /// The state saved by [`Optim::to_bytes`] (the device's or this one's), into host memory.
@@ -98,22 +116,17 @@ pub(crate) struct HostSteps {
 
 impl HostSteps {
     /// Steps parameter `id` on the host with `grad` (fp32, unscaled, clipped: as the device's
-    /// step takes it): `weight` is its device value, read only where the host has no master
-    /// yet. Returns the new device value, in `weight`'s dtype.
+    /// step takes it, see [`prepare`]): `weight` is its device value, read only where the host
+    /// has no master yet. Returns the new device value, in `weight`'s dtype.
     pub(crate) fn step<K: Backend, const D: usize>(
         &mut self,
         lr: f64,
         id: ParamId,
         weight: Tensor<K, D>,
-        grad: Tensor<K, D>,
+        grad: Tensor<Host, D>,
     ) -> Tensor<K, D> {
         let device = weight.device();
         let dtype = weight.dtype();
-        let host: burn::tensor::Device<Host> = Default::default();
-        let to_host = |tensor: Tensor<K, D>| -> Tensor<Host, D> {
-            let data = tensor.cast(DType::F32).into_data();
-            Tensor::from_primitive(TensorPrimitive::Float(Host::float_from_data(data, &host)))
-        };
         let master = match self.masters.remove(&id) {
             Some(master) => {
                 drop(weight);
@@ -121,7 +134,6 @@ impl HostSteps {
             }
             None => to_host(weight),
         };
-        let grad = to_host(grad);
         let started = Instant::now();
         let stepped = crate::memory::scope(crate::memory::phase::STEP, || {
             self.steps.step::<D>(lr, id, master, grad)
@@ -130,5 +142,98 @@ impl HostSteps {
         let data = stepped.to_data().convert_dtype(dtype);
         self.masters.insert(id, stepped.into_primitive().tensor());
         Tensor::from_primitive(TensorPrimitive::Float(K::float_from_data(data, &device)))
+    }
+}
+
+/// `tensor` copied to host memory, in fp32 (a half tensor crosses the link as it is and is cast
+/// on the host: the same values, half the bytes).
+pub(crate) fn to_host<K: Backend, const D: usize>(tensor: Tensor<K, D>) -> Tensor<Host, D> {
+    let host: burn::tensor::Device<Host> = Default::default();
+    let data = tensor.into_data().convert_dtype(DType::F32);
+    Tensor::from_primitive(TensorPrimitive::Float(Host::float_from_data(data, &host)))
+}
+
+/// The ordinary step's preparation of a gradient (`grads::to_f32`, the unscaling by
+/// `unscale`, the clipping by `coefficient`), on the host: the same operations on the same
+/// values as the device's.
+pub(crate) fn prepare<const D: usize>(
+    grad: Tensor<Host, D>,
+    unscale: Option<f64>,
+    coefficient: Option<f64>,
+) -> Tensor<Host, D> {
+    let mut grad = grad;
+    if let Some(unscale) = unscale {
+        grad = grad.mul_scalar(unscale);
+    }
+    if let Some(coefficient) = coefficient {
+        grad = grad.mul_scalar(coefficient);
+    }
+    grad
+}
+
+/// A group's gradient sums in host memory (fp32), by parameter.
+#[derive(Default)]
+pub(crate) struct HostSums {
+    sums: HashMap<ParamId, FloatTensor<Host>>,
+}
+
+impl HostSums {
+    /// `grad` (this micro-batch's, on the device) copied to the host and added to its sum,
+    /// the sum first as the device's accumulation adds (`grads::add_to_sum`).
+    pub(crate) fn add<K: Backend, const D: usize>(&mut self, id: ParamId, grad: Tensor<K, D>) {
+        let grad = to_host(grad);
+        let sum = match self.take(id) {
+            Some(sum) => sum + grad,
+            None => grad,
+        };
+        self.sums.insert(id, sum.into_primitive().tensor());
+    }
+
+    /// The group's gradient of `id` so far (its sum, taken out, or kept with `keep`), with
+    /// this micro-batch's `grad` (on the device) added: fp32, on the host.
+    pub(crate) fn with<K: Backend, const D: usize>(
+        &mut self,
+        id: ParamId,
+        grad: Tensor<K, D>,
+        keep: bool,
+    ) -> Tensor<Host, D> {
+        let grad = to_host(grad);
+        let sum = if keep {
+            self.sums
+                .get(&id)
+                .cloned()
+                .map(|sum| Tensor::<Host, D>::from_primitive(TensorPrimitive::Float(sum)))
+        } else {
+            self.take(id)
+        };
+        match sum {
+            Some(sum) => sum + grad,
+            None => grad,
+        }
+    }
+
+    /// The sum of `id` alone (taken out, or a copy with `keep`), where this micro-batch gave
+    /// it no gradient.
+    pub(crate) fn left<const D: usize>(
+        &mut self,
+        id: ParamId,
+        keep: bool,
+    ) -> Option<Tensor<Host, D>> {
+        if keep {
+            let sum = self.sums.get(&id)?.clone();
+            Some(Tensor::from_primitive(TensorPrimitive::Float(sum)))
+        } else {
+            self.take(id)
+        }
+    }
+
+    /// Whether no sum is held (a group's first micro-batch, or no accumulation).
+    pub(crate) fn is_empty(&self) -> bool {
+        self.sums.is_empty()
+    }
+
+    fn take<const D: usize>(&mut self, id: ParamId) -> Option<Tensor<Host, D>> {
+        let sum = self.sums.remove(&id)?;
+        Some(Tensor::from_primitive(TensorPrimitive::Float(sum)))
     }
 }

@@ -39,7 +39,7 @@ use burn::tensor::Tensor;
 use crate::parallel::in_backward::{take_sum, BackwardReduce, Tapped};
 use crate::parallel::TapPeers;
 use crate::train::grads;
-use crate::train::optim::HostState;
+use crate::train::optim::{HostState, HostSums};
 use crate::train::taps::{self, DepthChain, Extract, Insert, Tapper, Untap};
 use crate::train::{TrainModel, TrainState};
 use crate::Result;
@@ -105,6 +105,8 @@ impl<B: AutodiffBackend> Tapping<B> {
                 coefficient: None,
                 peers: None,
                 kept: GradientsParams::new(),
+                host_sums: None,
+                device: device.clone(),
             }),
         });
         let mut tapper = Tapper::<B, Table<B>>::new(chain, TAP_GAP, table.clone());
@@ -132,18 +134,38 @@ impl<B: AutodiffBackend> Tapping<B> {
         }
     }
 
+    /// An accumulation pass (optimizer offload, a micro-batch that does not end its group):
+    /// backward of `loss`, each gradient copied to the host as soon as it is final, added to
+    /// its sum in `sums` and freed on the device.
+    pub(crate) fn accumulate_pass(&mut self, loss: Tensor<B, 1>, sums: &mut HostSums) {
+        let (table, ids) = self.pass.take().expect("a pass was tapped");
+        lock(&table.inner).host_sums = Some(std::mem::take(sums));
+        drop(loss.backward());
+        crate::checkpoint::join_helpers();
+        let mut inner = lock(&table.inner);
+        *sums = inner.host_sums.take().unwrap_or_default();
+        inner.reached.clear();
+        drop(inner);
+        self.pass = Some((table, ids));
+    }
+
     /// A norm pass: backward of `loss` (the group's earlier gradients, `summed`, added: seeded
-    /// in fp32, added as they come under mixed precision, and kept either way); returns the
-    /// global norm of the group's gradients (scaled as the loss was) and the parameters that
-    /// got one.
+    /// in fp32, added as they come under mixed precision, and kept either way; or, under
+    /// optimizer offload, those on the host, `host_sums`, added there); returns the global norm
+    /// of the group's gradients (scaled as the loss was) and the parameters that got one.
     pub(crate) fn norm_pass<M: TrainModel<B>>(
         &mut self,
         state: &TrainState<B, M>,
         loss: Tensor<B, 1>,
         summed: Option<&GradientsParams>,
         mixed: bool,
+        host_sums: Option<&mut HostSums>,
     ) -> Result<(Option<f64>, HashSet<ParamId>)> {
         let (table, ids) = self.pass.take().expect("a pass was tapped");
+        let mut host_sums = host_sums;
+        if let Some(sums) = host_sums.as_deref_mut() {
+            lock(&table.inner).host_sums = Some(std::mem::take(sums));
+        }
         let forward = state.forward_model();
         let loss = match summed {
             Some(sums) if mixed => {
@@ -157,9 +179,13 @@ impl<B: AutodiffBackend> Tapping<B> {
         crate::checkpoint::join_helpers();
         let mut inner = lock(&table.inner);
         let finished = inner.finish_peers(forward);
+        inner.finish_host_sums(forward);
         let norm = finished.and_then(|()| inner.norm(forward, &state.device));
         let reached = std::mem::take(&mut inner.reached);
         inner.sums = None;
+        if let (Some(sums), Some(kept)) = (host_sums, inner.host_sums.take()) {
+            *sums = kept;
+        }
         drop(inner);
         // The taps are spent; `untap` makes the model plain.
         self.pass = Some((table, ids));
@@ -230,7 +256,10 @@ impl<B: AutodiffBackend> Tapping<B> {
             inner.unscale = unscale;
             inner.coefficient = coefficient;
             inner.steps = Some(match host.as_deref_mut() {
-                Some(host) => Stepper::Host(host.take_steps()),
+                Some(host) => {
+                    inner.host_sums = Some(host.take_sums());
+                    Stepper::Host(host.take_steps())
+                }
                 None => Stepper::Device(state.optimizer.take_steps()),
             });
             let mut extract = Extract::new(&ids);
@@ -246,6 +275,8 @@ impl<B: AutodiffBackend> Tapping<B> {
         crate::checkpoint::join_helpers();
         let mut inner = lock(&table.inner);
         let finished = inner.finish_peers(&state.model);
+        inner.finish_host_sums(&state.model);
+        inner.host_sums = None;
         match (inner.steps.take(), host) {
             (Some(Stepper::Device(steps)), _) => state.optimizer.put_back(steps),
             (Some(Stepper::Host(steps)), Some(host)) => host.put_back(steps),

@@ -15,7 +15,7 @@ use burn::tensor::{DType, Tensor, TensorPrimitive};
 use crate::parallel::in_backward::BackwardReduce;
 use crate::parallel::zero::gather_norm;
 use crate::train::grads;
-use crate::train::optim::{HostSteps, ParamSteps};
+use crate::train::optim::{prepare, Host, HostSteps, HostSums, ParamSteps};
 use crate::train::taps::Sink;
 use crate::Result;
 
@@ -28,6 +28,9 @@ pub(crate) enum Phase {
     Step,
     /// Keep it (data parallelism: averaged over the peers first, and kept by its owner only).
     Reduce,
+    /// Add it to its sum on the host, free it (optimizer offload: a micro-batch that does not
+    /// end its group).
+    Accumulate,
 }
 
 /// The table the taps of one pass share.
@@ -64,6 +67,10 @@ pub(super) struct TableInner<B: AutodiffBackend> {
     pub(super) peers: Option<BackwardReduce<K<B>>>,
     /// A reduce pass's gradients (those this peer keeps).
     pub(super) kept: GradientsParams,
+    /// Under optimizer offload: the group's sums in host memory.
+    pub(super) host_sums: Option<HostSums>,
+    /// The device the pass runs on (where the host's parts of the norm go).
+    pub(super) device: burn::tensor::Device<K<B>>,
 }
 
 /// Where a step pass steps each parameter: with the optimizer's state on the device, or with
@@ -71,23 +78,6 @@ pub(super) struct TableInner<B: AutodiffBackend> {
 pub(super) enum Stepper<B: AutodiffBackend> {
     Device(ParamSteps<B>),
     Host(HostSteps),
-}
-
-impl<B: AutodiffBackend> Stepper<B> {
-    /// Steps parameter `id` of value `weight` with its final gradient `grad`; the new value,
-    /// on the device.
-    fn step<const D: usize>(
-        &mut self,
-        lr: f64,
-        id: ParamId,
-        weight: Tensor<K<B>, D>,
-        grad: Tensor<K<B>, D>,
-    ) -> Tensor<K<B>, D> {
-        match self {
-            Stepper::Device(steps) => steps.step::<D>(lr, id, weight, grad),
-            Stepper::Host(steps) => steps.step::<K<B>, D>(lr, id, weight, grad),
-        }
-    }
 }
 
 pub(super) fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -101,6 +91,21 @@ impl<B: AutodiffBackend> Sink<K<B>> for Table<B> {
         let mut table = lock(&self.inner);
         let table = &mut *table;
         table.reached.insert(id);
+        // Optimizer offload: the group's sums on the host (training alone).
+        if let Some(sums) = &mut table.host_sums {
+            match table.phase {
+                Phase::Accumulate => return sums.add(id, grad),
+                Phase::Norm if !sums.is_empty() => {
+                    let grad = sums.with(id, grad, true);
+                    return table.host_norm_part(id, grad);
+                }
+                Phase::Step if !sums.is_empty() => {
+                    let grad = sums.with(id, grad, false);
+                    return table.step_on_host(id, grad);
+                }
+                _ => {}
+            }
+        }
         // A norm pass keeps the group's sums for the step pass.
         let keep = table.phase == Phase::Norm;
         let grad = match &mut table.sums {
@@ -130,9 +135,14 @@ impl<B: AutodiffBackend> Sink<K<B>> for Table<B> {
 impl<B: AutodiffBackend> TableInner<B> {
     /// What the pass does with parameter `id`'s final gradient (averaged over the peers).
     fn use_grad<const D: usize>(&mut self, id: ParamId, grad: Tensor<K<B>, D>) {
-        if self.phase == Phase::Reduce {
-            self.kept.register::<K<B>, D>(id, grad);
-            return;
+        match self.phase {
+            Phase::Reduce => return self.kept.register::<K<B>, D>(id, grad),
+            // Without sums on the host, nothing to add to (not reached: such a pass has them).
+            Phase::Accumulate => return,
+            Phase::Step if matches!(self.steps, Some(Stepper::Host(_))) => {
+                return self.step_on_host(id, crate::train::optim::to_host(grad));
+            }
+            Phase::Norm | Phase::Step => {}
         }
         if self.phase == Phase::Norm || self.log_norm {
             let part = grads::norm_part(grad.clone(), self.norm_type);
@@ -153,14 +163,45 @@ impl<B: AutodiffBackend> TableInner<B> {
             return;
         };
         let weight = Tensor::<K<B>, D>::from_primitive(TensorPrimitive::Float(weight));
-        let steps = self
-            .steps
-            .as_mut()
-            .expect("a step pass holds the optimizer's steps");
+        let Some(Stepper::Device(steps)) = self.steps.as_mut() else {
+            unreachable!("a step pass holds the optimizer's steps");
+        };
         let lr = self.lr;
         let stepped = crate::memory::scope(crate::memory::phase::STEP, || {
             steps.step::<D>(lr, id, weight, grad)
         });
+        self.put_stepped(id, stepped);
+    }
+
+    /// The part of the norm of `grad` (on the host: a group's sum with this micro-batch's),
+    /// brought to the device where the parts are added.
+    fn host_norm_part<const D: usize>(&mut self, id: ParamId, grad: Tensor<Host, D>) {
+        let part = grads::norm_part(grad, self.norm_type);
+        let part = Tensor::<K<B>, 1>::from_data(part.into_data(), &self.device);
+        self.parts.insert(id, part);
+    }
+
+    /// Optimizer offload: steps `id` on the host with its final gradient there (fp32, scaled
+    /// as the loss was), prepared there as the device's step would.
+    fn step_on_host<const D: usize>(&mut self, id: ParamId, grad: Tensor<Host, D>) {
+        if self.log_norm {
+            self.host_norm_part(id, grad.clone());
+        }
+        let grad = prepare(grad, self.unscale, self.coefficient);
+        let Some(weight) = self.weights.remove(&id) else {
+            return;
+        };
+        let weight = Tensor::<K<B>, D>::from_primitive(TensorPrimitive::Float(weight));
+        let Some(Stepper::Host(steps)) = self.steps.as_mut() else {
+            unreachable!("a step pass on the host holds the host's steps");
+        };
+        let lr = self.lr;
+        let stepped = steps.step::<K<B>, D>(lr, id, weight, grad);
+        self.put_stepped(id, stepped);
+    }
+
+    /// `id`'s new value in the table, and its forward copy's under mixed precision.
+    fn put_stepped<const D: usize>(&mut self, id: ParamId, stepped: Tensor<K<B>, D>) {
         if let Some(forward) = &mut self.forward {
             // The forward copy as `wrap_fp16_model` makes it: cast where it was cast.
             if let Some(old) = forward.remove(&id) {
@@ -177,6 +218,42 @@ impl<B: AutodiffBackend> TableInner<B> {
             }
         }
         self.weights.insert(id, stepped.into_primitive().tensor());
+    }
+
+    /// After backward with the group's sums on the host: those whose parameter got no gradient
+    /// in this micro-batch are used alone, in `model`'s order (their part of the norm, or their
+    /// step), as the ordinary step uses a sum that no later micro-batch added to.
+    pub(super) fn finish_host_sums<M: AutodiffModule<B>>(&mut self, model: &M) {
+        if !matches!(self.phase, Phase::Norm | Phase::Step)
+            || self.host_sums.as_ref().is_none_or(HostSums::is_empty)
+        {
+            return;
+        }
+        struct UseLeft<'a, B: AutodiffBackend> {
+            table: &'a mut TableInner<B>,
+        }
+        impl<B: AutodiffBackend> ModuleVisitor<B> for UseLeft<'_, B> {
+            fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+                let table = &mut *self.table;
+                if table.reached.contains(&param.id) {
+                    return;
+                }
+                let keep = table.phase == Phase::Norm;
+                let Some(sum) = table
+                    .host_sums
+                    .as_mut()
+                    .and_then(|sums| sums.left::<D>(param.id, keep))
+                else {
+                    return;
+                };
+                table.reached.insert(param.id);
+                match table.phase {
+                    Phase::Norm => table.host_norm_part(param.id, sum),
+                    _ => table.step_on_host(param.id, sum),
+                }
+            }
+        }
+        model.visit(&mut UseLeft { table: self });
     }
 
     /// After backward with peers: the gradients whose taps did not run are reduced, `reached`

@@ -16,7 +16,7 @@ use super::super::parts::Parts;
 use super::super::Reducer;
 use super::StepPlace;
 use crate::memory;
-use crate::train::optim::HostState;
+use crate::train::optim::{HostState, HostSums};
 use crate::train::tapping::{self, Phase};
 use crate::train::{TrainModel, TrainState};
 use crate::{Error, Result};
@@ -80,6 +80,28 @@ impl StepPlace for InBackward {
         parts: &mut Parts<'_, R>,
         state: &mut TrainState<B, M>,
     ) -> Result<()> {
+        self.norm_pass(parts, state, None)
+    }
+
+    /// The step pass (the only one, or the second).
+    fn end_group<B: AutodiffBackend, M: TrainModel<B>, R: Reducer<B>>(
+        &mut self,
+        parts: &mut Parts<'_, R>,
+        state: &mut TrainState<B, M>,
+    ) -> Result<()> {
+        self.step_pass(parts, state, None)
+    }
+}
+
+impl InBackward {
+    /// The norm pass (the first of two), the group's sums on the host in `host_sums` where the
+    /// step is there ([`super::OnHost`]); an overflow drops them.
+    pub(super) fn norm_pass<B: AutodiffBackend, M: TrainModel<B>, R: Reducer<B>>(
+        &mut self,
+        parts: &mut Parts<'_, R>,
+        state: &mut TrainState<B, M>,
+        mut host_sums: Option<&mut HostSums>,
+    ) -> Result<()> {
         if state.tapping.phase() != Some(Phase::Norm) {
             return Ok(());
         }
@@ -92,7 +114,13 @@ impl StepPlace for InBackward {
         let mut tapping = std::mem::take(&mut state.tapping);
         let summed = parts.summed.take();
         let outcome = memory::in_phase(memory::phase::BACKWARD, || {
-            tapping.norm_pass(state, loss, summed.as_ref(), mixed)
+            tapping.norm_pass(
+                state,
+                loss,
+                summed.as_ref(),
+                mixed,
+                host_sums.as_deref_mut(),
+            )
         });
         *parts.summed = summed;
         let (norm, reached) = match outcome {
@@ -119,6 +147,9 @@ impl StepPlace for InBackward {
             // Skipped as by the ordinary step: no second pass.
             state.forward_passes = 1;
             *parts.summed = None;
+            if let Some(sums) = host_sums {
+                *sums = HostSums::default();
+            }
             *parts.pending = 0;
             if let Some(mixed) = parts.mixed.as_deref_mut() {
                 mixed.skip_overflow(state);
@@ -130,17 +161,6 @@ impl StepPlace for InBackward {
         Ok(())
     }
 
-    /// The step pass (the only one, or the second).
-    fn end_group<B: AutodiffBackend, M: TrainModel<B>, R: Reducer<B>>(
-        &mut self,
-        parts: &mut Parts<'_, R>,
-        state: &mut TrainState<B, M>,
-    ) -> Result<()> {
-        self.step_pass(parts, state, None)
-    }
-}
-
-impl InBackward {
     /// The step pass (the only one, or the second), each parameter stepped on the device with
     /// the optimizer's state, or on the host with `host`'s ([`super::OnHost`]).
     pub(super) fn step_pass<B: AutodiffBackend, M: TrainModel<B>, R: Reducer<B>>(

@@ -47,7 +47,8 @@ fn tap<B: AutodiffBackend, M: TrainModel<B>, R: Reducer<B>>(
 }
 
 /// One place of the step: what it does at each of the hook's moments. A micro-batch that does
-/// not end its group is the same everywhere ([`Parts::accumulate`]).
+/// not end its group is the same everywhere ([`Parts::accumulate`]) but on the host, which keeps
+/// the group's sums there.
 pub(super) trait StepPlace {
     /// Before the run: what the place needs of the backend and the peers.
     fn before_run<B: AutodiffBackend, M: TrainModel<B>, R: Reducer<B>>(
@@ -65,6 +66,25 @@ pub(super) trait StepPlace {
         _state: &mut TrainState<B, M>,
     ) -> Result<()> {
         Ok(())
+    }
+
+    /// Before the forward of an iteration that does not end its group.
+    fn before_micro_batch<B: AutodiffBackend, M: TrainModel<B>, R: Reducer<B>>(
+        &mut self,
+        _parts: &Parts<'_, R>,
+        _state: &mut TrainState<B, M>,
+    ) -> Result<()> {
+        Ok(())
+    }
+
+    /// After the forward of an iteration that does not end its group: backward, its gradients
+    /// added to the group's sums.
+    fn accumulate<B: AutodiffBackend, M: TrainModel<B>, R: Reducer<B>>(
+        &mut self,
+        parts: &mut Parts<'_, R>,
+        state: &mut TrainState<B, M>,
+    ) -> Result<()> {
+        parts.accumulate(state)
     }
 
     /// After the first of two forwards (see `TrainState::forward_passes`).
@@ -176,6 +196,22 @@ impl StepPlace for Place {
         state: &mut TrainState<B, M>,
     ) -> Result<()> {
         dispatch!(self, before_last_iter(parts, state))
+    }
+
+    fn before_micro_batch<B: AutodiffBackend, M: TrainModel<B>, R: Reducer<B>>(
+        &mut self,
+        parts: &Parts<'_, R>,
+        state: &mut TrainState<B, M>,
+    ) -> Result<()> {
+        dispatch!(self, before_micro_batch(parts, state))
+    }
+
+    fn accumulate<B: AutodiffBackend, M: TrainModel<B>, R: Reducer<B>>(
+        &mut self,
+        parts: &mut Parts<'_, R>,
+        state: &mut TrainState<B, M>,
+    ) -> Result<()> {
+        dispatch!(self, accumulate(parts, state))
     }
 
     fn after_first_pass<B: AutodiffBackend, M: TrainModel<B>, R: Reducer<B>>(

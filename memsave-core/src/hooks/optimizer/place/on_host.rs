@@ -6,6 +6,13 @@
 //! precision: the same norm pass and the same overflow skip) and differs only in where each
 //! parameter steps. Under ZeRO each peer steps, and holds on its host, its own part.
 //!
+//! Under accumulation, training alone, the group's sums are on the host too: each micro-batch
+//! that does not end its group is tapped, and each gradient, as soon as it is final, is copied
+//! down and added to its fp32 sum there (ZeRO-Offload's), so the device never holds a whole set
+//! of gradients; the group's last micro-batch adds its own to the sums on the host, where the
+//! norm (clipping, the overflow check) and the step read them. With peers, the sums stay on the
+//! device, where each gradient's average over the peers is made.
+//!
 //! Under mixed precision the device keeps the fp32 masters of `TrainState::model` beside the
 //! half copy the forward runs on (the runner, snapshots and evaluation read the model's
 //! weights); the host's masters are the ones the steps read.
@@ -15,9 +22,13 @@ use burn::tensor::backend::AutodiffBackend;
 use super::super::parts::Parts;
 use super::super::Reducer;
 use super::{InBackward, StepPlace};
+use crate::memory;
 use crate::train::optim::HostState;
+use crate::train::tapping::Phase;
 use crate::train::{Optim, TrainModel, TrainState};
 use crate::{Error, Result};
+
+const MOVED: &str = "the state moved to the host before the run";
 
 /// The step on the host.
 #[derive(Default)]
@@ -26,6 +37,8 @@ pub(in super::super) struct OnHost {
     in_backward: InBackward,
     /// The state on the host (made before the run).
     host: Option<HostState>,
+    /// Whether the group's sums are kept on the host (training alone).
+    sums_on_host: bool,
 }
 
 impl std::fmt::Debug for OnHost {
@@ -75,7 +88,53 @@ impl StepPlace for OnHost {
         })?;
         state.optimizer = Optim::new(&spec);
         self.host = Some(host);
+        self.sums_on_host = state.world_size() == 1;
         Ok(())
+    }
+
+    fn before_micro_batch<B: AutodiffBackend, M: TrainModel<B>, R: Reducer<B>>(
+        &mut self,
+        parts: &Parts<'_, R>,
+        state: &mut TrainState<B, M>,
+    ) -> Result<()> {
+        if self.sums_on_host {
+            super::tap(parts, state, Phase::Accumulate, parts.norm_type(), false);
+        }
+        Ok(())
+    }
+
+    /// A micro-batch that does not end its group: backward, each gradient added to its sum on
+    /// the host as soon as it is final.
+    fn accumulate<B: AutodiffBackend, M: TrainModel<B>, R: Reducer<B>>(
+        &mut self,
+        parts: &mut Parts<'_, R>,
+        state: &mut TrainState<B, M>,
+    ) -> Result<()> {
+        if !self.sums_on_host {
+            return parts.accumulate(state);
+        }
+        let mut tapping = std::mem::take(&mut state.tapping);
+        let logged = match state.loss.take() {
+            Some(loss) => {
+                let logged = parts.log_loss(state, &loss);
+                let loss = parts.loss_to_backward(state, loss);
+                let host = self.host.as_mut().expect(MOVED);
+                let mut sums = host.take_sums();
+                memory::in_phase(memory::phase::BACKWARD, || {
+                    tapping.accumulate_pass(loss, &mut sums)
+                });
+                host.put_back_sums(sums);
+                *parts.pending += 1;
+                logged
+            }
+            None => Ok(()),
+        };
+        tapping.untap(state);
+        state.tapping = tapping;
+        if let Some(mixed) = &parts.mixed {
+            state.log.loss_scale = Some(mixed.scaler.loss_scale());
+        }
+        logged
     }
 
     fn before_last_iter<B: AutodiffBackend, M: TrainModel<B>, R: Reducer<B>>(
@@ -91,7 +150,13 @@ impl StepPlace for OnHost {
         parts: &mut Parts<'_, R>,
         state: &mut TrainState<B, M>,
     ) -> Result<()> {
-        self.in_backward.after_first_pass(parts, state)
+        let host = self.host.as_mut().expect(MOVED);
+        let mut sums = host.take_sums();
+        let outcome =
+            self.in_backward
+                .norm_pass(parts, state, self.sums_on_host.then_some(&mut sums));
+        host.put_back_sums(sums);
+        outcome
     }
 
     fn end_group<B: AutodiffBackend, M: TrainModel<B>, R: Reducer<B>>(
@@ -99,10 +164,7 @@ impl StepPlace for OnHost {
         parts: &mut Parts<'_, R>,
         state: &mut TrainState<B, M>,
     ) -> Result<()> {
-        let host = self
-            .host
-            .as_mut()
-            .expect("the state moved to the host before the run");
+        let host = self.host.as_mut().expect(MOVED);
         self.in_backward.step_pass(parts, state, Some(host))
     }
 }
