@@ -424,11 +424,16 @@ fn optimizer_offload_steps_on_the_host_as_the_device_does_and_frees_the_state() 
             mib(weights_bytes),
         );
         if staged {
-            // Neither the momentum nor the group's sums are on the device: two copies of the
-            // weights less (one, were the sums on the device).
+            // The group's sums are on the host: accumulating adds no gradient set to the
+            // offloaded step's peak (with the sums on the device it added 0.7 MiB here: 2.87
+            // against 2.17), and the momentum is off the device.
             assert!(
-                peak_groups_off + weights_bytes * 18 / 10 <= peak_groups,
-                "the sums and the state left the device: {peak_groups_off} vs {peak_groups}"
+                peak_groups_off <= peak_off + weights_bytes / 2,
+                "the sums left the device: {peak_groups_off} vs {peak_off} without accumulation"
+            );
+            assert!(
+                peak_groups_off + weights_bytes <= peak_groups,
+                "the state left the device: {peak_groups_off} vs {peak_groups}"
             );
         }
         assert!(

@@ -19,7 +19,8 @@
 //!   gradients to the sums on the host, and a norm pass reads them there (`n = k + p - 1`);
 //!   without, the group's one step pass (`n = 1`, a norm pass reading the device's gradients).
 //!   Beside the step in backward's compute (it taps as that does; the device's own update in
-//!   that profile is left in, a small overestimate).
+//!   that profile is left in though it does not run; each parameter's copy is a read that waits
+//!   for the device, counted at the bandwidth only, without its latency).
 //!
 //! Host bytes: the offloaded inputs (measured) and, under optimizer offload, the fp32 masters,
 //! the optimizer's state (8-bit state at its share) and, under accumulation, the group's fp32

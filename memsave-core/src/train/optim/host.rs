@@ -93,12 +93,13 @@ impl HostState {
     }
 }
 
-/// Nanoseconds the optimizer's rule ran on the host (every thread) since the last reset.
+/// Nanoseconds the host's arithmetic ran (every thread) since the last reset.
 static HOST_STEP_NANOS: AtomicU64 = AtomicU64::new(0);
 
-/// Seconds the optimizer's rule has run on the host under optimizer offload (the copies to and
-/// from the device excluded) since [`reset_host_step_seconds`]: what the planner prices the
-/// host's step at.
+/// Seconds the host's arithmetic has run under optimizer offload since
+/// [`reset_host_step_seconds`]: the optimizer's rule, and the group's sums, the parts of the
+/// norm and the unscaling and clipping computed there (the copies to and from the device
+/// excluded): what the planner prices the host's step at.
 pub fn host_step_seconds() -> f64 {
     HOST_STEP_NANOS.load(Ordering::Relaxed) as f64 * 1e-9
 }
@@ -106,6 +107,14 @@ pub fn host_step_seconds() -> f64 {
 /// Starts [`host_step_seconds`] again.
 pub fn reset_host_step_seconds() {
     HOST_STEP_NANOS.store(0, Ordering::Relaxed);
+}
+
+/// `work` on the host, its time counted in [`host_step_seconds`].
+pub(crate) fn timed<T>(work: impl FnOnce() -> T) -> T {
+    let started = Instant::now();
+    let out = work();
+    HOST_STEP_NANOS.fetch_add(started.elapsed().as_nanos() as u64, Ordering::Relaxed);
+    out
 }
 
 /// The host's steps during a backward pass (see [`HostState::take_steps`]).
@@ -134,11 +143,11 @@ impl HostSteps {
             }
             None => to_host(weight),
         };
-        let started = Instant::now();
-        let stepped = crate::memory::scope(crate::memory::phase::STEP, || {
-            self.steps.step::<D>(lr, id, master, grad)
+        let stepped = timed(|| {
+            crate::memory::scope(crate::memory::phase::STEP, || {
+                self.steps.step::<D>(lr, id, master, grad)
+            })
         });
-        HOST_STEP_NANOS.fetch_add(started.elapsed().as_nanos() as u64, Ordering::Relaxed);
         let data = stepped.to_data().convert_dtype(dtype);
         self.masters.insert(id, stepped.into_primitive().tensor());
         Tensor::from_primitive(TensorPrimitive::Float(K::float_from_data(data, &device)))
@@ -161,14 +170,16 @@ pub(crate) fn prepare<const D: usize>(
     unscale: Option<f64>,
     coefficient: Option<f64>,
 ) -> Tensor<Host, D> {
-    let mut grad = grad;
-    if let Some(unscale) = unscale {
-        grad = grad.mul_scalar(unscale);
-    }
-    if let Some(coefficient) = coefficient {
-        grad = grad.mul_scalar(coefficient);
-    }
-    grad
+    timed(|| {
+        let mut grad = grad;
+        if let Some(unscale) = unscale {
+            grad = grad.mul_scalar(unscale);
+        }
+        if let Some(coefficient) = coefficient {
+            grad = grad.mul_scalar(coefficient);
+        }
+        grad
+    })
 }
 
 /// A group's gradient sums in host memory (fp32), by parameter.
@@ -179,11 +190,15 @@ pub(crate) struct HostSums {
 
 impl HostSums {
     /// `grad` (this micro-batch's, on the device) copied to the host and added to its sum,
-    /// the sum first as the device's accumulation adds (`grads::add_to_sum`).
+    /// the sum first as `grads::add_to_sum` adds. The same bits as the device's sums under mixed
+    /// precision, and in fp32 for a parameter used once in the forward; one used several times
+    /// (a head shared across levels) is summed in another order in fp32 (the device seeds its
+    /// backward with the sum and adds each use to it; here the uses are added first): equal to
+    /// rounding.
     pub(crate) fn add<K: Backend, const D: usize>(&mut self, id: ParamId, grad: Tensor<K, D>) {
         let grad = to_host(grad);
         let sum = match self.take(id) {
-            Some(sum) => sum + grad,
+            Some(sum) => timed(|| sum + grad),
             None => grad,
         };
         self.sums.insert(id, sum.into_primitive().tensor());
@@ -207,7 +222,7 @@ impl HostSums {
             self.take(id)
         };
         match sum {
-            Some(sum) => sum + grad,
+            Some(sum) => timed(|| sum + grad),
             None => grad,
         }
     }

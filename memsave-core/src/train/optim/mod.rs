@@ -6,7 +6,7 @@ mod spec;
 mod steps;
 
 pub use host::{host_step_seconds, reset_host_step_seconds};
-pub(crate) use host::{prepare, to_host, Host, HostState, HostSteps, HostSums};
+pub(crate) use host::{prepare, timed, to_host, Host, HostState, HostSteps, HostSums};
 pub use optimizer::Optim;
 pub use spec::{OptimizerKind, OptimizerSpec, StateDtype};
 pub(crate) use steps::ParamSteps;

@@ -23,7 +23,8 @@
 //! bits) and frees the gradient; the second runs the forward again (the runner repeats it with
 //! the same batch, dropout masks and batch statistics; running statistics move once) and a
 //! backward that steps. An overflow skips the second pass. Under accumulation, the group's last
-//! micro-batch steps in its backward; the earlier ones add up as without.
+//! micro-batch steps in its backward; the earlier ones add up as without, or, under optimizer
+//! offload, in an accumulation pass whose taps add each gradient to its sum on the host.
 
 mod table;
 

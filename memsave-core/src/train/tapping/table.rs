@@ -101,7 +101,7 @@ impl<B: AutodiffBackend> Sink<K<B>> for Table<B> {
                 }
                 Phase::Step if !sums.is_empty() => {
                     let grad = sums.with(id, grad, false);
-                    return table.step_on_host(id, grad);
+                    return table.step_on_host(id, grad, true);
                 }
                 _ => {}
             }
@@ -140,7 +140,13 @@ impl<B: AutodiffBackend> TableInner<B> {
             // Without sums on the host, nothing to add to (not reached: such a pass has them).
             Phase::Accumulate => return,
             Phase::Step if matches!(self.steps, Some(Stepper::Host(_))) => {
-                return self.step_on_host(id, crate::train::optim::to_host(grad));
+                // The log's part of the norm on the device, where the whole gradient is, as
+                // without offload.
+                if self.log_norm {
+                    let part = grads::norm_part(grad.clone(), self.norm_type);
+                    self.parts.insert(id, part);
+                }
+                return self.step_on_host(id, crate::train::optim::to_host(grad), false);
             }
             Phase::Norm | Phase::Step => {}
         }
@@ -176,15 +182,22 @@ impl<B: AutodiffBackend> TableInner<B> {
     /// The part of the norm of `grad` (on the host: a group's sum with this micro-batch's),
     /// brought to the device where the parts are added.
     fn host_norm_part<const D: usize>(&mut self, id: ParamId, grad: Tensor<Host, D>) {
-        let part = grads::norm_part(grad, self.norm_type);
-        let part = Tensor::<K<B>, 1>::from_data(part.into_data(), &self.device);
+        let part =
+            crate::train::optim::timed(|| grads::norm_part(grad, self.norm_type).into_data());
+        let part = Tensor::<K<B>, 1>::from_data(part, &self.device);
         self.parts.insert(id, part);
     }
 
     /// Optimizer offload: steps `id` on the host with its final gradient there (fp32, scaled
-    /// as the loss was), prepared there as the device's step would.
-    fn step_on_host<const D: usize>(&mut self, id: ParamId, grad: Tensor<Host, D>) {
-        if self.log_norm {
+    /// as the loss was), prepared there as the device's step would; `log_norm_here`: the log's
+    /// part of the norm is taken here (the group's sum is on the host only).
+    fn step_on_host<const D: usize>(
+        &mut self,
+        id: ParamId,
+        grad: Tensor<Host, D>,
+        log_norm_here: bool,
+    ) {
+        if self.log_norm && log_norm_here {
             self.host_norm_part(id, grad.clone());
         }
         let grad = prepare(grad, self.unscale, self.coefficient);
@@ -249,7 +262,7 @@ impl<B: AutodiffBackend> TableInner<B> {
                 table.reached.insert(param.id);
                 match table.phase {
                     Phase::Norm => table.host_norm_part(param.id, sum),
-                    _ => table.step_on_host(param.id, sum),
+                    _ => table.step_on_host(param.id, sum, true),
                 }
             }
         }

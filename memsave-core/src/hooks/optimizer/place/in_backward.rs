@@ -7,7 +7,7 @@
 //! any step: the group's last iteration then runs its forward and backward twice (LOMO's
 //! answer), the first backward keeping only the norm, the second stepping. An overflow skips
 //! the second pass. Under accumulation, the group's last micro-batch steps in its backward; the
-//! earlier ones add up as without. With peers, each gradient is averaged over them as its tap
+//! earlier ones add up as without (on the host under optimizer offload: [`super::OnHost`]). With peers, each gradient is averaged over them as its tap
 //! hands it over, each parameter stepped by its owner under ZeRO and the new values shared.
 
 use burn::tensor::backend::AutodiffBackend;
