@@ -213,23 +213,15 @@ impl HostSums {
         keep: bool,
     ) -> Tensor<Host, D> {
         let grad = to_host(grad);
-        let sum = if keep {
-            self.sums
-                .get(&id)
-                .cloned()
-                .map(|sum| Tensor::<Host, D>::from_primitive(TensorPrimitive::Float(sum)))
-        } else {
-            self.take(id)
-        };
-        match sum {
+        match self.sum::<D>(id, keep) {
             Some(sum) => timed(|| sum + grad),
             None => grad,
         }
     }
 
-    /// The sum of `id` alone (taken out, or a copy with `keep`), where this micro-batch gave
+    /// The sum of `id` (taken out, or a copy with `keep`): alone where this micro-batch gave
     /// it no gradient.
-    pub(crate) fn left<const D: usize>(
+    pub(crate) fn sum<const D: usize>(
         &mut self,
         id: ParamId,
         keep: bool,

@@ -255,7 +255,7 @@ impl<B: AutodiffBackend> TableInner<B> {
                 let Some(sum) = table
                     .host_sums
                     .as_mut()
-                    .and_then(|sums| sums.left::<D>(param.id, keep))
+                    .and_then(|sums| sums.sum::<D>(param.id, keep))
                 else {
                     return;
                 };
