@@ -41,12 +41,20 @@ impl<B: AutodiffBackend + memsave::Backend> TrainModel<B> for Mlp<B> {
 
     fn loss(&self, batch: Self::Batch) -> Tensor<B, 1> {
         let mut x = batch.images.flatten::<2>(1, 3);
+        // Under mixed precision the layers are half: their input too, the loss in fp32.
+        let precision = self.fp16_enabled.precision();
+        if let Some(precision) = precision {
+            x = x.cast(precision.dtype());
+        }
         for layer in &self.layers {
             x = self
                 .dropout
                 .forward(burn::tensor::activation::relu(layer.forward(x)));
         }
-        let logits = self.out.forward(x);
+        let mut logits = self.out.forward(x);
+        if precision.is_some() {
+            logits = logits.cast(burn::tensor::DType::F32);
+        }
         CrossEntropyLossConfig::new()
             .init(&logits.device())
             .forward(logits, batch.labels)

@@ -310,6 +310,7 @@ fn all_weights<M: Module<D>>(model: &M) -> Vec<f32> {
 #[test]
 fn optimizer_offload_steps_on_the_host_as_the_device_does_and_frees_the_state() {
     use memsave::hooks::{GradClip, OptimizerHook, SnapshotHook};
+    use memsave::train::params::first_half_param;
     use memsave::train::{OptimizerKind, OptimizerSpec, StateDtype};
     on_device(|| {
         let device: burn::tensor::Device<D> = Default::default();
@@ -463,6 +464,40 @@ fn optimizer_offload_steps_on_the_host_as_the_device_does_and_frees_the_state() 
         assert!(worst_groups <= tolerance, "{worst_groups:e}");
         assert!(worst_8 <= 1e-2, "{worst_8:e}");
 
+        // Mixed precision (the MLP's layers half): the device keeps no fp32 weight, the masters
+        // are on the host; its peak falls below the fp32 offloaded run's (before the masters
+        // left the device it was above it: the fp32 weights beside their half copy).
+        let (device_mixed, peak_mixed, _) = run(mixed(), sgd.clone(), 4);
+        let mut mixed_runner = super::mlp_runner(mlp.clone(), sgd.clone(), offload(mixed()), 4);
+        let peak_mixed_off = super::run_measured(&mut mixed_runner, 1, 4);
+        let host_mixed = all_weights(&mixed_runner.state().model);
+        let fp32_after = mixed_runner.state().forward_model.is_some()
+            && first_half_param::<D, _>(&mixed_runner.state().model).is_none();
+        drop(mixed_runner);
+        let worst_mixed = common::max_relative_difference(&host_mixed, &device_mixed);
+        println!(
+            "device suite: {}: optimizer offload under mixed precision (f16, SGD with \
+             momentum): whole-step peak {:.2} MiB on the device, {:.2} MiB offloaded (fp32 \
+             offloaded {:.2} MiB; weights {:.2} MiB in fp32); worst relative weight difference \
+             {worst_mixed:e}",
+            device_name(),
+            mib(peak_mixed),
+            mib(peak_mixed_off),
+            mib(peak_off),
+            mib(weights_bytes),
+        );
+        assert!(worst_mixed <= 1e-3, "{worst_mixed:e}");
+        assert!(
+            fp32_after,
+            "after the run the model is fp32 again, its half copy beside it"
+        );
+        if staged {
+            assert!(
+                peak_mixed_off + weights_bytes / 4 <= peak_off,
+                "no fp32 weight on the device: {peak_mixed_off} vs {peak_off} in fp32"
+            );
+        }
+
         // A snapshot taken with offload holds the host's state: resumed, the run ends where the
         // uninterrupted one does, in every bit.
         let dir = std::env::temp_dir().join(format!("memsave-device-mlp-{}", std::process::id()));
@@ -491,6 +526,24 @@ fn optimizer_offload_steps_on_the_host_as_the_device_does_and_frees_the_state() 
             }
         );
         assert!(got == expected, "the resumed run's weights differ");
+
+        // Under mixed precision the snapshot saves the host's fp32 masters (the device holds
+        // only the half weights): resumed, the same weights in every bit.
+        let mut whole = super::mlp_runner(mlp.clone(), sgd.clone(), offload(mixed()), 4);
+        whole.register_hook(Box::new(SnapshotHook::new(2, false)));
+        whole.run().unwrap();
+        let expected = all_weights(&whole.state().model);
+        drop(whole);
+        std::fs::copy(dir.join("iter_2.ckpt"), &snapshot).unwrap();
+        let mut resumed = super::mlp_runner(mlp.clone(), sgd.clone(), offload(mixed()), 4);
+        resumed.resume(&snapshot).unwrap();
+        resumed.run().unwrap();
+        let got = all_weights(&resumed.state().model);
+        let _ = std::fs::remove_dir_all(&dir);
+        assert!(
+            got == expected,
+            "the resumed mixed-precision run's weights differ"
+        );
     });
 }
 

@@ -23,7 +23,8 @@ pub(crate) fn segment_ids<M: CheckpointModule>(model: &M) -> HashMap<SegmentId, 
     ids
 }
 
-/// Sets every segment of the model, and of the forward copy under mixed precision, by `on`.
+/// Sets every segment of the model, and of the forward copy under mixed precision (and of the
+/// fp32 model whose masters are on the host), by `on`.
 pub(super) fn set_flags<B: AutodiffBackend, M: TrainModel<B> + CheckpointModule>(
     state: &mut TrainState<B, M>,
     on: &dyn Fn(&str) -> bool,
@@ -31,6 +32,9 @@ pub(super) fn set_flags<B: AutodiffBackend, M: TrainModel<B> + CheckpointModule>
     state.model = state.model.clone().set_with_cp_by_path("", on);
     if let Some(forward) = state.forward_model.take() {
         state.forward_model = Some(forward.set_with_cp_by_path("", on));
+    }
+    if let Some(skeleton) = state.masters_on_host.take() {
+        state.masters_on_host = Some(skeleton.set_with_cp_by_path("", on));
     }
 }
 
@@ -126,7 +130,12 @@ impl ProfileHook {
     ) -> Profile {
         recorder::boundary(Boundary::End);
         let events = recorder::stop();
-        let (_, trainable) = param_bytes::<B, M>(&state.model);
+        // The trainable bytes in fp32 (the masters', on the host under mixed precision with
+        // optimizer offload, where the model is the half copy).
+        let trainable = match &state.masters_on_host {
+            Some(_) => crate::train::params::trainable_elements::<B, M>(&state.model) * 4,
+            None => param_bytes::<B, M>(&state.model).1,
+        };
         // The gradients are the forward model's (half under mixed precision).
         let estimate = GradientEstimate::new(trainable_layout::<B, M>(state.forward_model()));
         let mut profile = Profile::from_events(&events, &self.ids, trainable, &estimate);

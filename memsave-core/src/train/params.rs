@@ -23,6 +23,22 @@ pub fn param_bytes<B: AutodiffBackend, M: AutodiffModule<B>>(model: &M) -> (u64,
     (bytes.0, bytes.1)
 }
 
+/// The elements of `model`'s trainable float parameters.
+pub(crate) fn trainable_elements<B: AutodiffBackend, M: AutodiffModule<B>>(model: &M) -> u64 {
+    struct Elements(u64);
+    impl<B: AutodiffBackend> ModuleVisitor<B> for Elements {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+            let value = param.val();
+            if value.is_require_grad() {
+                self.0 += value.shape().num_elements() as u64;
+            }
+        }
+    }
+    let mut elements = Elements(0);
+    model.visit(&mut elements);
+    elements.0
+}
+
 /// The trainable float parameters of `model` in visiting order: each one's module path
 /// (`backbone.layer1.0.conv1`) and bytes (a gradient's: the parameter's own precision). Where
 /// a device's meter cannot tell gradients from other bytes, the planner estimates the gradients

@@ -339,11 +339,17 @@ where
                     .into(),
             });
         }
+        let model = self.state.whole_model.take();
         // Serialising is not training: keep it out of the peak memory the log reports.
-        crate::memory::without_peak(|| self.write_snapshot(path, whole))
+        crate::memory::without_peak(|| self.write_snapshot(path, model, whole))
     }
 
-    fn write_snapshot(&self, path: &Path, whole_optimizer: Option<Vec<u8>>) -> Result<()> {
+    fn write_snapshot(
+        &self,
+        path: &Path,
+        whole_model: Option<Vec<u8>>,
+        whole_optimizer: Option<Vec<u8>>,
+    ) -> Result<()> {
         let bad = |error: super::snapshot::codec::CodecError| Error::Snapshot {
             path: path.to_path_buf(),
             message: error.to_string(),
@@ -368,7 +374,12 @@ where
         }
         let snapshot = Snapshot {
             meta,
-            model: record_bytes::<B, _>(self.state.model.clone().into_record()).map_err(bad)?,
+            model: match whole_model {
+                Some(bytes) => bytes,
+                None => {
+                    record_bytes::<B, _>(self.state.model.clone().into_record()).map_err(bad)?
+                }
+            },
             optimizer: match whole_optimizer {
                 Some(bytes) => bytes,
                 None => self.state.optimizer.to_bytes().map_err(bad)?,

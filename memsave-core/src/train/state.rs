@@ -102,7 +102,8 @@ impl PeerPlace {
 /// The state of a run, handed to every hook.
 pub struct TrainState<B: AutodiffBackend, M: TrainModel<B>> {
     /// The weights being trained (fp32 master weights under mixed precision). Checkpoints hold
-    /// these.
+    /// these; under mixed precision with optimizer offload, during the run, the half copy the
+    /// forward runs on (the masters are on the host: see `masters_on_host`).
     pub model: M,
     /// The model the forward runs on when it is not `model` (the half copy under mixed
     /// precision), set by the optimizer hook.
@@ -142,6 +143,15 @@ pub struct TrainState<B: AutodiffBackend, M: TrainModel<B>> {
     /// Whether each peer holds only a part of the optimizer state (ZeRO): a snapshot then
     /// needs [`TrainState::whole_optimizer`].
     pub sharded_optimizer: bool,
+    /// The trained model's record for the snapshot being written, where `model` does not hold
+    /// the weights a snapshot saves (the fp32 masters on the host, see `masters_on_host`).
+    pub(crate) whole_model: Option<Vec<u8>>,
+    /// Under mixed precision with optimizer offload, training alone: the fp32 model whose
+    /// trainable weights are in host memory as the masters (a one-element placeholder for each
+    /// here), while `model` is the half copy the forward runs on and the device keeps no fp32
+    /// weight (DeepSpeed's ZeRO-Offload). The optimizer hook puts the masters back into it after
+    /// the run; snapshots save them.
+    pub(crate) masters_on_host: Option<M>,
     /// The run's directory: checkpoints and the log file.
     pub work_dir: PathBuf,
     /// The optimizer's settings, where the run was made from them ([`super::Runner::new`]):
@@ -198,6 +208,8 @@ impl<B: AutodiffBackend, M: TrainModel<B>> TrainState<B, M> {
             snapshot_due: false,
             whole_optimizer: None,
             sharded_optimizer: false,
+            whole_model: None,
+            masters_on_host: None,
             work_dir,
             optimizer_spec: None,
             optimizer_state_per_weight: 0.0,

@@ -392,7 +392,10 @@ fn summarise(
         breakdown.insert("other".to_string(), total.saturating_sub(known));
         breakdown.insert("total".to_string(), total);
     } else {
-        breakdown.insert("parameters".to_string(), parameters);
+        // Bytes that left the device before the measured steps (the fp32 weights, under mixed
+        // precision with optimizer offload: the half copy stays) are the model's.
+        let left = built.saturating_sub(record.resident.unwrap_or(built));
+        breakdown.insert("parameters".to_string(), parameters.saturating_sub(left));
         breakdown.insert("optimizer_state".to_string(), added);
     }
     // At most TIMELINE_POINTS samples, each the highest of its run of raw samples (a peak is

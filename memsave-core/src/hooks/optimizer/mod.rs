@@ -221,13 +221,19 @@ impl<B: AutodiffBackend, M: TrainModel<B>, R: Reducer<B>> Hook<B, M> for Optimiz
             &self.reducer,
             state,
         );
+        // The half copy first: the step on the host may keep it alone on the device.
+        precision::before_run(self.mixed.as_ref(), state)?;
         let (place, parts) = self.split();
         place.before_run(&parts, state)?;
         self.groups.warn(state);
         // ZeRO: this peer keeps the state of its part only (a resumed state is whole).
         self.reducer.own_state(&state.model, &mut state.optimizer);
         state.sharded_optimizer = self.reducer.shards();
-        precision::before_run(self.mixed.as_ref(), state)
+        Ok(())
+    }
+
+    fn after_run(&mut self, state: &mut TrainState<B, M>) -> Result<()> {
+        self.place.after_run(state)
     }
 
     fn before_iter(&mut self, state: &mut TrainState<B, M>) -> Result<()> {
@@ -270,6 +276,11 @@ impl<B: AutodiffBackend, M: TrainModel<B>, R: Reducer<B>> Hook<B, M> for Optimiz
             if state.is_main() {
                 state.whole_optimizer = Some(whole);
             }
+        }
+        // The weights too, where the place holds them (serialising is not training).
+        if state.is_main() {
+            state.whole_model =
+                crate::memory::without_peak(|| self.place.held_model(state)).transpose()?;
         }
         Ok(())
     }

@@ -11,10 +11,10 @@
 //!   group's last), with `A` the bytes offloaded in a micro-batch's pass (measured with every
 //!   segment checkpointed: activation offload is planned with all of them), `F` the forward's
 //!   seconds, `R` the recomputations' seconds;
-//! - optimizer offload copies each gradient down (in the forward's precision: half under mixed
-//!   precision) and its new value up (fp32: the device keeps the model's fp32 weights) on the
-//!   training thread, and steps on the host: `n G/bw + T/bw + H`, with `T` the trainable bytes,
-//!   `G` a gradient set's (`T`, or `T/2` in half), `H` the host's step measured in the profile
+//! - optimizer offload copies each gradient down and its new value up, both in the forward's
+//!   precision (half under mixed precision, where the device keeps no fp32 weight), on the
+//!   training thread, and steps on the host: `(n + 1) G/bw + H`, with `G` a gradient set's bytes
+//!   (`T` the trainable bytes, or `T/2` in half), `H` the host's step measured in the profile
 //!   and `n` the passes that copy gradients down: under accumulation every micro-batch adds its
 //!   gradients to the sums on the host, and a norm pass reads them there (`n = k + p - 1`);
 //!   without, the group's one step pass (`n = 1`, a norm pass reading the device's gradients).
@@ -84,9 +84,9 @@ impl Staging {
             seconds += exposed * (micro_batches + setting.passes() as f64 - 1.0);
         }
         if setting.offload_optimizer {
-            // `trainable` is fp32 bytes: each gradient goes down in the forward's precision and
-            // its new value comes up in fp32 (the device keeps the model's fp32 weights, under
-            // mixed precision too, beside the half copy the forward runs on).
+            // `trainable` is fp32 bytes: each gradient goes down, and its new value comes up, in
+            // the forward's precision (under mixed precision the device holds only the half
+            // weights the forward runs on; the planner plans a run alone).
             let trainable = compute.trainable as f64;
             let gradients = if setting.fp16 {
                 trainable / 2.0
@@ -97,7 +97,7 @@ impl Staging {
                 0 | 1 => 1,
                 k => k + setting.passes() - 1,
             };
-            let bytes = gradients * downs as f64 + trainable;
+            let bytes = gradients * (downs + 1) as f64;
             seconds += bytes / bandwidth + cost.host_step_seconds;
         }
         seconds

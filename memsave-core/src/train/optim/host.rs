@@ -18,8 +18,9 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
 
 use burn::backend::{Autodiff, Flex};
-use burn::module::ParamId;
+use burn::module::{AutodiffModule, ModuleMapper, Param, ParamId};
 use burn::prelude::Backend;
+use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::ops::FloatTensor;
 use burn::tensor::ops::FloatTensorOps;
 use burn::tensor::{DType, Tensor, TensorPrimitive};
@@ -78,6 +79,25 @@ impl HostState {
         self.optim.to_bytes()
     }
 
+    /// Under mixed precision, training alone: the trainable weights of `model` (the fp32
+    /// model) moved into host memory as the masters, each replaced on the device by a
+    /// one-element placeholder; returns that skeleton of `model` (ids, flags, frozen weights
+    /// and running statistics as they were), which [`HostState::with_masters`] fills again.
+    pub(crate) fn take_masters<B: AutodiffBackend, M: AutodiffModule<B>>(&mut self, model: M) -> M {
+        model.map(&mut TakeMasters {
+            masters: &mut self.masters,
+        })
+    }
+
+    /// `skeleton` (from [`HostState::take_masters`]) with the masters' fp32 values copied up
+    /// into its placeholders: the trained fp32 model, as the device would hold it without
+    /// offload.
+    pub(crate) fn with_masters<B: AutodiffBackend, M: AutodiffModule<B>>(&self, skeleton: M) -> M {
+        skeleton.map(&mut PutMasters {
+            masters: &self.masters,
+        })
+    }
+
     /// The steps and masters, moved out while a backward pass steps parameter by parameter.
     pub(crate) fn take_steps(&mut self) -> HostSteps {
         HostSteps {
@@ -90,6 +110,47 @@ impl HostState {
     pub(crate) fn put_back(&mut self, steps: HostSteps) {
         self.optim.put_back(steps.steps);
         self.masters = steps.masters;
+    }
+}
+
+/// See [`HostState::take_masters`].
+struct TakeMasters<'a> {
+    masters: &'a mut HashMap<ParamId, FloatTensor<Host>>,
+}
+
+impl<B: AutodiffBackend> ModuleMapper<B> for TakeMasters<'_> {
+    fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
+        let (id, tensor, mapper) = param.consume();
+        if !tensor.is_require_grad() {
+            return Param::from_mapped_value(id, tensor, mapper);
+        }
+        let device = tensor.device();
+        let dtype = tensor.dtype();
+        let master = to_host(tensor.inner());
+        self.masters.insert(id, master.into_primitive().tensor());
+        let placeholder = Tensor::<B, D>::zeros([1; D], &device).cast(dtype);
+        Param::from_mapped_value(id, placeholder.require_grad(), mapper)
+    }
+}
+
+/// See [`HostState::with_masters`].
+struct PutMasters<'a> {
+    masters: &'a HashMap<ParamId, FloatTensor<Host>>,
+}
+
+impl<B: AutodiffBackend> ModuleMapper<B> for PutMasters<'_> {
+    fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
+        let (id, tensor, mapper) = param.consume();
+        let Some(master) = self.masters.get(&id) else {
+            return Param::from_mapped_value(id, tensor, mapper);
+        };
+        let device = tensor.device();
+        drop(tensor);
+        let data =
+            Tensor::<Host, D>::from_primitive(TensorPrimitive::Float(master.clone())).into_data();
+        let inner = B::InnerBackend::float_from_data(data, &device);
+        let value = Tensor::<B::InnerBackend, D>::from_primitive(TensorPrimitive::Float(inner));
+        Param::from_mapped_value(id, Tensor::from_inner(value).require_grad(), mapper)
     }
 }
 

@@ -229,8 +229,9 @@ impl<B: AutodiffBackend> Tapping<B> {
     /// A step pass: backward of `loss` stepping every parameter as its gradient is final
     /// (`summed`: the group's earlier gradients), with the optimizer's state, or on the host
     /// with `host`'s (optimizer offload); `unscale` and `coefficient` prepare each gradient as
-    /// the ordinary step does. Returns the norm (when `log_norm`) and the
-    /// parameters that got a gradient.
+    /// the ordinary step does; `mixed`: under mixed precision (the sums added as the gradients
+    /// come, not seeded). Returns the norm (when `log_norm`) and the parameters that got a
+    /// gradient.
     pub(crate) fn step_pass<M: TrainModel<B>>(
         &mut self,
         state: &mut TrainState<B, M>,
@@ -238,10 +239,10 @@ impl<B: AutodiffBackend> Tapping<B> {
         summed: Option<GradientsParams>,
         unscale: Option<f64>,
         coefficient: Option<f64>,
+        mixed: bool,
         mut host: Option<&mut HostState>,
     ) -> Result<(Option<f64>, HashSet<ParamId>)> {
         let (table, ids) = self.pass.take().expect("a pass was tapped");
-        let mixed = state.forward_model.is_some();
         // Seeding reads the tapped parameters' nodes: before the weights are taken out.
         let loss = match summed {
             Some(sums) if mixed => {

@@ -197,7 +197,7 @@ impl InBackward {
         *parts.pending = 0;
         let mut tapping = std::mem::take(&mut state.tapping);
         let outcome = memory::in_phase(memory::phase::BACKWARD, || {
-            tapping.step_pass(state, loss, summed, unscale, coefficient, host)
+            tapping.step_pass(state, loss, summed, unscale, coefficient, mixed, host)
         });
         state.tapping = tapping;
         let (norm, reached) = outcome?;

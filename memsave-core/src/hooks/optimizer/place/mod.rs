@@ -102,6 +102,25 @@ pub(super) trait StepPlace {
         None
     }
 
+    /// The trained model's record (as `record_bytes` writes it) where the place holds its
+    /// weights elsewhere than `TrainState::model` (the fp32 masters on the host, under mixed
+    /// precision with optimizer offload), for snapshots.
+    fn held_model<B: AutodiffBackend, M: TrainModel<B>>(
+        &self,
+        _state: &TrainState<B, M>,
+    ) -> Option<Result<Vec<u8>>> {
+        None
+    }
+
+    /// After the run: `TrainState::model` holds the trained weights again where the place
+    /// held them elsewhere.
+    fn after_run<B: AutodiffBackend, M: TrainModel<B>>(
+        &mut self,
+        _state: &mut TrainState<B, M>,
+    ) -> Result<()> {
+        Ok(())
+    }
+
     /// After the (last) forward of a group's last iteration: backward, then the step or its
     /// skip.
     fn end_group<B: AutodiffBackend, M: TrainModel<B>, R: Reducer<B>>(
@@ -180,6 +199,20 @@ macro_rules! dispatch {
 impl StepPlace for Place {
     fn held_state(&self) -> Option<Result<Vec<u8>>> {
         dispatch!(self, held_state())
+    }
+
+    fn held_model<B: AutodiffBackend, M: TrainModel<B>>(
+        &self,
+        state: &TrainState<B, M>,
+    ) -> Option<Result<Vec<u8>>> {
+        dispatch!(self, held_model(state))
+    }
+
+    fn after_run<B: AutodiffBackend, M: TrainModel<B>>(
+        &mut self,
+        state: &mut TrainState<B, M>,
+    ) -> Result<()> {
+        dispatch!(self, after_run(state))
     }
 
     fn before_run<B: AutodiffBackend, M: TrainModel<B>, R: Reducer<B>>(

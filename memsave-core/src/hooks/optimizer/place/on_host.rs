@@ -13,9 +13,13 @@
 //! norm (clipping, the overflow check) and the step read them. With peers, the sums stay on the
 //! device, where each gradient's average over the peers is made.
 //!
-//! Under mixed precision the device keeps the fp32 masters of `TrainState::model` beside the
-//! half copy the forward runs on (the runner, snapshots and evaluation read the model's
-//! weights); the host's masters are the ones the steps read.
+//! Under mixed precision, training alone, the device keeps no fp32 weight: before the run the
+//! trainable fp32 weights move to the host as the masters and `TrainState::model` becomes the
+//! half copy the forward runs on, stepped in place (each new value crosses the link in half);
+//! snapshots save the masters, evaluation during the run reads the half model (MMCV's
+//! `Fp16OptimizerHook` evaluates its half model too), and after the run the model is fp32
+//! again, from the masters. With peers (each stepping only its part) the device keeps the fp32
+//! model beside the half copy.
 
 use burn::tensor::backend::AutodiffBackend;
 
@@ -87,8 +91,39 @@ impl StepPlace for OnHost {
             )
         })?;
         state.optimizer = Optim::new(&spec);
-        self.host = Some(host);
         self.sums_on_host = state.world_size() == 1;
+        // Mixed precision: the fp32 weights to the host, the half copy the model on the device.
+        if self.sums_on_host && state.masters_on_host.is_none() {
+            if let Some(half) = state.forward_model.take() {
+                let fp32 = std::mem::replace(&mut state.model, half);
+                state.masters_on_host = Some(host.take_masters(fp32));
+            }
+        }
+        self.host = Some(host);
+        Ok(())
+    }
+
+    fn held_model<B: AutodiffBackend, M: TrainModel<B>>(
+        &self,
+        state: &TrainState<B, M>,
+    ) -> Option<Result<Vec<u8>>> {
+        let skeleton = state.masters_on_host.clone()?;
+        let model = self.host.as_ref().expect(MOVED).with_masters(skeleton);
+        Some(
+            crate::train::snapshot::codec::record_bytes::<B, _>(model.into_record())
+                .map_err(|error| Error::invalid("model", error.to_string())),
+        )
+    }
+
+    /// The fp32 model again, from the masters, the half copy beside it as without offload.
+    fn after_run<B: AutodiffBackend, M: TrainModel<B>>(
+        &mut self,
+        state: &mut TrainState<B, M>,
+    ) -> Result<()> {
+        if let (Some(skeleton), Some(host)) = (state.masters_on_host.take(), &self.host) {
+            let fp32 = host.with_masters(skeleton);
+            state.forward_model = Some(std::mem::replace(&mut state.model, fp32));
+        }
         Ok(())
     }
 
