@@ -529,6 +529,56 @@ fn the_step_in_backward_frees_the_gradients_and_lowers_the_peak() {
 }
 
 #[test]
+fn under_mixed_precision_a_middle_micro_batch_adds_each_gradient_to_its_sum_as_it_is_made() {
+    let _serial = serial();
+    // 24 layers of 256: 6 MiB of fp32 sums, 3 MiB of half gradients, none over 256 KiB.
+    let mlp = Mlp::<AB>::new(3 * 8 * 8, 256, 24, 0.0, &Default::default()).map(&mut Seeded(5));
+    let (_, sum_bytes) = memsave::train::params::param_bytes::<AB, _>(&mlp);
+    let dir = work_dir("middle");
+    let hook = OptimizerHook::new()
+        .with_step_in_backward(true)
+        .with_groups(Groups::new(3).unwrap())
+        .with_mixed_precision(
+            LossScaler::new(512.0, ScaleMode::Static, 2.0, 1000).unwrap(),
+            Precision::F16,
+        );
+    let mut runner = Runner::new(
+        mlp,
+        &sgd(),
+        Box::new(hook),
+        data(4, 16, 8),
+        RunLength::Iters(3),
+        &dir,
+        Default::default(),
+    )
+    .unwrap();
+    runner.register_hook(Box::new(LrUpdaterHook {
+        schedule: LrSchedule::constant(0.05),
+    }));
+    let meter = StepMeter::new(0, 2, Box::new(AllocatorMeter));
+    let steps = meter.steps.clone();
+    runner.register_hook(Box::new(meter));
+    runner.run().unwrap();
+    let _ = std::fs::remove_dir_all(&dir);
+    let peaks: Vec<u64> = steps.borrow().iter().map(|(_, peak)| *peak).collect();
+    let (first, middle) = (peaks[0], peaks[1]);
+    eprintln!(
+        "mixed precision, groups of 3, step in backward: the group's first micro-batch peaks at \
+         {:.2} MiB, its middle one at {:.2} MiB (sums {:.2} MiB in fp32)",
+        first as f64 / 1048576.0,
+        middle as f64 / 1048576.0,
+        sum_bytes as f64 / 1048576.0
+    );
+    // The first ends with the fp32 sums; the middle one holds them and adds each half gradient
+    // as it is made (an untapped backward made the whole half set beside them: a quarter of
+    // the sums more at least).
+    assert!(
+        middle < first + sum_bytes / 4,
+        "the middle micro-batch peaks at {middle}, the first at {first} ({sum_bytes} bytes of sums)"
+    );
+}
+
+#[test]
 fn the_step_in_backward_with_peers_but_no_peer_reducer_is_an_error_naming_it() {
     let _serial = serial();
     let dir = work_dir("ddp");

@@ -92,5 +92,8 @@ pub(crate) fn to_f32<B: AutodiffBackend, M: AutodiffModule<B>>(
     model: &M,
     grads: &mut GradientsParams,
 ) {
-    map_grads::<B, M>(model, grads, &mut |grad| grad.cast(DType::F32));
+    map_grads::<B, M>(model, grads, &mut |grad| match grad.dtype() {
+        DType::F32 => grad,
+        _ => grad.cast(DType::F32),
+    });
 }

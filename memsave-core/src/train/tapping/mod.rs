@@ -135,16 +135,32 @@ impl<B: AutodiffBackend> Tapping<B> {
         }
     }
 
-    /// An accumulation pass (optimizer offload, a micro-batch that does not end its group):
-    /// backward of `loss`, each gradient copied to the host as soon as it is final, added to
-    /// its sum in `sums` and freed on the device.
-    pub(crate) fn accumulate_pass(&mut self, loss: Tensor<B, 1>, sums: &mut HostSums) {
+    /// An accumulation pass (a micro-batch that does not end its group): backward of `loss`,
+    /// each gradient added to its sum as soon as it is final and freed: on the host in `host`
+    /// (optimizer offload), else on the device in `device` (fp32 sums of half gradients, under
+    /// mixed precision: no whole set of half gradients is ever made beside the sums).
+    pub(crate) fn accumulate_pass(
+        &mut self,
+        loss: Tensor<B, 1>,
+        host: Option<&mut HostSums>,
+        device: &mut Option<GradientsParams>,
+    ) {
         let (table, ids) = self.pass.take().expect("a pass was tapped");
-        lock(&table.inner).host_sums = Some(std::mem::take(sums));
+        let mut host = host;
+        {
+            let mut inner = lock(&table.inner);
+            match host.as_deref_mut() {
+                Some(sums) => inner.host_sums = Some(std::mem::take(sums)),
+                None => inner.sums = Some(device.take().unwrap_or_else(GradientsParams::new)),
+            }
+        }
         drop(loss.backward());
         crate::checkpoint::join_helpers();
         let mut inner = lock(&table.inner);
-        *sums = inner.host_sums.take().unwrap_or_default();
+        match host {
+            Some(sums) => *sums = inner.host_sums.take().unwrap_or_default(),
+            None => *device = inner.sums.take(),
+        }
         inner.reached.clear();
         drop(inner);
         self.pass = Some((table, ids));

@@ -28,8 +28,8 @@ pub(crate) enum Phase {
     Step,
     /// Keep it (data parallelism: averaged over the peers first, and kept by its owner only).
     Reduce,
-    /// Add it to its sum on the host, free it (optimizer offload: a micro-batch that does not
-    /// end its group).
+    /// Add it to its sum, free it (a micro-batch that does not end its group: on the host under
+    /// optimizer offload, else on the device under mixed precision).
     Accumulate,
 }
 
@@ -106,6 +106,16 @@ impl<B: AutodiffBackend> Sink<K<B>> for Table<B> {
                 _ => {}
             }
         }
+        // A micro-batch that does not end its group, the sums on the device: added to its fp32
+        // sum as `grads::accumulate` adds; the group's first kept as it is (half: cast after
+        // backward, as the untapped pass casts, so that no fp32 set grows while the forward's
+        // activations are live).
+        if table.phase == Phase::Accumulate {
+            let sums = table.sums.get_or_insert_with(GradientsParams::new);
+            let sum = grads::add_to_sum(sums.remove::<K<B>, D>(id), grad);
+            sums.register::<K<B>, D>(id, sum);
+            return;
+        }
         // A norm pass keeps the group's sums for the step pass.
         let keep = table.phase == Phase::Norm;
         let grad = match &mut table.sums {
@@ -137,7 +147,7 @@ impl<B: AutodiffBackend> TableInner<B> {
     fn use_grad<const D: usize>(&mut self, id: ParamId, grad: Tensor<K<B>, D>) {
         match self.phase {
             Phase::Reduce => return self.kept.register::<K<B>, D>(id, grad),
-            // Without sums on the host, nothing to add to (not reached: such a pass has them).
+            // Added to its sum in `on_grad` (not reached).
             Phase::Accumulate => return,
             Phase::Step if matches!(self.steps, Some(Stepper::Host(_))) => {
                 // The log's part of the norm on the device, where the whole gradient is, as

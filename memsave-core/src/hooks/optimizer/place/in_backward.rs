@@ -16,6 +16,7 @@ use super::super::parts::Parts;
 use super::super::Reducer;
 use super::StepPlace;
 use crate::memory;
+use crate::train::grads;
 use crate::train::optim::{HostState, HostSums};
 use crate::train::tapping::{self, Phase};
 use crate::train::{TrainModel, TrainState};
@@ -75,6 +76,29 @@ impl StepPlace for InBackward {
         Ok(())
     }
 
+    /// Under mixed precision, training alone, a micro-batch that does not end its group is
+    /// tapped: each half gradient is added to its fp32 sum as soon as it is final, and no whole
+    /// set of half gradients is made beside the sums. (In fp32 the sums seed the backward,
+    /// which makes no second set either.)
+    fn before_micro_batch<B: AutodiffBackend, M: TrainModel<B>, R: Reducer<B>>(
+        &mut self,
+        parts: &Parts<'_, R>,
+        state: &mut TrainState<B, M>,
+    ) -> Result<()> {
+        if parts.is_mixed() && state.world_size() == 1 {
+            super::tap(parts, state, Phase::Accumulate, parts.norm_type(), false);
+        }
+        Ok(())
+    }
+
+    fn accumulate<B: AutodiffBackend, M: TrainModel<B>, R: Reducer<B>>(
+        &mut self,
+        parts: &mut Parts<'_, R>,
+        state: &mut TrainState<B, M>,
+    ) -> Result<()> {
+        self.accumulate_pass(parts, state, None)
+    }
+
     fn after_first_pass<B: AutodiffBackend, M: TrainModel<B>, R: Reducer<B>>(
         &mut self,
         parts: &mut Parts<'_, R>,
@@ -94,6 +118,47 @@ impl StepPlace for InBackward {
 }
 
 impl InBackward {
+    /// A micro-batch that does not end its group: where it was tapped, backward with each
+    /// gradient added to its sum as soon as it is final, on the host in `host_sums` (optimizer
+    /// offload, [`super::OnHost`]) or on the device; else the ordinary backward into the sums.
+    pub(super) fn accumulate_pass<B: AutodiffBackend, M: TrainModel<B>, R: Reducer<B>>(
+        &mut self,
+        parts: &mut Parts<'_, R>,
+        state: &mut TrainState<B, M>,
+        host_sums: Option<&mut HostSums>,
+    ) -> Result<()> {
+        if state.tapping.phase() != Some(Phase::Accumulate) {
+            return parts.accumulate(state);
+        }
+        let mut tapping = std::mem::take(&mut state.tapping);
+        let logged = match state.loss.take() {
+            Some(loss) => {
+                let logged = parts.log_loss(state, &loss);
+                let loss = parts.loss_to_backward(state, loss);
+                let on_device = host_sums.is_none();
+                let summed = &mut *parts.summed;
+                memory::in_phase(memory::phase::BACKWARD, || {
+                    tapping.accumulate_pass(loss, host_sums, summed)
+                });
+                if let (true, Some(sums)) = (on_device, summed.as_mut()) {
+                    // A group's first sums, in fp32 (those in fp32 already are left as they are).
+                    memory::scope(memory::phase::BACKWARD, || {
+                        grads::to_f32::<B, M>(&state.model, sums)
+                    });
+                }
+                *parts.pending += 1;
+                logged
+            }
+            None => Ok(()),
+        };
+        tapping.untap(state);
+        state.tapping = tapping;
+        if let Some(mixed) = &parts.mixed {
+            state.log.loss_scale = Some(mixed.scaler.loss_scale());
+        }
+        logged
+    }
+
     /// The norm pass (the first of two), the group's sums on the host in `host_sums` where the
     /// step is there ([`super::OnHost`]); an overflow drops them.
     pub(super) fn norm_pass<B: AutodiffBackend, M: TrainModel<B>, R: Reducer<B>>(

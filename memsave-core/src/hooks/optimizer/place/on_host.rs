@@ -26,7 +26,6 @@ use burn::tensor::backend::AutodiffBackend;
 use super::super::parts::Parts;
 use super::super::Reducer;
 use super::{InBackward, StepPlace};
-use crate::memory;
 use crate::train::optim::HostState;
 use crate::train::tapping::Phase;
 use crate::train::{Optim, TrainModel, TrainState};
@@ -146,30 +145,15 @@ impl StepPlace for OnHost {
         state: &mut TrainState<B, M>,
     ) -> Result<()> {
         if !self.sums_on_host {
-            return parts.accumulate(state);
+            return self.in_backward.accumulate_pass(parts, state, None);
         }
-        let mut tapping = std::mem::take(&mut state.tapping);
-        let logged = match state.loss.take() {
-            Some(loss) => {
-                let logged = parts.log_loss(state, &loss);
-                let loss = parts.loss_to_backward(state, loss);
-                let host = self.host.as_mut().expect(MOVED);
-                let mut sums = host.take_sums();
-                memory::in_phase(memory::phase::BACKWARD, || {
-                    tapping.accumulate_pass(loss, &mut sums)
-                });
-                host.put_back_sums(sums);
-                *parts.pending += 1;
-                logged
-            }
-            None => Ok(()),
-        };
-        tapping.untap(state);
-        state.tapping = tapping;
-        if let Some(mixed) = &parts.mixed {
-            state.log.loss_scale = Some(mixed.scaler.loss_scale());
-        }
-        logged
+        let host = self.host.as_mut().expect(MOVED);
+        let mut sums = host.take_sums();
+        let outcome = self
+            .in_backward
+            .accumulate_pass(parts, state, Some(&mut sums));
+        host.put_back_sums(sums);
+        outcome
     }
 
     fn before_last_iter<B: AutodiffBackend, M: TrainModel<B>, R: Reducer<B>>(
