@@ -110,6 +110,14 @@ impl<B: memsave::Backend> Classifier<B> {
     }
 }
 
+impl<B: AutodiffBackend + memsave::Backend> memsave::train::TrainModel<B> for Classifier<B> {
+    type Batch = memsave::models::classifier::ClassificationBatch<B>;
+
+    fn loss(&self, batch: Self::Batch) -> Tensor<B, 1> {
+        Classifier::loss(self, batch.images, batch.labels)
+    }
+}
+
 fn narrow_resnet(depth: usize, base: usize, device: &burn::tensor::Device<D>) -> Classifier<D> {
     Classifier {
         backbone: ResNetConfig {

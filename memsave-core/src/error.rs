@@ -71,6 +71,16 @@ pub enum Error {
         /// What happened.
         message: String,
     },
+    /// The device failed during a step (lost, reset, a copy between it and the host refused):
+    /// the message says what failed and where (the checkpointed segment whose input it was
+    /// bringing back).
+    #[error("device {device}: {message}")]
+    Device {
+        /// The device, as Burn names it.
+        device: String,
+        /// What failed, and what to do.
+        message: String,
+    },
     /// A file could not be read or written.
     #[error("{}: {source}", path.display())]
     Io {

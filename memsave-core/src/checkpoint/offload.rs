@@ -31,6 +31,12 @@
 //! (Burn 0.21's autodiff keeps it inside its own nodes' states, which memsave cannot reach).
 //! On a backend whose tensors are host memory already (Flex), offload has nothing to save: it
 //! says so once and does nothing.
+//!
+//! Failures end the step, not the process's sense of it: past the host limit
+//! ([`set_host_limit`], the runner's `[memory] host_budget`) the forward stops before it
+//! offloads, and a copy back that fails (a device lost during a prefetch) stops the backward;
+//! each names the segment (its type, method and place in the forward) and is recorded for the
+//! runner, which ends the run with an error that says what to change.
 
 use std::collections::HashMap;
 use std::panic::{catch_unwind, AssertUnwindSafe};
@@ -263,7 +269,7 @@ struct Slot<B: Backend> {
     state: Mutex<State<B>>,
     changed: Condvar,
     device: B::Device,
-    /// `Type::method`, for messages.
+    /// `` `Type::method` `` and its place in the forward, for messages.
     name: String,
     bytes: u64,
 }
@@ -317,7 +323,11 @@ impl<B: Backend> Slot<B> {
 
     /// Copies `datas` back to the device (on the calling thread).
     fn upload(&self, datas: Vec<TensorData>) -> State<B> {
+        let injected = lock(&INJECTED).take();
         let outcome = catch_unwind(AssertUnwindSafe(|| {
+            if let Some(why) = injected {
+                panic!("{why}");
+            }
             datas
                 .into_iter()
                 .map(|data| B::float_from_data(data, &self.device))
@@ -428,6 +438,15 @@ fn register(slot: Arc<dyn Prefetch>) {
     list.push(Arc::downgrade(&slot));
 }
 
+/// The place the next offloaded segment of this thread's forward takes in it (1: the first),
+/// for messages: segments of one type are told apart by it.
+fn next_place() -> usize {
+    let mut order = lock(order());
+    let list = order.entry(threads::owner()).or_default();
+    list.retain(|weak| weak.strong_count() > 0);
+    list.len() + 1
+}
+
 /// Drops `slot` from its thread's order and prefetches the `count` live segments before it.
 fn prefetch_before(slot: *const (), count: usize) {
     let ahead: Vec<Arc<dyn Prefetch>> = {
@@ -458,6 +477,68 @@ fn prefetch_before(slot: *const (), count: usize) {
 /// Device bytes whose copy to the host is under way.
 static IN_FLIGHT: Mutex<u64> = Mutex::new(0);
 static IN_FLIGHT_CHANGED: Condvar = Condvar::new();
+
+/// Why activation offload ended a step: recorded before the panic that unwinds the step, for the
+/// runner to turn into its error ([`take_failure`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) enum Failure {
+    /// The host could not take a segment's input within its limit ([`set_host_limit`]).
+    HostFull {
+        /// The checkpointed segment: `` `Type::method` `` and its place in the forward.
+        segment: String,
+        /// Its offloaded bytes.
+        needed: u64,
+        /// Bytes activation offload held or was copying to the host then.
+        held: u64,
+        /// The limit.
+        limit: u64,
+    },
+    /// A copy between host and device failed (a device lost, a driver reset).
+    Copy {
+        /// The checkpointed segment: `` `Type::method` `` and its place in the forward.
+        segment: String,
+        /// What the copy said.
+        why: String,
+    },
+}
+
+/// The failure of each training thread (a data-parallel peer is one), until its runner takes it.
+fn failures() -> &'static Mutex<HashMap<ThreadId, Failure>> {
+    static FAILURES: OnceLock<Mutex<HashMap<ThreadId, Failure>>> = OnceLock::new();
+    FAILURES.get_or_init(|| Mutex::new(HashMap::new()))
+}
+
+fn record(failure: Failure) {
+    lock(failures()).insert(threads::owner(), failure);
+}
+
+/// The failure that ended this training thread's step, if activation offload's.
+pub(crate) fn take_failure() -> Option<Failure> {
+    lock(failures()).remove(&threads::owner())
+}
+
+/// The most host bytes activation offload may hold (with those being copied there); `None`:
+/// no limit. The runner sets it from `[memory] host_budget` ([`crate::hooks::OffloadHook`]).
+static HOST_LIMIT: Mutex<Option<u64>> = Mutex::new(None);
+
+/// Sets the most host bytes activation offload may hold, in every thread of the process (past
+/// it, the step that would offload more ends with an error naming the segment); returns the
+/// previous limit. A real allocation failure of the host cannot be caught (Rust aborts the
+/// process), so the limit is what keeps a run clear of it.
+pub fn set_host_limit(limit: Option<u64>) -> Option<u64> {
+    std::mem::replace(&mut *lock(&HOST_LIMIT), limit)
+}
+
+/// A copy back to the device that fails as a lost device's would, once (the device suite's
+/// stand-in for a driver reset during a prefetch).
+static INJECTED: Mutex<Option<String>> = Mutex::new(None);
+
+/// Makes the next copy of an offloaded input back to the device fail with `why`, as on a device
+/// lost during a prefetch; for tests of what a run does then.
+#[doc(hidden)]
+pub fn fail_next_copy_back(why: impl Into<String>) {
+    *lock(&INJECTED) = Some(why.into());
+}
 
 /// Waits until every copy to the host started so far is done (their device copies dropped):
 /// what a measurement of the memory kept after a forward reads after.
@@ -518,11 +599,31 @@ where
     let Some(device) = device else {
         return (input, None);
     };
+    let name = format!(
+        "`{}` (the forward's offloaded segment {})",
+        name(),
+        next_place()
+    );
+    if let Some(limit) = *lock(&HOST_LIMIT) {
+        let held = HOST_BYTES.load(Ordering::Relaxed) + *lock(&IN_FLIGHT);
+        if held + bytes > limit {
+            record(Failure::HostFull {
+                segment: name.clone(),
+                needed: bytes,
+                held,
+                limit,
+            });
+            panic!(
+                "{SAYS}the host cannot take the input of the checkpointed segment {name} \
+                 ({bytes} bytes): offload holds {held} bytes there, of at most {limit}"
+            );
+        }
+    }
     let slot = Arc::new(Slot {
         state: Mutex::new(State::Device(prims)),
         changed: Condvar::new(),
         device,
-        name: name(),
+        name,
         bytes,
     });
     SEGMENTS.fetch_add(1, Ordering::Relaxed);
@@ -589,9 +690,13 @@ impl<B: Backend> Staged<B> {
         I: Segment<Autodiff<B, C>>,
     {
         let taken = self.slot.take().map_err(|why| {
+            record(Failure::Copy {
+                segment: self.slot.name.clone(),
+                why: why.clone(),
+            });
             format!(
-                "memsave: activation offload: the input of the checkpointed segment `{}` could \
-                 not be brought back to the device for its recomputation: {why}",
+                "{SAYS}the input of the checkpointed segment {} could not be brought back to \
+                 the device for its recomputation: {why}",
                 self.slot.name
             )
         })?;
@@ -611,6 +716,9 @@ impl<B: Backend> Staged<B> {
         }))
     }
 }
+
+/// How offload's messages start.
+const SAYS: &str = "memsave: activation offload: ";
 
 /// Says `why` on stderr, once per process.
 fn say_once(why: &str) {

@@ -149,8 +149,22 @@ impl<M, D> Config<M, D> {
     /// The other hooks: learning rate, snapshots, log, the config keys of the strategies for the
     /// advice of a step that does not fit, and activation offload where `[offload]` asks.
     pub fn hooks<B: AutodiffBackend, Mo: TrainModel<B>>(&self) -> Vec<Box<dyn Hook<B, Mo>>> {
+        // The host budget as the run starts (unknown where the machine's memory cannot be read
+        // and no budget is given: then unbounded).
+        let host_budget = self
+            .memory
+            .host_budget_bytes(crate::planner::available_host_memory())
+            .ok();
+        let accumulates = self
+            .optimizer_config
+            .groups()
+            .is_ok_and(|groups| groups.cumulative_iters() > 1);
         let offload = self.offload.activations().map(|setting| {
-            Box::new(crate::hooks::OffloadHook::new(setting)) as Box<dyn Hook<B, Mo>>
+            Box::new(
+                crate::hooks::OffloadHook::new(setting)
+                    .with_host_budget(host_budget)
+                    .with_optimizer_offload(self.offload.optimizer, accumulates),
+            ) as Box<dyn Hook<B, Mo>>
         });
         let mut hooks: Vec<Box<dyn Hook<B, Mo>>> = vec![
             Box::new(LrUpdaterHook {

@@ -87,8 +87,13 @@ impl<'de> Deserialize<'de> for Bytes {
 /// goes on without it.
 pub struct OffloadHook {
     setting: ActivationOffload,
-    /// The setting before the run, while this hook's is in force.
-    previous: Option<Option<ActivationOffload>>,
+    /// The host bytes CPU staging may use (`[memory] host_budget`), if bounded.
+    host_budget: Option<u64>,
+    /// Whether optimizer offload keeps its state and masters (and, accumulating, the sums) in
+    /// the same budget: `Some(accumulates)`.
+    optimizer_on_host: Option<bool>,
+    /// The setting and host limit before the run, while this hook's are in force.
+    previous: Option<(Option<ActivationOffload>, Option<u64>)>,
     /// Whether the first iteration's offload was looked at.
     checked: bool,
 }
@@ -98,15 +103,57 @@ impl OffloadHook {
     pub fn new(setting: ActivationOffload) -> Self {
         OffloadHook {
             setting,
+            host_budget: None,
+            optimizer_on_host: None,
             previous: None,
             checked: false,
         }
     }
 
+    /// Bounds the host bytes of CPU staging by `budget` (`None`: unbounded): past it, less what
+    /// optimizer offload keeps on the host ([`OffloadHook::with_optimizer_offload`]), a step
+    /// that would offload more ends the run with an error that names the segment and what to
+    /// change ([`offload::set_host_limit`]).
+    pub fn with_host_budget(mut self, budget: Option<u64>) -> Self {
+        self.host_budget = budget;
+        self
+    }
+
+    /// Whether optimizer offload shares the host budget: its fp32 masters and state, and, where
+    /// it `accumulates` training alone, the group's fp32 sums.
+    pub fn with_optimizer_offload(mut self, on: bool, accumulates: bool) -> Self {
+        self.optimizer_on_host = on.then_some(accumulates);
+        self
+    }
+
     fn restore(&mut self) {
-        if let Some(previous) = self.previous.take() {
-            offload::set_activation_offload(previous);
+        if let Some((setting, limit)) = self.previous.take() {
+            offload::set_activation_offload(setting);
+            offload::set_host_limit(limit);
         }
+    }
+
+    /// What the host budget leaves activation offload: the budget less optimizer offload's
+    /// masters, state and sums (the same bytes the check before the run counts).
+    fn host_limit<B: AutodiffBackend, M: TrainModel<B>>(
+        &self,
+        state: &TrainState<B, M>,
+    ) -> Option<u64> {
+        let budget = self.host_budget?;
+        let optimizer = match self.optimizer_on_host {
+            Some(accumulates) => {
+                let masters = crate::train::params::trainable_elements(&state.model) * 4;
+                let optimizer_state = (masters as f64 * state.optimizer_state_per_weight) as u64;
+                let sums = if accumulates && state.world_size() == 1 {
+                    masters
+                } else {
+                    0
+                };
+                masters + optimizer_state + sums
+            }
+            None => 0,
+        };
+        Some(budget.saturating_sub(optimizer))
     }
 }
 
@@ -121,7 +168,7 @@ impl<B: AutodiffBackend, M: TrainModel<B>> Hook<B, M> for OffloadHook {
         "offload"
     }
 
-    fn before_run(&mut self, _state: &mut TrainState<B, M>) -> Result<()> {
+    fn before_run(&mut self, state: &mut TrainState<B, M>) -> Result<()> {
         if crate::nn::host_resident::<B::InnerBackend>() == Some(true) {
             eprintln!(
                 "memsave: `offload.activations` is on, but this run's device keeps its tensors in \
@@ -133,7 +180,11 @@ impl<B: AutodiffBackend, M: TrainModel<B>> Hook<B, M> for OffloadHook {
         }
         offload::can_offload::<B::InnerBackend>()
             .map_err(|why| Error::invalid("offload.activations", why))?;
-        self.previous = Some(offload::set_activation_offload(Some(self.setting)));
+        let limit = self.host_limit(state);
+        self.previous = Some((
+            offload::set_activation_offload(Some(self.setting)),
+            offload::set_host_limit(limit),
+        ));
         offload::reset_offload_stats();
         Ok(())
     }

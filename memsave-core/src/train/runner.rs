@@ -199,6 +199,10 @@ where
         match outcome {
             Ok(result) => result,
             Err(payload) => {
+                self.state.loss = None;
+                if let Some(failure) = crate::checkpoint::offload::take_failure() {
+                    return Err(self.staging_error(failure));
+                }
                 let own = crate::panic_text(payload.as_ref()).unwrap_or_default();
                 // The device's own thread may have said it, the waiting one only that an
                 // error happened.
@@ -211,7 +215,6 @@ where
                     (None, false) => std::panic::resume_unwind(payload),
                 };
                 let message = message.as_str();
-                self.state.loss = None;
                 let needed = crate::memory::out_of_memory_size(message).unwrap_or(0);
                 let (place, _) = crate::memory::device_available_bytes(&self.state.device);
                 let advice = self.memory_advice(self.data.footprint().map(|f| f.smaller), true);
@@ -226,6 +229,59 @@ where
                     advice,
                 })
             }
+        }
+    }
+
+    /// The error of a step that activation offload ended: the host past its limit (with what
+    /// to change), or a copy back to the device failed (naming the segment). The snapshots
+    /// written before are left as they are.
+    fn staging_error(&self, failure: crate::checkpoint::offload::Failure) -> Error {
+        use crate::checkpoint::offload::Failure;
+        let snapshots = format!(
+            "the snapshots written before it in {} are whole",
+            self.state.work_dir.display()
+        );
+        match failure {
+            Failure::HostFull {
+                segment,
+                needed,
+                held,
+                limit,
+            } => Error::OutOfMemory {
+                what: format!(
+                    "iteration {}: activation offload, the input of the checkpointed segment \
+                     {segment} in host memory{}",
+                    self.state.iter,
+                    if held > 0 {
+                        format!(
+                            ", with the {} offloaded before it",
+                            crate::memory::human(held)
+                        )
+                    } else {
+                        String::new()
+                    }
+                ),
+                needed: held + needed,
+                place: "the host (`[memory] host_budget`, less what optimizer offload keeps \
+                        there)"
+                    .to_string(),
+                available: Some(limit),
+                advice: format!(
+                    "raise `memory.host_budget`, offload only larger tensors (a higher \
+                     `offload.min_bytes`), checkpoint fewer segments, make the batch smaller, or \
+                     turn `offload.activations` off; {snapshots}"
+                ),
+            },
+            Failure::Copy { segment, why } => Error::Device {
+                device: format!("{:?}", self.state.device),
+                message: format!(
+                    "iteration {}: the input of the checkpointed segment {segment} could not \
+                     be copied back from the host for its recomputation ({why}): the device may \
+                     have been lost or reset; {snapshots}: check the device, then resume from \
+                     the last one (`memsave train --resume`)",
+                    self.state.iter
+                ),
+            },
         }
     }
 
