@@ -138,6 +138,70 @@ fn f16_and_accumulation_under_stage_2_step_like_plain_data_parallelism() {
     );
 }
 
+/// Optimizer offload with peers: each peer keeps the state and steps the parameters of its
+/// part on the host (stages 1 and 2), or all of them (plain data parallelism); the sums of
+/// accumulation stay on the device, where each gradient's mean over the peers is made, and
+/// under mixed precision the device keeps the fp32 model. Every step's weights are those of
+/// the device's own step, bit for bit, and no peer's device optimizer holds any state. (On
+/// Flex, host and device are one memory: staging is let run there to check what it computes.)
+#[test]
+fn optimizer_offload_with_peers_steps_each_part_on_its_host_like_the_devices_step() {
+    use memsave::checkpoint::offload::stage_on_host_resident_backends;
+    let _turn = turn();
+    let adam = OptimizerKind::adam().with_weight_decay(1e-4);
+    let previous = stage_on_host_resident_backends(true);
+    let offload = |hook: OptimizerHook| hook.with_optimizer_offload(true);
+    let runs = watchdog(300, move || {
+        let clipped = || OptimizerHook::new().with_grad_clip(clip());
+        let fp16 = || {
+            let scaler = LossScaler::new(131072.0, ScaleMode::Dynamic, 2.0, 1000).unwrap();
+            Fp16OptimizerHook::new(scaler).with_grad_clip(clip())
+        };
+        let accumulate = || {
+            GradientCumulativeOptimizerHook::new(3)
+                .unwrap()
+                .with_grad_clip(clip())
+        };
+        let off = ZeroStage::Off;
+        let one = ZeroStage::OptimizerState;
+        let two = ZeroStage::Gradients;
+        [
+            (
+                "clipping",
+                run("off-clip-ref", &adam, off, clipped),
+                vec![
+                    run("off-clip-0", &adam, off, || offload(clipped())),
+                    run("off-clip-1", &adam, one, || offload(clipped())),
+                    run("off-clip-2", &adam, two, || offload(clipped())),
+                ],
+            ),
+            (
+                "f16",
+                run("off-f16-ref", &adam, off, fp16),
+                vec![run("off-f16-2", &adam, two, || offload(fp16()))],
+            ),
+            (
+                "accumulation",
+                run("off-acc-ref", &adam, off, accumulate),
+                vec![run("off-acc-1", &adam, one, || offload(accumulate()))],
+            ),
+        ]
+    });
+    stage_on_host_resident_backends(previous);
+    for (what, reference, others) in runs {
+        assert_ne!(reference[0].0, weights(&net()), "{what}: training moved");
+        assert_eq!(reference[0].2, 4, "{what}: the device's step keeps state");
+        for (index, other) in others.iter().enumerate() {
+            assert_same_steps(&reference, other, &format!("{what}, offloaded run {index}"));
+            assert_eq!(
+                (other[0].2, other[1].2),
+                (0, 0),
+                "{what}, offloaded run {index}: no state on the device"
+            );
+        }
+    }
+}
+
 #[test]
 fn the_step_in_backward_with_peers_steps_like_plain_data_parallelism_at_every_stage() {
     let _turn = turn();

@@ -165,7 +165,9 @@ impl Hook<D, Classifier<D>> for LoseCopyAt {
 
     fn after_iter(&mut self, state: &mut TrainState<D, Classifier<D>>) -> memsave::Result<()> {
         if state.iter + 1 == self.at {
-            memsave::checkpoint::offload::fail_next_copy_back("the device was lost (injected)");
+            memsave::checkpoint::offload::fail_next_prefetch(Some(
+                "the device was lost (injected)".to_string(),
+            ));
         }
         Ok(())
     }
@@ -219,19 +221,32 @@ fn activation_offload_past_the_host_budget_or_with_a_lost_copy_ends_the_run_nami
             return;
         }
 
-        // A budget the first segment's input (8 KiB) is past; one it is not.
-        let error = runner(OffloadHook::new(setting).with_host_budget(Some(4096)), 2)
-            .run()
-            .unwrap_err();
+        // A budget of 20 KiB: the first two segments' inputs (8 KiB each) fit, the third's
+        // does not.
+        let mut failed = runner(
+            OffloadHook::new(setting).with_host_budget(Some(20 << 10)),
+            2,
+        );
+        let error = failed.run().unwrap_err();
         let past = error.to_string();
         assert!(
             matches!(error, memsave::Error::OutOfMemory { .. }),
             "{past}"
         );
         assert!(
-            past.contains("checkpointed segment `") && past.contains("memory.host_budget"),
+            past.contains(
+                "checkpointed segment `BasicBlock::forward` (the forward's offloaded \
+                 segment 3)"
+            ) && past.contains("16.0 KiB offload held")
+                && past.contains("memory.host_budget"),
             "{past}"
         );
+        drop(failed);
+        // The run's setting and limit are gone with it, and the abandoned step's inputs let go.
+        wait_for_copies();
+        assert_eq!(offload_stats().host_bytes, 0, "{:?}", offload_stats());
+        assert_eq!(set_activation_offload(None), None);
+        assert_eq!(memsave::checkpoint::offload::set_host_limit(None), None);
         runner(OffloadHook::new(setting).with_host_budget(Some(1 << 30)), 1)
             .run()
             .unwrap();
@@ -251,8 +266,8 @@ fn activation_offload_past_the_host_budget_or_with_a_lost_copy_ends_the_run_nami
         assert_eq!(saved.meta.iter, 2);
         assert!(!dir.join("iter_3.ckpt").exists());
         println!(
-            "device suite: {}: activation offload past a 4 KiB host budget: {past}; a copy back \
-             lost at iteration 2: {said}",
+            "device suite: {}: activation offload past a 20 KiB host budget: {past}; a \
+             prefetch lost at iteration 2: {said}",
             device_name()
         );
         let _ = std::fs::remove_dir_all(&dir);
@@ -586,16 +601,28 @@ fn optimizer_offload_steps_on_the_host_as_the_device_does_and_frees_the_state() 
         let fp32_after = mixed_runner.state().forward_model.is_some()
             && first_half_param::<D, _>(&mixed_runner.state().model).is_none();
         drop(mixed_runner);
+        // The pool meter reads the pools every 500 us, and one run's peak on lavapipe varies
+        // (1.56 to 1.93 MiB in f16 here): the least of three runs each way is compared.
+        let least = |hook: &dyn Fn() -> OptimizerHook, first: u64| {
+            (0..2).fold(first, |least, _| {
+                let mut runner = super::mlp_runner(mlp.clone(), sgd.clone(), hook(), 4);
+                least.min(super::run_measured(&mut runner, 1, 4))
+            })
+        };
+        let least_mixed_off = least(&|| offload(mixed()), peak_mixed_off);
+        let least_off = least(&|| offload(OptimizerHook::new()), peak_off);
         let worst_mixed = common::max_relative_difference(&host_mixed, &device_mixed);
         println!(
             "device suite: {}: optimizer offload under mixed precision (f16, SGD with \
              momentum): whole-step peak {:.2} MiB on the device, {:.2} MiB offloaded (fp32 \
-             offloaded {:.2} MiB; weights {:.2} MiB in fp32); worst relative weight difference \
-             {worst_mixed:e}",
+             offloaded {:.2} MiB; the least of three runs {:.2} and {:.2} MiB; weights {:.2} MiB \
+             in fp32); worst relative weight difference {worst_mixed:e}",
             device_name(),
             mib(peak_mixed),
             mib(peak_mixed_off),
             mib(peak_off),
+            mib(least_mixed_off),
+            mib(least_off),
             mib(weights_bytes),
         );
         assert!(worst_mixed <= 1e-3, "{worst_mixed:e}");
@@ -605,8 +632,8 @@ fn optimizer_offload_steps_on_the_host_as_the_device_does_and_frees_the_state() 
         );
         if staged {
             assert!(
-                peak_mixed_off + weights_bytes / 4 <= peak_off,
-                "no fp32 weight on the device: {peak_mixed_off} vs {peak_off} in fp32"
+                least_mixed_off + weights_bytes / 4 <= least_off,
+                "no fp32 weight on the device: {least_mixed_off} vs {least_off} in fp32"
             );
         }
 

@@ -98,6 +98,7 @@ pub fn activation_offload() -> Option<ActivationOffload> {
 pub fn can_offload<B: Backend>() -> Result<(), String> {
     match crate::nn::host_resident::<B>() {
         Some(false) => Ok(()),
+        Some(true) if HOST_AS_DEVICE.load(Ordering::Relaxed) => Ok(()),
         Some(true) => Err(format!(
             "the backend `{}` keeps its tensors in host memory: host and device are one memory, \
              and offloading to the host saves nothing",
@@ -109,6 +110,17 @@ pub fn can_offload<B: Backend>() -> Result<(), String> {
             std::any::type_name::<B>()
         )),
     }
+}
+
+static HOST_AS_DEVICE: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Lets CPU staging run on a backend whose tensors are host memory (Flex) as on a device with
+/// memory of its own: the same copies and the same steps on the host, nothing saved. For tests
+/// of what staging computes where no device is (data-parallel peers on the CPU); returns the
+/// previous setting.
+#[doc(hidden)]
+pub fn stage_on_host_resident_backends(on: bool) -> bool {
+    HOST_AS_DEVICE.swap(on, Ordering::Relaxed)
 }
 
 /// The link between a device and host memory, bytes a second each way, measured by
@@ -278,18 +290,24 @@ struct Slot<B: Backend> {
 trait Prefetch: Send + Sync {
     /// Starts bringing the inputs back, if they are on the host.
     fn prefetch(self: Arc<Self>);
+    /// See [`Slot::abandon`].
+    fn abandon(&self);
 }
 
 impl<B: Backend> Slot<B> {
-    /// The copier: reads the inputs into host memory, then drops their device copies.
+    /// The copier: reads the inputs into host memory, then drops their device copies. Their
+    /// bytes leave the count in flight as they join the host's, in one step (the host limit
+    /// reads both).
     fn download(&self) {
         let prims = {
             let mut state = lock(&self.state);
             match std::mem::replace(&mut *state, State::Copying) {
                 State::Device(prims) => prims,
-                // Backward took them first.
+                // Backward took them first, or the step was abandoned.
                 other => {
                     *state = other;
+                    drop(state);
+                    self.landed(None);
                     return;
                 }
             }
@@ -307,27 +325,52 @@ impl<B: Backend> Slot<B> {
                 .collect::<Result<Vec<_>, String>>()
         }));
         let next = match outcome {
-            Ok(Ok(datas)) => {
-                host_add(self.bytes);
-                State::Host(datas)
-            }
+            Ok(Ok(datas)) => State::Host(datas),
             Ok(Err(error)) => State::Failed(format!("the copy to the host failed: {error}")),
             Err(payload) => State::Failed(format!(
                 "the copy to the host failed: {}",
                 crate::panic_text(payload.as_ref()).unwrap_or("(no message)")
             )),
         };
-        *lock(&self.state) = next;
+        self.landed(Some(next));
+        self.changed.notify_all();
+    }
+
+    /// A copy to the host ended with `next` (`None`: it did not start): the bytes leave those
+    /// in flight, and join the host's where `next` holds them, unless the step was abandoned
+    /// meanwhile (then `next` is dropped).
+    fn landed(&self, next: Option<State<B>>) {
+        let mut in_flight = lock(&IN_FLIGHT);
+        if let Some(next) = next {
+            let mut state = lock(&self.state);
+            if matches!(*state, State::Copying) {
+                if matches!(next, State::Host(_)) {
+                    host_add(self.bytes);
+                }
+                *state = next;
+            }
+        }
+        *in_flight -= self.bytes;
+        drop(in_flight);
+        IN_FLIGHT_CHANGED.notify_all();
+    }
+
+    /// The step this segment belongs to was abandoned (a panic ended it): its inputs, wherever
+    /// they are, are let go, and their host bytes leave the count.
+    fn abandon(&self) {
+        let mut state = lock(&self.state);
+        if matches!(*state, State::Host(_)) {
+            host_sub(self.bytes);
+        }
+        // A copy under way finds this when it ends, and drops what it copied.
+        *state = State::Failed("the step it belonged to was abandoned".to_string());
+        drop(state);
         self.changed.notify_all();
     }
 
     /// Copies `datas` back to the device (on the calling thread).
     fn upload(&self, datas: Vec<TensorData>) -> State<B> {
-        let injected = lock(&INJECTED).take();
         let outcome = catch_unwind(AssertUnwindSafe(|| {
-            if let Some(why) = injected {
-                panic!("{why}");
-            }
             datas
                 .into_iter()
                 .map(|data| B::float_from_data(data, &self.device))
@@ -355,8 +398,19 @@ impl<B: Backend> Slot<B> {
                 }
             }
         };
-        let next = self.upload(datas);
-        *lock(&self.state) = next;
+        let next = match lock(&INJECTED).take() {
+            Some(why) => {
+                drop(datas);
+                host_sub(self.bytes);
+                State::Failed(format!("the copy back to the device failed: {why}"))
+            }
+            None => self.upload(datas),
+        };
+        let mut state = lock(&self.state);
+        if matches!(*state, State::Loading) {
+            *state = next;
+        }
+        drop(state);
         self.changed.notify_all();
     }
 
@@ -410,6 +464,10 @@ impl<B: Backend> Prefetch for Slot<B> {
         let _ = std::thread::Builder::new()
             .name("memsave-prefetch".into())
             .spawn(work);
+    }
+
+    fn abandon(&self) {
+        Slot::abandon(self);
     }
 }
 
@@ -512,6 +570,12 @@ fn record(failure: Failure) {
     lock(failures()).insert(threads::owner(), failure);
 }
 
+/// Whether `message` is one of activation offload's failures, which are recorded for the runner
+/// ([`take_failure`]).
+pub(crate) fn is_recorded(message: &str) -> bool {
+    message.starts_with(SAYS)
+}
+
 /// The failure that ended this training thread's step, if activation offload's.
 pub(crate) fn take_failure() -> Option<Failure> {
     lock(failures()).remove(&threads::owner())
@@ -529,15 +593,26 @@ pub fn set_host_limit(limit: Option<u64>) -> Option<u64> {
     std::mem::replace(&mut *lock(&HOST_LIMIT), limit)
 }
 
-/// A copy back to the device that fails as a lost device's would, once (the device suite's
-/// stand-in for a driver reset during a prefetch).
+/// A prefetch that fails as on a lost device, once (the device suite's stand-in for a driver
+/// reset during a prefetch).
 static INJECTED: Mutex<Option<String>> = Mutex::new(None);
 
-/// Makes the next copy of an offloaded input back to the device fail with `why`, as on a device
-/// lost during a prefetch; for tests of what a run does then.
+/// Makes the next prefetch (a helper thread's copy of an offloaded input back to the device)
+/// fail with `why`, as on a device lost during it; `None` disarms it. For tests of what a run
+/// does then.
 #[doc(hidden)]
-pub fn fail_next_copy_back(why: impl Into<String>) {
-    *lock(&INJECTED) = Some(why.into());
+pub fn fail_next_prefetch(why: Option<String>) {
+    *lock(&INJECTED) = why;
+}
+
+/// After a panic ended a step of this training thread: its offloaded segments are let go (their
+/// host bytes leave the count, and a later step neither prefetches nor numbers them). Burn
+/// frees the abandoned graph itself only at the next backward pass.
+pub(crate) fn abandon() {
+    let slots = lock(order()).remove(&threads::owner()).unwrap_or_default();
+    for slot in slots.iter().filter_map(Weak::upgrade) {
+        slot.abandon();
+    }
 }
 
 /// Waits until every copy to the host started so far is done (their device copies dropped):
@@ -604,21 +679,38 @@ where
         name(),
         next_place()
     );
+    // The host limit (the bytes held and those on their way there), then the bound on bytes in
+    // flight (waiting while others' copies fill it), then the bytes reserved: under one lock.
+    let mut in_flight = lock(&IN_FLIGHT);
     if let Some(limit) = *lock(&HOST_LIMIT) {
-        let held = HOST_BYTES.load(Ordering::Relaxed) + *lock(&IN_FLIGHT);
+        let held = HOST_BYTES.load(Ordering::Relaxed) + *in_flight;
         if held + bytes > limit {
+            drop(in_flight);
             record(Failure::HostFull {
                 segment: name.clone(),
                 needed: bytes,
                 held,
                 limit,
             });
-            panic!(
+            drop(prims);
+            // Unwound without the panic hook's report: the runner says it, as an error.
+            std::panic::resume_unwind(Box::new(format!(
                 "{SAYS}the host cannot take the input of the checkpointed segment {name} \
                  ({bytes} bytes): offload holds {held} bytes there, of at most {limit}"
-            );
+            )));
         }
     }
+    if *in_flight > 0 && *in_flight + bytes > setting.max_in_flight {
+        WAITS.fetch_add(1, Ordering::Relaxed);
+    }
+    while *in_flight > 0 && *in_flight + bytes > setting.max_in_flight {
+        in_flight = IN_FLIGHT_CHANGED
+            .wait(in_flight)
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+    }
+    *in_flight += bytes;
+    IN_FLIGHT_PEAK.fetch_max(*in_flight, Ordering::Relaxed);
+    drop(in_flight);
     let slot = Arc::new(Slot {
         state: Mutex::new(State::Device(prims)),
         changed: Condvar::new(),
@@ -630,26 +722,8 @@ where
     BYTES.fetch_add(bytes, Ordering::Relaxed);
     register(slot.clone());
 
-    // The bound on bytes in flight: wait while others' copies fill it.
-    {
-        let mut in_flight = lock(&IN_FLIGHT);
-        if *in_flight > 0 && *in_flight + bytes > setting.max_in_flight {
-            WAITS.fetch_add(1, Ordering::Relaxed);
-        }
-        while *in_flight > 0 && *in_flight + bytes > setting.max_in_flight {
-            in_flight = IN_FLIGHT_CHANGED
-                .wait(in_flight)
-                .unwrap_or_else(|poisoned| poisoned.into_inner());
-        }
-        *in_flight += bytes;
-        IN_FLIGHT_PEAK.fetch_max(*in_flight, Ordering::Relaxed);
-    }
     let copier = slot.clone();
-    let work = threads::on_this_stream(move || {
-        copier.download();
-        *lock(&IN_FLIGHT) -= copier.bytes;
-        IN_FLIGHT_CHANGED.notify_all();
-    });
+    let work = threads::on_this_stream(move || copier.download());
     if let Err(work) = spawn_or_return(work) {
         // No thread: copy here.
         work();

@@ -82,6 +82,11 @@ impl<'de> Deserialize<'de> for Bytes {
     }
 }
 
+/// The runs of this process whose [`OffloadHook`] holds its setting in force, and what was in
+/// force before the first of them (data-parallel peers on threads of one process share it).
+type InForce = (usize, Option<(Option<ActivationOffload>, Option<u64>)>);
+static IN_FORCE: std::sync::Mutex<InForce> = std::sync::Mutex::new((0, None));
+
 /// Switches activation offload on for the run (before its first iteration) and back to what it
 /// was after it. On a backend whose tensors are host memory (Flex) it says so once and the run
 /// goes on without it.
@@ -92,8 +97,8 @@ pub struct OffloadHook {
     /// Whether optimizer offload keeps its state and masters (and, accumulating, the sums) in
     /// the same budget: `Some(accumulates)`.
     optimizer_on_host: Option<bool>,
-    /// The setting and host limit before the run, while this hook's are in force.
-    previous: Option<(Option<ActivationOffload>, Option<u64>)>,
+    /// Whether this hook's run holds the setting in force ([`IN_FORCE`]).
+    active: bool,
     /// Whether the first iteration's offload was looked at.
     checked: bool,
 }
@@ -105,7 +110,7 @@ impl OffloadHook {
             setting,
             host_budget: None,
             optimizer_on_host: None,
-            previous: None,
+            active: false,
             checked: false,
         }
     }
@@ -126,10 +131,33 @@ impl OffloadHook {
         self
     }
 
+    /// Puts the setting and `limit` in force, unless another run of this process (a peer on
+    /// another thread) has already.
+    fn put_in_force(&mut self, limit: Option<u64>) {
+        let mut in_force = IN_FORCE.lock().unwrap_or_else(|e| e.into_inner());
+        if in_force.0 == 0 {
+            in_force.1 = Some((
+                offload::set_activation_offload(Some(self.setting)),
+                offload::set_host_limit(limit),
+            ));
+        }
+        in_force.0 += 1;
+        self.active = true;
+    }
+
+    /// The last run of this process to end restores what was in force before the first.
     fn restore(&mut self) {
-        if let Some((setting, limit)) = self.previous.take() {
-            offload::set_activation_offload(setting);
-            offload::set_host_limit(limit);
+        if !std::mem::take(&mut self.active) {
+            return;
+        }
+        let mut in_force = IN_FORCE.lock().unwrap_or_else(|e| e.into_inner());
+        in_force.0 -= 1;
+        if in_force.0 == 0 {
+            if let Some((setting, limit)) = in_force.1.take() {
+                offload::set_activation_offload(setting);
+                offload::set_host_limit(limit);
+            }
+            offload::fail_next_prefetch(None);
         }
     }
 
@@ -169,7 +197,9 @@ impl<B: AutodiffBackend, M: TrainModel<B>> Hook<B, M> for OffloadHook {
     }
 
     fn before_run(&mut self, state: &mut TrainState<B, M>) -> Result<()> {
-        if crate::nn::host_resident::<B::InnerBackend>() == Some(true) {
+        if crate::nn::host_resident::<B::InnerBackend>() == Some(true)
+            && offload::can_offload::<B::InnerBackend>().is_err()
+        {
             eprintln!(
                 "memsave: `offload.activations` is on, but this run's device keeps its tensors in \
                  host memory (backend `{}`): there is nothing to offload to; the run goes on \
@@ -181,16 +211,13 @@ impl<B: AutodiffBackend, M: TrainModel<B>> Hook<B, M> for OffloadHook {
         offload::can_offload::<B::InnerBackend>()
             .map_err(|why| Error::invalid("offload.activations", why))?;
         let limit = self.host_limit(state);
-        self.previous = Some((
-            offload::set_activation_offload(Some(self.setting)),
-            offload::set_host_limit(limit),
-        ));
+        self.put_in_force(limit);
         offload::reset_offload_stats();
         Ok(())
     }
 
     fn after_iter(&mut self, _state: &mut TrainState<B, M>) -> Result<()> {
-        if self.previous.is_some() && !self.checked {
+        if self.active && !self.checked {
             self.checked = true;
             if offload::offload_stats().segments == 0 {
                 eprintln!(

@@ -179,6 +179,9 @@ where
         // A device's server thread that runs out of memory (wgpu) panics there: kept.
         crate::memory::watch_other_threads();
         let _ = crate::memory::other_thread_panics();
+        // A failure recorded outside a step (activation offload used without the runner) is not
+        // this step's.
+        let _ = crate::checkpoint::offload::take_failure();
         let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
             if self.state.forward_passes < 2 {
                 self.forward(batch);
@@ -200,6 +203,7 @@ where
             Ok(result) => result,
             Err(payload) => {
                 self.state.loss = None;
+                crate::checkpoint::offload::abandon();
                 if let Some(failure) = crate::checkpoint::offload::take_failure() {
                     return Err(self.staging_error(failure));
                 }
@@ -254,7 +258,7 @@ where
                     self.state.iter,
                     if held > 0 {
                         format!(
-                            ", with the {} offloaded before it",
+                            ", with the {} offload held or was copying there",
                             crate::memory::human(held)
                         )
                     } else {
@@ -276,9 +280,9 @@ where
                 device: format!("{:?}", self.state.device),
                 message: format!(
                     "iteration {}: the input of the checkpointed segment {segment} could not \
-                     be copied back from the host for its recomputation ({why}): the device may \
-                     have been lost or reset; {snapshots}: check the device, then resume from \
-                     the last one (`memsave train --resume`)",
+                     be brought back for its recomputation ({why}): the device may have been \
+                     lost or reset; {snapshots}: check the device, then resume from the last one \
+                     (`memsave train --resume`)",
                     self.state.iter
                 ),
             },

@@ -59,6 +59,11 @@ impl<B: Backend> Backward<B, 1> for Anchor {
                 .expect("a checkpoint's backward runs once");
             let result = match run(output_grads) {
                 Ok(result) => result,
+                // Activation offload's failures are recorded for the runner, which reports
+                // them as errors: unwound without the panic hook's report.
+                Err(message) if super::super::offload::is_recorded(&message) => {
+                    std::panic::resume_unwind(Box::new(message))
+                }
                 Err(message) => panic!("{message}"),
             };
             for (node, grad) in ops.state.input_nodes.iter().zip(result.inputs) {

@@ -162,7 +162,9 @@ impl Place {
         state: &TrainState<B, M>,
     ) -> Place {
         if optimizer_offload {
-            if crate::nn::host_resident::<B::InnerBackend>() != Some(true) {
+            if crate::nn::host_resident::<B::InnerBackend>() != Some(true)
+                || crate::checkpoint::offload::can_offload::<B::InnerBackend>().is_ok()
+            {
                 return Place::OnHost(OnHost::default());
             }
             // Flex: the host is the device; the step runs where it would without offload.
