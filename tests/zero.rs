@@ -55,6 +55,20 @@ fn assert_same_steps(a: &[PeerRun], b: &[PeerRun], what: &str) {
     }
 }
 
+/// f16 with a dynamic scale and clipping: from 2^17 the first steps overflow (on either peer:
+/// agreed), then it trains.
+fn fp16() -> OptimizerHook {
+    let scaler = LossScaler::new(131072.0, ScaleMode::Dynamic, 2.0, 1000).unwrap();
+    Fp16OptimizerHook::new(scaler).with_grad_clip(clip())
+}
+
+/// Accumulation in groups of 3, clipped.
+fn accumulate() -> OptimizerHook {
+    GradientCumulativeOptimizerHook::new(3)
+        .unwrap()
+        .with_grad_clip(clip())
+}
+
 #[test]
 fn stages_1_and_2_step_like_plain_data_parallelism_bit_for_bit() {
     let _turn = turn();
@@ -108,16 +122,6 @@ fn f16_and_accumulation_under_stage_2_step_like_plain_data_parallelism() {
     let _turn = turn();
     let adam = OptimizerKind::adam();
     let runs = watchdog(120, move || {
-        // From 2^17 the first steps overflow (on either peer: agreed), then it trains.
-        let fp16 = || {
-            let scaler = LossScaler::new(131072.0, ScaleMode::Dynamic, 2.0, 1000).unwrap();
-            Fp16OptimizerHook::new(scaler).with_grad_clip(clip())
-        };
-        let accumulate = || {
-            GradientCumulativeOptimizerHook::new(3)
-                .unwrap()
-                .with_grad_clip(clip())
-        };
         [
             (
                 run("fp16-0", &adam, ZeroStage::Off, fp16),
@@ -153,15 +157,6 @@ fn optimizer_offload_with_peers_steps_each_part_on_its_host_like_the_devices_ste
     let offload = |hook: OptimizerHook| hook.with_optimizer_offload(true);
     let runs = watchdog(300, move || {
         let clipped = || OptimizerHook::new().with_grad_clip(clip());
-        let fp16 = || {
-            let scaler = LossScaler::new(131072.0, ScaleMode::Dynamic, 2.0, 1000).unwrap();
-            Fp16OptimizerHook::new(scaler).with_grad_clip(clip())
-        };
-        let accumulate = || {
-            GradientCumulativeOptimizerHook::new(3)
-                .unwrap()
-                .with_grad_clip(clip())
-        };
         let off = ZeroStage::Off;
         let one = ZeroStage::OptimizerState;
         let two = ZeroStage::Gradients;
@@ -210,15 +205,6 @@ fn the_step_in_backward_with_peers_steps_like_plain_data_parallelism_at_every_st
     let runs = watchdog(300, move || {
         let plain = || OptimizerHook::new();
         let clipped = || OptimizerHook::new().with_grad_clip(clip());
-        let fp16 = || {
-            let scaler = LossScaler::new(131072.0, ScaleMode::Dynamic, 2.0, 1000).unwrap();
-            Fp16OptimizerHook::new(scaler).with_grad_clip(clip())
-        };
-        let accumulate = || {
-            GradientCumulativeOptimizerHook::new(3)
-                .unwrap()
-                .with_grad_clip(clip())
-        };
         let off = ZeroStage::Off;
         let one = ZeroStage::OptimizerState;
         let two = ZeroStage::Gradients;
