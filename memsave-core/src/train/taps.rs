@@ -166,6 +166,9 @@ pub(crate) struct Tapper<'a, B: AutodiffBackend, S: Sink<B::InnerBackend>> {
     seen: HashMap<ParamId, Box<dyn std::any::Any>>,
     /// The tapped parameters, in visiting order.
     pub(crate) ids: Vec<ParamId>,
+    /// Each tap's node, for what a backward that did not run the tap left on it (see
+    /// [`left_on_tap`]).
+    pub(crate) keys: HashMap<ParamId, FloatTensor<Autodiff<B::InnerBackend>>>,
 }
 
 impl<'a, B: AutodiffBackend, S: Sink<B::InnerBackend>> Tapper<'a, B, S> {
@@ -181,6 +184,7 @@ impl<'a, B: AutodiffBackend, S: Sink<B::InnerBackend>> Tapper<'a, B, S> {
             sink,
             seen: HashMap::new(),
             ids: Vec::new(),
+            keys: HashMap::new(),
         }
     }
 }
@@ -220,11 +224,28 @@ impl<B: AutodiffBackend, S: Sink<B::InnerBackend>> ModuleMapper<B> for Tapper<'_
             OpsKind::UnTracked(prep) => prep.finish(value),
         };
         mark_ours::<K<B>>(&tapped);
+        // The tap's node behind a one-element value (the weight is not held) and a count of
+        // its own (the graph's bookkeeping does not see it).
+        let mut key = tapped.clone();
+        key.primitive = self.chain.like.clone();
+        key.rc = Arc::new(key.node.id);
+        self.keys.insert(id, key);
         let tapped: Tensor<B, D> = Tensor::from_primitive(TensorPrimitive::Float(cast(tapped)));
         self.seen.insert(id, Box::new(tapped.clone()));
         self.ids.push(id);
         Param::from_mapped_value(id, tapped, mapper)
     }
+}
+
+/// What a finished backward (`grads`, Burn autodiff's) left on the node of a tap that did not
+/// run (`key`, [`Tapper::keys`]'s): a gradient sum seeded there (see
+/// [`crate::train::grads::seed_with`]) that no op of the pass added to.
+pub(crate) fn left_on_tap<B: AutodiffBackend>(
+    grads: &mut B::Gradients,
+    key: &FloatTensor<Autodiff<B::InnerBackend>>,
+) -> Option<FloatTensor<B::InnerBackend>> {
+    let grads = (grads as &mut dyn std::any::Any).downcast_mut::<Gradients>()?;
+    grads.remove::<B::InnerBackend>(key)
 }
 
 /// Takes the values of the parameters in `ids` out of a model (each replaced by a one-element

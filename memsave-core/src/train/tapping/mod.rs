@@ -108,6 +108,7 @@ impl<B: AutodiffBackend> Tapping<B> {
                 kept: GradientsParams::new(),
                 host_sums: None,
                 device: device.clone(),
+                keys: HashMap::new(),
             }),
         });
         let mut tapper = Tapper::<B, Table<B>>::new(chain, TAP_GAP, table.clone());
@@ -116,6 +117,7 @@ impl<B: AutodiffBackend> Tapping<B> {
             None => state.model = state.model.clone().map(&mut tapper),
         }
         let ids = std::mem::take(&mut tapper.ids);
+        lock(&table.inner).keys = std::mem::take(&mut tapper.keys);
         if let Some(peers) = peers {
             let order = tapped_order::<B, M>(state.forward_model(), &ids);
             lock(&table.inner).peers = Some(BackwardReduce::new(peers, &device, order));
@@ -192,11 +194,12 @@ impl<B: AutodiffBackend> Tapping<B> {
             Some(sums) => seed(loss, forward, grads::share::<B, M>(forward, sums)),
             None => loss,
         };
-        drop(loss.backward());
+        let grads = loss.backward();
         crate::checkpoint::join_helpers();
         let mut inner = lock(&table.inner);
         let finished = inner.finish_peers(forward);
         inner.finish_host_sums(forward);
+        inner.finish_sums(forward, grads);
         let norm = finished.and_then(|()| inner.norm(forward, &state.device));
         let reached = std::mem::take(&mut inner.reached);
         inner.sums = None;
@@ -289,11 +292,12 @@ impl<B: AutodiffBackend> Tapping<B> {
                 inner.forward = Some(extract.values);
             }
         }
-        drop(loss.backward());
+        let grads = loss.backward();
         crate::checkpoint::join_helpers();
         let mut inner = lock(&table.inner);
         let finished = inner.finish_peers(&state.model);
         inner.finish_host_sums(&state.model);
+        inner.finish_sums(&state.model, grads);
         inner.host_sums = None;
         match (inner.steps.take(), host) {
             (Some(Stepper::Device(steps)), _) => state.optimizer.put_back(steps),

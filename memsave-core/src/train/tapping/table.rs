@@ -5,6 +5,7 @@
 use std::collections::{HashMap, HashSet};
 use std::sync::Mutex;
 
+use burn::backend::Autodiff;
 use burn::module::{AutodiffModule, ModuleVisitor, Param, ParamId};
 use burn::optim::GradientsParams;
 use burn::prelude::Backend;
@@ -71,6 +72,8 @@ pub(super) struct TableInner<B: AutodiffBackend> {
     pub(super) host_sums: Option<HostSums>,
     /// The device the pass runs on (where the host's parts of the norm go).
     pub(super) device: burn::tensor::Device<K<B>>,
+    /// Each tap's node ([`crate::train::taps::Tapper::keys`]).
+    pub(super) keys: HashMap<ParamId, FloatTensor<Autodiff<K<B>>>>,
 }
 
 /// Where a step pass steps each parameter: with the optimizer's state on the device, or with
@@ -277,6 +280,55 @@ impl<B: AutodiffBackend> TableInner<B> {
             }
         }
         model.visit(&mut UseLeft { table: self });
+    }
+
+    /// After a norm or step pass's backward (`grads`, what it returned), training alone with
+    /// the group's sums on the device: a sum whose parameter got no gradient in this
+    /// micro-batch is used alone, in `model`'s order (its part of the norm, or its step), as the
+    /// ordinary step uses a sum that no later micro-batch added to. In fp32 the sums seeded the
+    /// backward, and such a sum is left on its tap's node in `grads`; under mixed precision it
+    /// is left in `sums`.
+    pub(super) fn finish_sums<M: AutodiffModule<B>>(&mut self, model: &M, mut grads: B::Gradients) {
+        if !matches!(self.phase, Phase::Norm | Phase::Step)
+            || self.peers.is_some()
+            || self.host_sums.is_some()
+        {
+            return;
+        }
+        struct UseLeft<'a, B: AutodiffBackend> {
+            table: &'a mut TableInner<B>,
+            grads: &'a mut B::Gradients,
+        }
+        impl<B: AutodiffBackend> ModuleVisitor<B> for UseLeft<'_, B> {
+            fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+                let table = &mut *self.table;
+                if table.reached.contains(&param.id) {
+                    return;
+                }
+                let keep = table.phase == Phase::Norm;
+                let seeded = table
+                    .keys
+                    .get(&param.id)
+                    .and_then(|key| crate::train::taps::left_on_tap::<B>(self.grads, key))
+                    .map(|sum| Tensor::<K<B>, D>::from_primitive(TensorPrimitive::Float(sum)));
+                let sum = seeded.or_else(|| {
+                    let sums = table.sums.as_mut()?;
+                    match keep {
+                        true => sums.get::<K<B>, D>(param.id),
+                        false => sums.remove::<K<B>, D>(param.id),
+                    }
+                });
+                let Some(sum) = sum else {
+                    return;
+                };
+                table.reached.insert(param.id);
+                table.use_grad(param.id, sum);
+            }
+        }
+        model.visit(&mut UseLeft {
+            table: self,
+            grads: &mut grads,
+        });
     }
 
     /// After backward with peers: the gradients whose taps did not run are reduced, `reached`
