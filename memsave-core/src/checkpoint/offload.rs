@@ -92,23 +92,55 @@ pub fn activation_offload() -> Option<ActivationOffload> {
     *SETTING.read().unwrap_or_else(|e| e.into_inner())
 }
 
-/// Whether activation offload can save anything on the backend `B` (the inner backend of an
-/// autodiff one): `Err` says why not (its tensors live in host memory, or memsave does not know
-/// the backend).
-pub fn can_offload<B: Backend>() -> Result<(), String> {
+/// What CPU staging (either offload) can do on a backend: [`staging`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Staging {
+    /// Its tensors live in memory of the device's own: staging moves them to the host.
+    Possible,
+    /// Its tensors live in host memory (Flex): host and device are one memory, staging saves
+    /// nothing. A run asking for it says so once ([`nothing_to_save`]) and goes on without it.
+    NothingToSave,
+    /// memsave does not know where its tensors live: why.
+    Unknown(String),
+}
+
+/// What CPU staging can do on the backend `B` (the inner backend of an autodiff one). The one
+/// reader of the hidden [`stage_on_host_resident_backends`] switch.
+pub fn staging<B: Backend>() -> Staging {
     match crate::nn::host_resident::<B>() {
-        Some(false) => Ok(()),
-        Some(true) if HOST_AS_DEVICE.load(Ordering::Relaxed) => Ok(()),
-        Some(true) => Err(format!(
-            "the backend `{}` keeps its tensors in host memory: host and device are one memory, \
-             and offloading to the host saves nothing",
-            std::any::type_name::<B>()
-        )),
-        None => Err(format!(
+        Some(false) => Staging::Possible,
+        Some(true) if HOST_AS_DEVICE.load(Ordering::Relaxed) => Staging::Possible,
+        Some(true) => Staging::NothingToSave,
+        None => Staging::Unknown(format!(
             "memsave does not know where the backend `{}` keeps its tensors (register it with \
              `memsave::nn::register_backend`)",
             std::any::type_name::<B>()
         )),
+    }
+}
+
+/// The line a run prints once where `key` (`offload.activations`, `offload.optimizer`) is on
+/// but the backend `B` has nothing to offload to ([`Staging::NothingToSave`]).
+pub fn nothing_to_save<B: Backend>(key: &str) -> String {
+    format!(
+        "memsave: `{key}` is on, but this run's device keeps its tensors in host memory \
+         (backend `{}`): there is nothing to offload to; the run goes on without it",
+        std::any::type_name::<B>()
+    )
+}
+
+/// Whether activation offload can save anything on the backend `B` (the inner backend of an
+/// autodiff one): `Err` says why not (its tensors live in host memory, or memsave does not know
+/// the backend).
+pub fn can_offload<B: Backend>() -> Result<(), String> {
+    match staging::<B>() {
+        Staging::Possible => Ok(()),
+        Staging::NothingToSave => Err(format!(
+            "the backend `{}` keeps its tensors in host memory: host and device are one memory, \
+             and offloading to the host saves nothing",
+            std::any::type_name::<B>()
+        )),
+        Staging::Unknown(why) => Err(why),
     }
 }
 

@@ -169,16 +169,12 @@ impl OffloadHook {
     ) -> Option<u64> {
         let budget = self.host_budget?;
         let optimizer = match self.optimizer_on_host {
-            Some(accumulates) => {
-                let masters = crate::train::params::trainable_elements(&state.model) * 4;
-                let optimizer_state = (masters as f64 * state.optimizer_state_per_weight) as u64;
-                let sums = if accumulates && state.world_size() == 1 {
-                    masters
-                } else {
-                    0
-                };
-                masters + optimizer_state + sums
-            }
+            Some(accumulates) => crate::train::params::OffloadedOptimizer::of(
+                &state.model,
+                state.optimizer_state_per_weight,
+                accumulates && state.world_size() == 1,
+            )
+            .total(),
             None => 0,
         };
         Some(budget.saturating_sub(optimizer))
@@ -197,19 +193,19 @@ impl<B: AutodiffBackend, M: TrainModel<B>> Hook<B, M> for OffloadHook {
     }
 
     fn before_run(&mut self, state: &mut TrainState<B, M>) -> Result<()> {
-        if crate::nn::host_resident::<B::InnerBackend>() == Some(true)
-            && offload::can_offload::<B::InnerBackend>().is_err()
-        {
-            eprintln!(
-                "memsave: `offload.activations` is on, but this run's device keeps its tensors in \
-                 host memory (backend `{}`): there is nothing to offload to; the run goes on \
-                 without it",
-                std::any::type_name::<B::InnerBackend>()
-            );
-            return Ok(());
+        match offload::staging::<B::InnerBackend>() {
+            offload::Staging::Possible => {}
+            offload::Staging::NothingToSave => {
+                eprintln!(
+                    "{}",
+                    offload::nothing_to_save::<B::InnerBackend>("offload.activations")
+                );
+                return Ok(());
+            }
+            offload::Staging::Unknown(why) => {
+                return Err(Error::invalid("offload.activations", why));
+            }
         }
-        offload::can_offload::<B::InnerBackend>()
-            .map_err(|why| Error::invalid("offload.activations", why))?;
         let limit = self.host_limit(state);
         self.put_in_force(limit);
         offload::reset_offload_stats();

@@ -39,6 +39,40 @@ pub(crate) fn trainable_elements<B: AutodiffBackend, M: AutodiffModule<B>>(model
     elements.0
 }
 
+/// What optimizer offload keeps in host memory (see [`OffloadedOptimizer::of`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct OffloadedOptimizer {
+    /// The fp32 master weights.
+    pub masters: u64,
+    /// The optimizer's state.
+    pub state: u64,
+    /// The group's fp32 gradient sums (under accumulation, training alone; else 0).
+    pub sums: u64,
+}
+
+impl OffloadedOptimizer {
+    /// For `model`'s trainable parameters: their fp32 masters, the optimizer's state at
+    /// `state_per_weight` fp32 copies of them (8-bit state: its share), and the group's fp32
+    /// sums where `sums_on_host` (accumulation, training alone).
+    pub fn of<B: AutodiffBackend, M: AutodiffModule<B>>(
+        model: &M,
+        state_per_weight: f64,
+        sums_on_host: bool,
+    ) -> Self {
+        let masters = trainable_elements(model) * 4;
+        OffloadedOptimizer {
+            masters,
+            state: (masters as f64 * state_per_weight) as u64,
+            sums: if sums_on_host { masters } else { 0 },
+        }
+    }
+
+    /// All of it.
+    pub fn total(&self) -> u64 {
+        self.masters + self.state + self.sums
+    }
+}
+
 /// The trainable float parameters of `model` in visiting order: each one's module path
 /// (`backbone.layer1.0.conv1`) and bytes (a gradient's: the parameter's own precision). Where
 /// a device's meter cannot tell gradients from other bytes, the planner estimates the gradients

@@ -203,15 +203,17 @@ where
         return Ok(());
     }
     let budget = config.memory.host_budget_bytes(available)?;
-    let (_, trainable) = memsave::train::params::param_bytes::<B, M>(model);
-    let state = (trainable as f64 * config.optimizer().state_per_weight()) as u64;
     // Under accumulation, training alone, the group's fp32 sums are on the host too.
     let accumulates = config
         .optimizer_config
         .groups()
         .is_ok_and(|groups| groups.cumulative_iters() > 1);
-    let sums = if accumulates && alone { trainable } else { 0 };
-    let needed = trainable + state + sums;
+    let held = memsave::train::params::OffloadedOptimizer::of::<B, M>(
+        model,
+        config.optimizer().state_per_weight(),
+        accumulates && alone,
+    );
+    let (trainable, state, sums, needed) = (held.masters, held.state, held.sums, held.total());
     if needed <= budget {
         return Ok(());
     }

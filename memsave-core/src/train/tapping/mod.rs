@@ -198,7 +198,6 @@ impl<B: AutodiffBackend> Tapping<B> {
         crate::checkpoint::join_helpers();
         let mut inner = lock(&table.inner);
         let finished = inner.finish_peers(forward);
-        inner.finish_host_sums(forward);
         inner.finish_sums(forward, grads);
         let norm = finished.and_then(|()| inner.norm(forward, &state.device));
         let reached = std::mem::take(&mut inner.reached);
@@ -296,7 +295,6 @@ impl<B: AutodiffBackend> Tapping<B> {
         crate::checkpoint::join_helpers();
         let mut inner = lock(&table.inner);
         let finished = inner.finish_peers(&state.model);
-        inner.finish_host_sums(&state.model);
         inner.finish_sums(&state.model, grads);
         inner.host_sums = None;
         match (inner.steps.take(), host) {

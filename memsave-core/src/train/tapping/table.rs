@@ -246,52 +246,17 @@ impl<B: AutodiffBackend> TableInner<B> {
         self.weights.insert(id, stepped.into_primitive().tensor());
     }
 
-    /// After backward with the group's sums on the host: those whose parameter got no gradient
-    /// in this micro-batch are used alone, in `model`'s order (their part of the norm, or their
-    /// step), as the ordinary step uses a sum that no later micro-batch added to.
-    pub(super) fn finish_host_sums<M: AutodiffModule<B>>(&mut self, model: &M) {
-        if !matches!(self.phase, Phase::Norm | Phase::Step)
-            || self.host_sums.as_ref().is_none_or(HostSums::is_empty)
-        {
-            return;
-        }
-        struct UseLeft<'a, B: AutodiffBackend> {
-            table: &'a mut TableInner<B>,
-        }
-        impl<B: AutodiffBackend> ModuleVisitor<B> for UseLeft<'_, B> {
-            fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
-                let table = &mut *self.table;
-                if table.reached.contains(&param.id) {
-                    return;
-                }
-                let keep = table.phase == Phase::Norm;
-                let Some(sum) = table
-                    .host_sums
-                    .as_mut()
-                    .and_then(|sums| sums.sum::<D>(param.id, keep))
-                else {
-                    return;
-                };
-                table.reached.insert(param.id);
-                match table.phase {
-                    Phase::Norm => table.host_norm_part(param.id, sum),
-                    _ => table.step_on_host(param.id, sum, true),
-                }
-            }
-        }
-        model.visit(&mut UseLeft { table: self });
-    }
-
-    /// After a norm or step pass's backward (`grads`, what it returned), training alone with
-    /// the group's sums on the device: a sum whose parameter got no gradient in this
-    /// micro-batch is used alone, in `model`'s order (its part of the norm, or its step), as the
-    /// ordinary step uses a sum that no later micro-batch added to. In fp32 the sums seeded the
-    /// backward, and such a sum is left on its tap's node in `grads`; under mixed precision it
-    /// is left in `sums`.
+    /// After a norm or step pass's backward (`grads`, what it returned): a sum of the group
+    /// whose parameter got no gradient in this micro-batch is used alone, in `model`'s order
+    /// (its part of the norm, or its step), as the ordinary step uses a sum that no later
+    /// micro-batch added to. The sums are on the host under optimizer offload; else, training
+    /// alone, on the device: in fp32 they seeded the backward, and such a sum is left on its
+    /// tap's node in `grads`; under mixed precision it is left in `sums`. (With peers on the
+    /// device, [`Self::finish_peers`] reduces those in `sums`; a seeded fp32 one is not among
+    /// them, and is not stepped yet.)
     pub(super) fn finish_sums<M: AutodiffModule<B>>(&mut self, model: &M, mut grads: B::Gradients) {
         if !matches!(self.phase, Phase::Norm | Phase::Step)
-            || self.peers.is_some()
-            || self.host_sums.is_some()
+            || (self.host_sums.is_none() && self.peers.is_some())
         {
             return;
         }
@@ -306,6 +271,16 @@ impl<B: AutodiffBackend> TableInner<B> {
                     return;
                 }
                 let keep = table.phase == Phase::Norm;
+                if let Some(sums) = table.host_sums.as_mut() {
+                    let Some(sum) = sums.sum::<D>(param.id, keep) else {
+                        return;
+                    };
+                    table.reached.insert(param.id);
+                    return match table.phase {
+                        Phase::Norm => table.host_norm_part(param.id, sum),
+                        _ => table.step_on_host(param.id, sum, true),
+                    };
+                }
                 let seeded = table
                     .keys
                     .get(&param.id)

@@ -162,17 +162,14 @@ impl Place {
         state: &TrainState<B, M>,
     ) -> Place {
         if optimizer_offload {
-            if crate::nn::host_resident::<B::InnerBackend>() != Some(true)
-                || crate::checkpoint::offload::can_offload::<B::InnerBackend>().is_ok()
-            {
+            use crate::checkpoint::offload::{nothing_to_save, staging, Staging};
+            if staging::<B::InnerBackend>() != Staging::NothingToSave {
                 return Place::OnHost(OnHost::default());
             }
             // Flex: the host is the device; the step runs where it would without offload.
             eprintln!(
-                "memsave: `offload.optimizer` is on, but this run's device keeps its tensors in \
-                 host memory (backend `{}`): there is nothing to offload to; the run goes on \
-                 without it",
-                std::any::type_name::<B::InnerBackend>()
+                "{}",
+                nothing_to_save::<B::InnerBackend>("offload.optimizer")
             );
         }
         if step_in_backward {
