@@ -14,6 +14,10 @@
 #    host's peak) and, where PyTorch with CUDA is installed, `scripts/torch_reference.py --device
 #    cuda` beside it (fp16 with a GradScaler; save_on_cpu and a host-stepped SGD for the offload
 #    rows), so that the copies' time cost is measured in one run;
+#    Then (unless PLAN=0) the planner at the article's scale: `memsave plan
+#    configs/retinanet_r50_fpn_synthvoc_1000x600.toml --device cuda --budget 400MiB --iters 1`
+#    on synthetic VOC images (R50-FPN, 2 images of 1000 x 600: the issue's 400 MiB target with
+#    CPU staging; lavapipe cannot profile it in useful time), at most 4 minutes, not fatal;
 # 5. writes OUT_DIR/device_check.md (one Markdown table to paste into docs/src/devices.md) and
 #    OUT_DIR/device_check.json, and the logs of every step.
 #
@@ -70,15 +74,33 @@ BENCH=$?
 set -e
 tail -n 30 "$OUT/bench.log"
 
+PLANNED=skipped
+if [ "${PLAN:-1}" != 0 ]; then
+  step "4b/5 memsave plan at the article's scale (R50-FPN, 2 x 1000 x 600, 400 MiB)"
+  ROOT=$(pwd)
+  set +e
+  rm -rf "$OUT/plan_data"
+  "$MEMSAVE" data synth-voc "$OUT/plan_data" --images 12 > "$OUT/plan.log" 2>&1
+  timeout 240 "$MEMSAVE" plan "$ROOT/configs/retinanet_r50_fpn_synthvoc_1000x600.toml" \
+    --device cuda --budget 400MiB --iters 1 \
+    --set "data.train.ann_file=\"$OUT/plan_data/VOC2007/ImageSets/Main/trainval.txt\"" \
+    --set "data.train.img_prefix=\"$OUT/plan_data/VOC2007/\"" \
+    --set "data.test.ann_file=\"$OUT/plan_data/VOC2007/ImageSets/Main/test.txt\"" \
+    --set "data.test.img_prefix=\"$OUT/plan_data/VOC2007/\"" >> "$OUT/plan.log" 2>&1
+  PLANNED="exit $?"
+  set -e
+  tail -n 25 "$OUT/plan.log"
+fi
+
 step "5/5 report"
-python3 - "$OUT" "$GPU" "$SUITE" "$BENCH" "$TORCH" <<'PY'
+python3 - "$OUT" "$GPU" "$SUITE" "$BENCH" "$TORCH" "$PLANNED" <<'PY'
 import json, re, sys, pathlib
-out, gpu, suite, bench, torch = sys.argv[1:]
+out, gpu, suite, bench, torch, planned = sys.argv[1:]
 out = pathlib.Path(out)
 lines = [l for l in (out / "suite.log").read_text(errors="replace").splitlines() if "device suite:" in l]
 tests = re.findall(r"^test (\S+) \.\.\. (\w+)", (out / "suite.log").read_text(errors="replace"), re.M)
 report = {"gpu": gpu, "suite_exit": int(suite), "tests": dict(tests), "figures": lines,
-          "bench_exit": int(bench), "torch_reference": torch}
+          "bench_exit": int(bench), "torch_reference": torch, "plan": planned}
 bench_json = out / "bench" / "bench.json"
 if bench_json.exists():
     report["bench"] = json.loads(bench_json.read_text())
@@ -94,6 +116,10 @@ table = [l for l in (out / "bench.log").read_text(errors="replace").splitlines()
 md += ["", f"Benchmark (`memsave bench --device cuda --image-size 1000x600 --iters 3`, exit {bench}):", ""]
 md += table or ["(no table: see bench.log)"]
 md += ["", f"PyTorch reference: {torch}"]
+plan_log = out / "plan.log"
+md += ["", f"Planner at the article's scale (R50-FPN, 2 x 1000 x 600, budget 400 MiB): {planned}", ""]
+if plan_log.exists():
+    md += ["```"] + plan_log.read_text(errors="replace").splitlines()[-25:] + ["```"]
 (out / "device_check.md").write_text("\n".join(md) + "\n")
 print("\n".join(md))
 PY
