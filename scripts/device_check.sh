@@ -34,7 +34,7 @@ fail() { echo "device_check: $*" >&2; exit 1; }
 step "1/5 build (cargo build --release --features cuda; the device suite)"
 cargo build --release --features cuda --bin memsave 2>&1 | tail -n 3
 cargo test --release --features cuda --test device --no-run 2>&1 | tail -n 3
-MEMSAVE=target/release/memsave
+MEMSAVE="${CARGO_TARGET_DIR:-target}/release/memsave"
 
 step "2/5 NVIDIA driver and device"
 if ! command -v nvidia-smi >/dev/null 2>&1; then
@@ -77,17 +77,20 @@ tail -n 30 "$OUT/bench.log"
 PLANNED=skipped
 if [ "${PLAN:-1}" != 0 ]; then
   step "4b/5 memsave plan at the article's scale (R50-FPN, 2 x 1000 x 600, 400 MiB)"
-  ROOT=$(pwd)
   set +e
   rm -rf "$OUT/plan_data"
-  "$MEMSAVE" data synth-voc "$OUT/plan_data" --images 12 > "$OUT/plan.log" 2>&1
-  timeout 240 "$MEMSAVE" plan "$ROOT/configs/retinanet_r50_fpn_synthvoc_1000x600.toml" \
-    --device cuda --budget 400MiB --iters 1 \
-    --set "data.train.ann_file=\"$OUT/plan_data/VOC2007/ImageSets/Main/trainval.txt\"" \
-    --set "data.train.img_prefix=\"$OUT/plan_data/VOC2007/\"" \
-    --set "data.test.ann_file=\"$OUT/plan_data/VOC2007/ImageSets/Main/test.txt\"" \
-    --set "data.test.img_prefix=\"$OUT/plan_data/VOC2007/\"" >> "$OUT/plan.log" 2>&1
-  PLANNED="exit $?"
+  if "$MEMSAVE" data synth-voc "$OUT/plan_data" --images 12 > "$OUT/plan.log" 2>&1; then
+    # TOML literal strings: the paths are taken as written.
+    timeout 240 "$MEMSAVE" plan configs/retinanet_r50_fpn_synthvoc_1000x600.toml \
+      --device cuda --budget 400MiB --iters 1 \
+      --set "data.train.ann_file='$OUT/plan_data/VOC2007/ImageSets/Main/trainval.txt'" \
+      --set "data.train.img_prefix='$OUT/plan_data/VOC2007/'" \
+      --set "data.test.ann_file='$OUT/plan_data/VOC2007/ImageSets/Main/test.txt'" \
+      --set "data.test.img_prefix='$OUT/plan_data/VOC2007/'" >> "$OUT/plan.log" 2>&1
+    PLANNED="exit $?"
+  else
+    PLANNED="synth-voc failed"
+  fi
   set -e
   tail -n 25 "$OUT/plan.log"
 fi
