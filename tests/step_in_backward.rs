@@ -12,6 +12,7 @@ use std::sync::{Arc, Mutex};
 use burn::module::Module;
 use burn::prelude::*;
 use common::mlp::Mlp;
+use common::sometimes::{Sometimes, SometimesData};
 use common::tiny::{Seeded, TinyNet};
 use common::AB;
 use memsave::checkpoint::set_with_cp;
@@ -456,78 +457,15 @@ fn accumulation_steps_in_the_last_micro_batches_backward_bit_for_bit() {
     assert!(outcome.logs.iter().any(|log| log.stepped), "no step");
 }
 
-/// [`TinyNet`] with a second head that only some batches use, as a detector's branch that no
-/// image of a micro-batch reaches: under accumulation its group's sum then gets nothing from
-/// the group's last micro-batch, and must step alone.
-#[memsave::model]
-#[derive(Module, Debug)]
-struct Sometimes<B: Backend> {
-    net: TinyNet<B>,
-    extra: burn::nn::Linear<B>,
-    fp16_enabled: memsave::fp16::Fp16,
-}
-
-/// A batch, and whether the loss uses [`Sometimes`]'s extra head on it.
-struct SometimesBatch<B: Backend> {
-    batch: memsave::models::classifier::ClassificationBatch<B>,
-    extra: bool,
-}
-
-impl TrainModel<AB> for Sometimes<AB> {
-    type Batch = SometimesBatch<AB>;
-
-    fn loss(&self, batch: Self::Batch) -> Tensor<AB, 1> {
-        let images = batch.batch.images;
-        let loss = self
-            .net
-            .loss_of(self.net.forward(images.clone()), batch.batch.labels);
-        if !batch.extra {
-            return loss;
-        }
-        let dtype = self.extra.weight.val().dtype();
-        let pooled = images
-            .mean_dim(3)
-            .mean_dim(2)
-            .flatten::<2>(1, 3)
-            .cast(dtype);
-        let term = self.extra.forward(pooled).cast(loss.dtype());
-        loss + (term.clone() * term).mean().mul_scalar(0.1)
-    }
-}
-
-/// The synthetic batches, the extra head used by every iteration but the third of each three.
-struct SometimesData(SyntheticClassification<AB>);
-
-impl DataSource<AB, SometimesBatch<AB>> for SometimesData {
-    fn batches_per_epoch(&self) -> usize {
-        self.0.batches_per_epoch()
-    }
-
-    fn batch(
-        &self,
-        epoch: usize,
-        index: usize,
-        device: &burn::tensor::Device<AB>,
-    ) -> memsave::Result<SometimesBatch<AB>> {
-        let iteration = epoch * self.batches_per_epoch() + index;
-        Ok(SometimesBatch {
-            batch: self.0.batch(epoch, index, device)?,
-            extra: iteration % 3 != 2,
-        })
-    }
-}
-
 #[test]
 fn a_sum_the_groups_last_micro_batch_gives_nothing_to_steps_alone_bit_for_bit() {
     let _serial = serial();
-    let sometimes = || Sometimes {
-        net: tiny(),
-        extra: burn::nn::LinearConfig::new(3, 1).init(&Default::default()),
-        fp16_enabled: memsave::fp16::Fp16::Off,
+    let model = copies(|| Sometimes::new(&Default::default()), 11);
+    // Groups of 3: the groups' last micro-batches (iterations 2 and 5) leave the heads out.
+    let data = || SometimesData {
+        inner: data(2, 16, 8),
+        uses: |iteration| iteration % 3 != 2,
     };
-    let model = copies(sometimes, 11);
-    let data = || SometimesData(data(2, 16, 8));
-    // Groups of 3: the groups' last micro-batches (iterations 2 and 5) leave the extra head out.
     let cumulative = || OptimizerHook::new().with_groups(Groups::new(3).unwrap());
     let clipped = || cumulative().with_grad_clip(Some(GradClip::new(0.5, 2.0).unwrap()));
     let mixed = || {

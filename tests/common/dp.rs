@@ -19,7 +19,9 @@ use memsave::parallel::{
     run_local, BurnPeer, Collective, PeerReducer, Reduce, Shard, SharedCollective, Topology,
     ZeroStage,
 };
-use memsave::train::{DataSource, Hook, IterLog, OptimizerKind, RunLength, Runner, TrainState};
+use memsave::train::{
+    DataSource, Hook, IterLog, OptimizerKind, RunLength, Runner, TrainModel, TrainState,
+};
 
 use super::tiny::TinyNet;
 use super::AB;
@@ -78,15 +80,15 @@ pub fn sgd() -> OptimizerKind {
     }
 }
 
-/// [`runner`] with `optimizer`.
-pub fn runner_with<D: DataSource<AB, ClassificationBatch<AB>>>(
-    model: Net,
+/// [`runner`] with `optimizer` (any model).
+pub fn runner_with<M: TrainModel<AB>, D: DataSource<AB, M::Batch>>(
+    model: M,
     optimizer: &OptimizerKind,
-    hook: Box<dyn Hook<AB, Net>>,
+    hook: Box<dyn Hook<AB, M>>,
     data: D,
     length: RunLength,
     dir: &Path,
-) -> Runner<AB, Net, D> {
+) -> Runner<AB, M, D> {
     let mut runner = Runner::new(
         model,
         optimizer,
@@ -125,10 +127,10 @@ pub fn peer_runner<D: DataSource<AB, ClassificationBatch<AB>>>(
     )
 }
 
-/// [`peer_runner`] with `optimizer`, sharding at ZeRO `stage`.
+/// [`peer_runner`] with `optimizer`, sharding at ZeRO `stage` (any model).
 #[allow(clippy::too_many_arguments)]
-pub fn peer_runner_with<D: DataSource<AB, ClassificationBatch<AB>>>(
-    model: Net,
+pub fn peer_runner_with<M: TrainModel<AB>, D: DataSource<AB, M::Batch>>(
+    model: M,
     optimizer: &OptimizerKind,
     stage: ZeroStage,
     hook: OptimizerHook,
@@ -136,7 +138,7 @@ pub fn peer_runner_with<D: DataSource<AB, ClassificationBatch<AB>>>(
     length: RunLength,
     dir: &Path,
     collective: SharedCollective<Flex>,
-) -> Runner<AB, Net, D> {
+) -> Runner<AB, M, D> {
     let reducer = PeerReducer::new(collective.clone(), &Default::default()).with_zero_stage(stage);
     let mut runner = runner_with(
         model,
@@ -150,7 +152,7 @@ pub fn peer_runner_with<D: DataSource<AB, ClassificationBatch<AB>>>(
     runner
 }
 
-pub fn weights(model: &Net) -> Vec<f32> {
+pub fn weights<M: Module<AB>>(model: &M) -> Vec<f32> {
     struct All(Vec<f32>);
     impl ModuleVisitor<AB> for All {
         fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<AB, D>>) {
@@ -166,12 +168,12 @@ pub fn weights(model: &Net) -> Vec<f32> {
 #[derive(Clone, Default)]
 pub struct Trace(pub Arc<Mutex<Vec<(Vec<f32>, IterLog)>>>);
 
-impl Hook<AB, Net> for Trace {
+impl<M: TrainModel<AB>> Hook<AB, M> for Trace {
     fn name(&self) -> &'static str {
         "trace"
     }
 
-    fn after_iter(&mut self, state: &mut TrainState<AB, Net>) -> memsave::Result<()> {
+    fn after_iter(&mut self, state: &mut TrainState<AB, M>) -> memsave::Result<()> {
         let entry = (weights(&state.model), state.log.clone());
         self.0.lock().unwrap().push(entry);
         Ok(())
@@ -217,15 +219,36 @@ pub fn two_peers_with(
     samples: usize,
     length: RunLength,
 ) -> Vec<(Vec<f32>, Vec<(Vec<f32>, IterLog)>, u64)> {
+    two_peers_of(
+        name,
+        net,
+        |_, shard| data(batch, samples, shard),
+        optimizer,
+        stage,
+        hook,
+        length,
+    )
+}
+
+/// [`two_peers_with`] with any model (`model()` on each peer) and data (`data(rank, shard)`).
+pub fn two_peers_of<M: TrainModel<AB>, D: DataSource<AB, M::Batch>>(
+    name: &str,
+    model: impl Fn() -> M + Sync,
+    data: impl Fn(usize, Shard) -> D + Sync,
+    optimizer: &OptimizerKind,
+    stage: ZeroStage,
+    hook: impl Fn() -> OptimizerHook + Sync,
+    length: RunLength,
+) -> Vec<(Vec<f32>, Vec<(Vec<f32>, IterLog)>, u64)> {
     let dir = work_dir(name);
     peers(2, |peer| {
         let shard = peer.shard();
         let mut runner = peer_runner_with(
-            net(),
+            model(),
             optimizer,
             stage,
             hook(),
-            data(batch, samples, shard),
+            data(peer.rank(), shard),
             length,
             &dir,
             peer,

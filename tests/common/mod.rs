@@ -3,6 +3,7 @@
 
 pub mod dp;
 pub mod mlp;
+pub mod sometimes;
 pub mod tiny;
 
 use std::collections::HashMap;

@@ -17,6 +17,8 @@
 
 use std::collections::{HashMap, HashSet};
 
+use burn::backend::autodiff::grads::Gradients;
+use burn::backend::Autodiff;
 use burn::module::ParamId;
 use burn::optim::GradientsParams;
 use burn::prelude::Backend;
@@ -61,6 +63,39 @@ pub(crate) fn take_sum<K: Backend, const D: usize>(
         sums.remove::<K, D>(id)
     };
     sum.map(|sum| sum.into_primitive().tensor())
+}
+
+/// Where this peer's sum of the group's earlier micro-batches is (accumulation), for a
+/// parameter whose tap did not run: it is reduced in the gradient's place.
+pub(crate) enum Earlier<'a, K: Backend> {
+    /// No sums (no accumulation, or the group's first micro-batch).
+    Nothing,
+    /// Under mixed precision: the group's fp32 sums, added as the gradients come; what is taken
+    /// is kept there where `keep` (a norm pass, before the step pass).
+    Sums {
+        sums: &'a mut GradientsParams,
+        keep: bool,
+    },
+    /// In fp32: the sums seeded the backward, each on its parameter's tap's node
+    /// ([`crate::train::taps::seeded_on`]); a tap that did not run leaves it in `grads`, the
+    /// backward's gradients (during the pass or after it). `keys`: the taps' nodes.
+    Seeded {
+        grads: &'a mut Gradients,
+        keys: &'a HashMap<ParamId, FloatTensor<Autodiff<K>>>,
+    },
+}
+
+impl<K: Backend> Earlier<'_, K> {
+    /// `tapped`'s sum, where there is one.
+    fn take(&mut self, tapped: &Tapped<K>) -> Option<FloatTensor<K>> {
+        match self {
+            Earlier::Nothing => None,
+            Earlier::Sums { sums, keep } => (tapped.take_sum)(sums, tapped.id, *keep),
+            Earlier::Seeded { grads, keys } => keys
+                .get(&tapped.id)
+                .and_then(|key| crate::train::taps::seeded_on::<K>(grads, key)),
+        }
+    }
 }
 
 /// One backward pass's averaging (see the module docs).
@@ -121,15 +156,13 @@ impl<K: Backend> BackwardReduce<K> {
     }
 
     /// The mean over the peers of parameter `id`'s gradient `grad`, where this peer keeps it
-    /// (the parameters whose taps did not run since the last one are reduced first). `sums`:
-    /// the group's sums of earlier micro-batches, not yet added (under mixed precision), which
-    /// keep what is taken from them where `keep`.
+    /// (the parameters whose taps did not run since the last one are reduced first, with their
+    /// sums of the group's earlier micro-batches from `earlier` where there are some).
     pub(crate) fn reduce<const D: usize>(
         &mut self,
         id: ParamId,
         grad: Tensor<K, D>,
-        sums: Option<&mut GradientsParams>,
-        keep: bool,
+        earlier: &mut Earlier<'_, K>,
     ) -> Option<Tensor<K, D>> {
         let Some(&position) = self.position.get(&id) else {
             // Not tapped in this pass: nothing to agree on.
@@ -146,7 +179,7 @@ impl<K: Backend> BackwardReduce<K> {
             });
             return None;
         }
-        self.flush(position + 1, sums, keep);
+        self.flush(position + 1, earlier);
         self.below = position;
         self.present[position] = true;
         let mean = self.all_reduce(grad.into_primitive().tensor())?;
@@ -156,16 +189,15 @@ impl<K: Backend> BackwardReduce<K> {
 
     /// Reduces the parameters from `down_to` up to those already reduced, whose taps did not
     /// run: with this peer's sum of earlier micro-batches where it has one, else zeros (in fp32
-    /// where there are sums, as they are).
-    fn flush(&mut self, down_to: usize, mut sums: Option<&mut GradientsParams>, keep: bool) {
-        let summing = sums.is_some();
+    /// where the sums are fp32 beside half gradients, as they are).
+    fn flush(&mut self, down_to: usize, earlier: &mut Earlier<'_, K>) {
+        let summing = matches!(earlier, Earlier::Sums { .. });
         while self.below > down_to {
             let position = self.below - 1;
             self.below = position;
             let tapped = &self.order[position];
-            let (id, take) = (tapped.id, tapped.take_sum);
-            let sum = sums.as_deref_mut().and_then(|sums| take(sums, id, keep));
-            let sent = match sum {
+            let id = tapped.id;
+            let sent = match earlier.take(tapped) {
                 Some(sum) => {
                     self.present[position] = true;
                     sum
@@ -189,15 +221,23 @@ impl<K: Backend> BackwardReduce<K> {
         }
     }
 
-    /// After backward: the parameters whose taps did not run are reduced, and the peers count
-    /// who had each gradient. Returns the parameters some peer had a gradient of, and the
-    /// means this peer keeps of those it had none of itself.
+    /// At the end of backward, after every tap ([`crate::train::taps::with_end`]): the
+    /// parameters whose taps did not run are reduced (with their sums from `earlier`), inside
+    /// the backward as the taps' are.
+    pub(crate) fn end(&mut self, earlier: &mut Earlier<'_, K>) {
+        self.flush(0, earlier);
+    }
+
+    /// After backward: the parameters whose taps did not run are reduced (with their sums from
+    /// `earlier`, as in [`Self::reduce`]; none are left where [`Self::end`] ran), and the peers
+    /// count who had each gradient.
+    /// Returns the parameters some peer had a gradient of, and the means this peer keeps of
+    /// those it had none of itself.
     pub(crate) fn finish(
         &mut self,
-        sums: Option<&mut GradientsParams>,
-        keep: bool,
+        earlier: &mut Earlier<'_, K>,
     ) -> Result<(HashSet<ParamId>, HashMap<ParamId, FloatTensor<K>>)> {
-        self.flush(0, sums, keep);
+        self.flush(0, earlier);
         if let Some(error) = self.error.take() {
             return Err(error);
         }
@@ -281,11 +321,13 @@ mod tests {
                         _ => vec![(3, 3.0), (2, 4.0)],
                     };
                     for (position, value) in taps {
-                        if let Some(mean) = reduce.reduce(ids[position], grad(value), None, false) {
+                        if let Some(mean) =
+                            reduce.reduce(ids[position], grad(value), &mut Earlier::Nothing)
+                        {
                             kept.push((position, values(mean)));
                         }
                     }
-                    let (reached, deferred) = reduce.finish(None, false)?;
+                    let (reached, deferred) = reduce.finish(&mut Earlier::Nothing)?;
                     let position = |id: &ParamId| ids.iter().position(|i| i == id).unwrap();
                     let mut deferred: Vec<(usize, Vec<f32>)> = deferred
                         .into_iter()

@@ -14,7 +14,7 @@
 //! leaf alone would be at depth 1 and run last of all, when every gradient exists anyway, so
 //! its second parent is an untracked node of a chosen depth: an untracked parent adds no edge
 //! (no gradient flows to it, no step runs for it) but counts in the depth. The `k`-th trainable
-//! parameter in the model's visiting order gets depth `k * gap + 1`, `gap` larger than the ops
+//! parameter in the model's visiting order gets depth `k * gap + 2`, `gap` larger than the ops
 //! between two parameters' first uses: the taps' depths then set those of the ops after them,
 //! and backward runs the model's ops and taps in the reverse of the visiting order, each tap
 //! right after the backward of the part of the model from its parameter's first use on. Where
@@ -23,6 +23,9 @@
 //!
 //! The untracked nodes that set the depths are made once per [`DepthChain`] (one-element, all
 //! sharing one value) and kept; each step adds one tap per trainable parameter.
+//!
+//! A backward can also be given an end ([`with_end`]): a step of depth 1, below every tap, that
+//! runs after all of them, inside the backward, whichever taps ran.
 
 use std::collections::HashMap;
 use std::fmt;
@@ -43,8 +46,10 @@ use crate::checkpoint::{mark_ours, take_grad};
 
 /// Where a tap hands its parameter's final gradient.
 pub(crate) trait Sink<K: Backend>: Send + Sync + 'static {
-    /// `grad` is the final gradient of the parameter `id` (of rank `D`).
-    fn on_grad<const D: usize>(&self, id: ParamId, grad: Tensor<K, D>);
+    /// `grad` is the final gradient of the parameter `id` (of rank `D`); `backward`: the
+    /// gradients of the backward pass under way (where the nodes of taps that did not run keep
+    /// what was seeded on them, [`seeded_on`]).
+    fn on_grad<const D: usize>(&self, id: ParamId, grad: Tensor<K, D>, backward: &mut Gradients);
 }
 
 /// Whether `B` is Burn's autodiff over its inner backend (any checkpoint strategy): the only
@@ -79,6 +84,11 @@ impl<K: Backend> DepthChain<K> {
             nodes: std::collections::BTreeMap::new(),
             like,
         }
+    }
+
+    /// A one-element tensor on the chain's device.
+    pub(crate) fn like(&self) -> &FloatTensor<K> {
+        &self.like
     }
 
     /// The node of depth `depth`, made (and kept) if it is not there.
@@ -120,7 +130,7 @@ impl<K: Backend> Backward<K, 1> for Link {
     fn backward(self, _: Ops<Self::State, 1>, _: &mut Gradients, _: &mut Checkpointer) {}
 }
 
-type OnGrad<K> = Box<dyn FnOnce(FloatTensor<K>) + Send>;
+type OnGrad<K> = Box<dyn FnOnce(FloatTensor<K>, &mut Gradients) + Send>;
 
 #[derive(Clone)]
 struct TapState<K: Backend> {
@@ -151,7 +161,7 @@ impl<K: Backend> Backward<K, 2> for Tap {
             .unwrap_or_else(|poisoned| poisoned.into_inner())
             .take();
         if let (Some(on_grad), Some(grad)) = (on_grad, grad) {
-            on_grad(grad);
+            on_grad(grad, grads);
         }
     }
 }
@@ -167,7 +177,7 @@ pub(crate) struct Tapper<'a, B: AutodiffBackend, S: Sink<B::InnerBackend>> {
     /// The tapped parameters, in visiting order.
     pub(crate) ids: Vec<ParamId>,
     /// Each tap's node, for what a backward that did not run the tap left on it (see
-    /// [`left_on_tap`]).
+    /// [`seeded_on`]).
     pub(crate) keys: HashMap<ParamId, FloatTensor<Autodiff<B::InnerBackend>>>,
 }
 
@@ -204,10 +214,15 @@ impl<B: AutodiffBackend, S: Sink<B::InnerBackend>> ModuleMapper<B> for Tapper<'_
         }
         type K<B> = <B as AutodiffBackend>::InnerBackend;
         let leaf: FloatTensor<Autodiff<K<B>>> = cast(tensor.into_primitive().tensor());
-        let depth = self.ids.len() * self.gap;
+        // Depth 1 is the end's ([`with_end`]): the taps are below it.
+        let depth = self.ids.len() * self.gap + 1;
         let sink = self.sink.clone();
-        let on_grad: OnGrad<K<B>> = Box::new(move |grad| {
-            sink.on_grad::<D>(id, Tensor::from_primitive(TensorPrimitive::Float(grad)))
+        let on_grad: OnGrad<K<B>> = Box::new(move |grad, backward| {
+            sink.on_grad::<D>(
+                id,
+                Tensor::from_primitive(TensorPrimitive::Float(grad)),
+                backward,
+            )
         });
         let state = TapState {
             on_grad: Arc::new(Mutex::new(Some(on_grad))),
@@ -237,15 +252,114 @@ impl<B: AutodiffBackend, S: Sink<B::InnerBackend>> ModuleMapper<B> for Tapper<'_
     }
 }
 
-/// What a finished backward (`grads`, Burn autodiff's) left on the node of a tap that did not
-/// run (`key`, [`Tapper::keys`]'s): a gradient sum seeded there (see
-/// [`crate::train::grads::seed_with`]) that no op of the pass added to.
-pub(crate) fn left_on_tap<B: AutodiffBackend>(
+type OnEnd = Box<dyn FnOnce(&mut Gradients) + Send>;
+
+#[derive(Clone)]
+struct EndState(Arc<Mutex<Option<OnEnd>>>);
+
+impl fmt::Debug for EndState {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("EndState")
+    }
+}
+
+/// The end of a backward: a step of depth 1 (its parent a tracked one-element leaf) that no
+/// gradient reaches, which runs `on_end` after every tap.
+#[derive(Debug)]
+struct End;
+
+impl<K: Backend> Backward<K, 1> for End {
+    type State = EndState;
+
+    fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let on_end = ops
+            .state
+            .0
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+            .take();
+        if let Some(on_end) = on_end {
+            on_end(grads);
+        }
+    }
+}
+
+/// `loss` joined to the end: its value and gradient are the loss's, passed on untouched.
+#[derive(Debug)]
+struct Join;
+
+impl<K: Backend> Backward<K, 2> for Join {
+    type State = FloatTensor<K>;
+
+    fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let [loss, _end] = &ops.parents;
+        if let (Some(loss), Some(grad)) = (loss, take_grad::<K, _, 2>(grads, &ops, &ops.state)) {
+            grads.register::<K>(loss.id, grad);
+        }
+    }
+}
+
+/// `loss` (on Burn's autodiff: `can_tap`) with an end: its backward runs `on_end` (with the
+/// pass's gradients) once every tap's step has run, before the backward returns. With peers
+/// on threads of one process, what the peers must do together in backward is done there: a
+/// peer whose backward has returned takes every graph's lock to clean up (Burn 0.21's
+/// `GraphCleaner`), which waits for a peer still in its backward.
+pub(crate) fn with_end<B: AutodiffBackend>(
+    loss: Tensor<B, 1>,
+    like: &FloatTensor<B::InnerBackend>,
+    on_end: impl FnOnce(&mut Gradients) + Send + 'static,
+) -> Tensor<B, 1> {
+    type K<B> = <B as AutodiffBackend>::InnerBackend;
+    let loss: FloatTensor<Autodiff<K<B>>> = cast(loss.into_primitive().tensor());
+    let leaf: FloatTensor<Autodiff<K<B>>> =
+        Tensor::<Autodiff<K<B>>, 1>::from_primitive(TensorPrimitive::Float(
+            <Autodiff<K<B>> as AutodiffBackend>::from_inner(like.clone()),
+        ))
+        .require_grad()
+        .into_primitive()
+        .tensor();
+    let state = EndState(Arc::new(Mutex::new(Some(Box::new(on_end)))));
+    let end: FloatTensor<Autodiff<K<B>>> = match End
+        .prepare::<NoCheckpointing>([leaf.node.clone()])
+        .compute_bound()
+        .stateful()
+    {
+        OpsKind::Tracked(prep) => prep.finish(state, like.clone()),
+        OpsKind::UnTracked(prep) => prep.finish(like.clone()),
+    };
+    let value = loss.primitive.clone();
+    let joined: FloatTensor<Autodiff<K<B>>> = match Join
+        .prepare::<NoCheckpointing>([loss.node.clone(), end.node.clone()])
+        .compute_bound()
+        .stateful()
+    {
+        OpsKind::Tracked(prep) => prep.finish(like.clone(), value),
+        OpsKind::UnTracked(prep) => prep.finish(value),
+    };
+    Tensor::from_primitive(TensorPrimitive::Float(cast(joined)))
+}
+
+/// What a backward (`grads`, Burn autodiff's, during the pass or after it) left on the node of
+/// a tap that did not run (`key`, [`Tapper::keys`]'s): a gradient sum seeded there (see
+/// [`crate::train::grads::seed_with`]) that no op of the pass added to. Taken out of `grads`.
+pub(crate) fn seeded_on<K: Backend>(
+    grads: &mut Gradients,
+    key: &FloatTensor<Autodiff<K>>,
+) -> Option<FloatTensor<K>> {
+    grads.remove::<K>(key)
+}
+
+/// The gradients a backward on `B` returned, as Burn's autodiff keeps them (`None` on another
+/// autodiff backend, where there are no taps).
+pub(crate) fn autodiff_grads<B: AutodiffBackend>(
     grads: &mut B::Gradients,
-    key: &FloatTensor<Autodiff<B::InnerBackend>>,
-) -> Option<FloatTensor<B::InnerBackend>> {
-    let grads = (grads as &mut dyn std::any::Any).downcast_mut::<Gradients>()?;
-    grads.remove::<B::InnerBackend>(key)
+) -> Option<&mut Gradients> {
+    let grads = (grads as &mut dyn std::any::Any).downcast_mut::<Gradients>();
+    debug_assert!(
+        grads.is_some() || !can_tap::<B>(),
+        "Burn's autodiff returns its own gradients"
+    );
+    grads
 }
 
 /// Takes the values of the parameters in `ids` out of a model (each replaced by a one-element

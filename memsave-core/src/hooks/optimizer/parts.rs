@@ -101,9 +101,12 @@ impl<R> Parts<'_, R> {
                 let loss = loss.cast(DType::F32).mul_scalar(scale / divisor);
                 let grads = grads::backward::<B, M>(loss, state.forward_model(), None);
                 match summed {
-                    // Each half gradient is cast as it is added to its fp32 sum.
+                    // Each half gradient is cast as it is added to its fp32 sum; one that no
+                    // earlier micro-batch gave a sum (a branch they did not reach) is cast too:
+                    // a group's gradients are all fp32, as another peer's sum of it is.
                     Some(mut summed) => {
                         grads::accumulate::<B, M>(&state.model, &mut summed, grads);
+                        grads::to_f32::<B, M>(&state.model, &mut summed);
                         summed
                     }
                     // Half: cast at the step, group by group, or below as a group's first sums.

@@ -125,6 +125,18 @@ impl<B: AutodiffBackend> Tapping<B> {
         self.pass = Some((table, ids));
     }
 
+    /// `loss` whose backward, with peers, ends by reducing the gradients whose taps did not
+    /// run ([`taps::with_end`]): every all-reduce of the pass is made inside its backward.
+    fn with_end(&self, loss: Tensor<B, 1>, table: &Arc<Table<B>>) -> Tensor<B, 1> {
+        let (Some(chain), true) = (&self.chain, lock(&table.inner).peers.is_some()) else {
+            return loss;
+        };
+        let table = table.clone();
+        taps::with_end(loss, chain.like(), move |backward| {
+            lock(&table.inner).end_peers(backward)
+        })
+    }
+
     /// The model the forward ran on made plain again (the pass is given up).
     pub(crate) fn untap<M: TrainModel<B>>(&mut self, state: &mut TrainState<B, M>) {
         let Some((_, ids)) = self.pass.take() else {
@@ -194,10 +206,11 @@ impl<B: AutodiffBackend> Tapping<B> {
             Some(sums) => seed(loss, forward, grads::share::<B, M>(forward, sums)),
             None => loss,
         };
-        let grads = loss.backward();
+        let loss = self.with_end(loss, &table);
+        let mut grads = loss.backward();
         crate::checkpoint::join_helpers();
         let mut inner = lock(&table.inner);
-        let finished = inner.finish_peers(forward);
+        let finished = inner.finish_peers(forward, &mut grads);
         inner.finish_sums(forward, grads);
         let norm = finished.and_then(|()| inner.norm(forward, &state.device));
         let reached = std::mem::take(&mut inner.reached);
@@ -232,10 +245,12 @@ impl<B: AutodiffBackend> Tapping<B> {
             Some(sums) => seed(loss, forward, sums),
             None => loss,
         };
-        drop(loss.backward());
+        let loss = self.with_end(loss, &table);
+        let mut grads = loss.backward();
         crate::checkpoint::join_helpers();
         let mut inner = lock(&table.inner);
-        let finished = inner.finish_peers(forward);
+        let finished = inner.finish_peers(forward, &mut grads);
+        drop(grads);
         let kept = std::mem::take(&mut inner.kept);
         let reached = std::mem::take(&mut inner.reached);
         inner.sums = None;
@@ -270,6 +285,7 @@ impl<B: AutodiffBackend> Tapping<B> {
             Some(sums) => seed(loss, state.forward_model(), sums),
             None => loss,
         };
+        let loss = self.with_end(loss, &table);
         {
             let mut inner = lock(&table.inner);
             inner.lr = state.lr;
@@ -291,10 +307,10 @@ impl<B: AutodiffBackend> Tapping<B> {
                 inner.forward = Some(extract.values);
             }
         }
-        let grads = loss.backward();
+        let mut grads = loss.backward();
         crate::checkpoint::join_helpers();
         let mut inner = lock(&table.inner);
-        let finished = inner.finish_peers(&state.model);
+        let finished = inner.finish_peers(&state.model, &mut grads);
         inner.finish_sums(&state.model, grads);
         inner.host_sums = None;
         match (inner.steps.take(), host) {

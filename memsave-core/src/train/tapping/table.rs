@@ -5,6 +5,7 @@
 use std::collections::{HashMap, HashSet};
 use std::sync::Mutex;
 
+use burn::backend::autodiff::grads::Gradients;
 use burn::backend::Autodiff;
 use burn::module::{AutodiffModule, ModuleVisitor, Param, ParamId};
 use burn::optim::GradientsParams;
@@ -13,11 +14,11 @@ use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::ops::FloatTensor;
 use burn::tensor::{DType, Tensor, TensorPrimitive};
 
-use crate::parallel::in_backward::BackwardReduce;
+use crate::parallel::in_backward::{BackwardReduce, Earlier};
 use crate::parallel::zero::gather_norm;
 use crate::train::grads;
 use crate::train::optim::{prepare, Host, HostSteps, HostSums, ParamSteps};
-use crate::train::taps::Sink;
+use crate::train::taps::{self, Sink};
 use crate::Result;
 
 /// What a pass's taps do with a gradient.
@@ -90,7 +91,12 @@ pub(super) fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 }
 
 impl<B: AutodiffBackend> Sink<K<B>> for Table<B> {
-    fn on_grad<const D: usize>(&self, id: ParamId, grad: Tensor<K<B>, D>) {
+    fn on_grad<const D: usize>(
+        &self,
+        id: ParamId,
+        grad: Tensor<K<B>, D>,
+        backward: &mut Gradients,
+    ) {
         let mut table = lock(&self.inner);
         let table = &mut *table;
         table.reached.insert(id);
@@ -122,23 +128,32 @@ impl<B: AutodiffBackend> Sink<K<B>> for Table<B> {
         // A norm pass keeps the group's sums for the step pass.
         let keep = table.phase == Phase::Norm;
         let grad = match &mut table.sums {
-            // Mixed precision with accumulation: the group's sum with this micro-batch's part.
+            // Mixed precision with accumulation: the group's sum with this micro-batch's part,
+            // in fp32 (where no earlier micro-batch reached the parameter too, as the
+            // ordinary step's group is: another peer's sum of it is fp32).
             Some(sums) => {
                 let sum = if keep {
                     sums.get::<K<B>, D>(id)
                 } else {
                     sums.remove::<K<B>, D>(id)
                 };
-                grads::add_to_sum(sum, grad)
+                match sum {
+                    Some(sum) => grads::add_to_sum(Some(sum), grad),
+                    None => grad.cast(DType::F32),
+                }
             }
             None => grad,
         };
         let grad = match &mut table.peers {
-            Some(peers) => match peers.reduce(id, grad, table.sums.as_mut(), keep) {
-                Some(mean) => mean,
-                // Another peer's part, or the pass failed (said after backward).
-                None => return,
-            },
+            Some(peers) => {
+                let mut earlier =
+                    earlier::<B>(table.sums.as_mut(), &table.keys, Some(backward), keep);
+                match peers.reduce(id, grad, &mut earlier) {
+                    Some(mean) => mean,
+                    // Another peer's part, or the pass failed (said after backward).
+                    None => return,
+                }
+            }
             None => grad,
         };
         table.use_grad(id, grad);
@@ -252,8 +267,7 @@ impl<B: AutodiffBackend> TableInner<B> {
     /// micro-batch added to. The sums are on the host under optimizer offload; else, training
     /// alone, on the device: in fp32 they seeded the backward, and such a sum is left on its
     /// tap's node in `grads`; under mixed precision it is left in `sums`. (With peers on the
-    /// device, [`Self::finish_peers`] reduces those in `sums`; a seeded fp32 one is not among
-    /// them, and is not stepped yet.)
+    /// device, [`Self::finish_peers`] has reduced them.)
     pub(super) fn finish_sums<M: AutodiffModule<B>>(&mut self, model: &M, mut grads: B::Gradients) {
         if !matches!(self.phase, Phase::Norm | Phase::Step)
             || (self.host_sums.is_none() && self.peers.is_some())
@@ -284,7 +298,10 @@ impl<B: AutodiffBackend> TableInner<B> {
                 let seeded = table
                     .keys
                     .get(&param.id)
-                    .and_then(|key| crate::train::taps::left_on_tap::<B>(self.grads, key))
+                    .and_then(|key| {
+                        let grads = taps::autodiff_grads::<B>(self.grads)?;
+                        taps::seeded_on::<K<B>>(grads, key)
+                    })
                     .map(|sum| Tensor::<K<B>, D>::from_primitive(TensorPrimitive::Float(sum)));
                 let sum = seeded.or_else(|| {
                     let sums = table.sums.as_mut()?;
@@ -306,15 +323,34 @@ impl<B: AutodiffBackend> TableInner<B> {
         });
     }
 
-    /// After backward with peers: the gradients whose taps did not run are reduced, `reached`
-    /// becomes the parameters some peer had a gradient of, and the means this peer keeps but
-    /// had no gradient of are used (`model`: any model with the tapped parameters' ids).
-    pub(super) fn finish_peers<M: AutodiffModule<B>>(&mut self, model: &M) -> Result<()> {
+    /// At the end of a backward with peers (`backward`: its gradients), after every tap: the
+    /// gradients whose taps did not run are reduced there (see [`BackwardReduce::end`]).
+    pub(super) fn end_peers(&mut self, backward: &mut Gradients) {
+        let Some(peers) = &mut self.peers else {
+            return;
+        };
+        let keep = self.phase == Phase::Norm;
+        let mut earlier = earlier::<B>(self.sums.as_mut(), &self.keys, Some(backward), keep);
+        peers.end(&mut earlier);
+    }
+
+    /// After backward with peers: the gradients whose taps did not run are reduced (with this
+    /// peer's sums of the group's earlier micro-batches: in `sums`, or seeded and left in
+    /// `backward`, what the backward returned), `reached` becomes the parameters some peer had
+    /// a gradient of, and the means this peer keeps but had no gradient of are used (`model`:
+    /// any model with the tapped parameters' ids).
+    pub(super) fn finish_peers<M: AutodiffModule<B>>(
+        &mut self,
+        model: &M,
+        backward: &mut B::Gradients,
+    ) -> Result<()> {
         let Some(peers) = &mut self.peers else {
             return Ok(());
         };
         let keep = self.phase == Phase::Norm;
-        let (reached, deferred) = peers.finish(self.sums.as_mut(), keep)?;
+        let backward = taps::autodiff_grads::<B>(backward);
+        let mut earlier = earlier::<B>(self.sums.as_mut(), &self.keys, backward, keep);
+        let (reached, deferred) = peers.finish(&mut earlier)?;
         self.reached = reached;
         struct UseDeferred<'a, B: AutodiffBackend> {
             table: &'a mut TableInner<B>,
@@ -352,6 +388,22 @@ impl<B: AutodiffBackend> TableInner<B> {
             }
             _ => Ok(combine(model, &mut self.parts, norm_type)),
         }
+    }
+}
+
+/// Where [`BackwardReduce`] finds this peer's sums of the group's earlier micro-batches: the
+/// fp32 sums beside half gradients (taken, or copied where `keep`), else what was seeded on
+/// the taps' nodes, left in `backward`.
+fn earlier<'a, B: AutodiffBackend>(
+    sums: Option<&'a mut GradientsParams>,
+    keys: &'a HashMap<ParamId, FloatTensor<Autodiff<K<B>>>>,
+    backward: Option<&'a mut Gradients>,
+    keep: bool,
+) -> Earlier<'a, K<B>> {
+    match (sums, backward) {
+        (Some(sums), _) => Earlier::Sums { sums, keep },
+        (None, Some(grads)) => Earlier::Seeded { grads, keys },
+        (None, None) => Earlier::Nothing,
     }
 }
 
