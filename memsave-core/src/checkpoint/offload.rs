@@ -92,9 +92,10 @@ pub fn activation_offload() -> Option<ActivationOffload> {
     *SETTING.read().unwrap_or_else(|e| e.into_inner())
 }
 
-/// What CPU staging (either offload) can do on a backend: [`staging`].
+/// What CPU staging (either offload) can do on a backend: [`staging`]. (The planner's
+/// [`crate::planner::advise::Staging`] is what a plan may spend on it.)
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub enum Staging {
+pub enum StagingSupport {
     /// Its tensors live in memory of the device's own: staging moves them to the host.
     Possible,
     /// Its tensors live in host memory (Flex): host and device are one memory, staging saves
@@ -106,12 +107,12 @@ pub enum Staging {
 
 /// What CPU staging can do on the backend `B` (the inner backend of an autodiff one). The one
 /// reader of the hidden [`stage_on_host_resident_backends`] switch.
-pub fn staging<B: Backend>() -> Staging {
+pub fn staging<B: Backend>() -> StagingSupport {
     match crate::nn::host_resident::<B>() {
-        Some(false) => Staging::Possible,
-        Some(true) if HOST_AS_DEVICE.load(Ordering::Relaxed) => Staging::Possible,
-        Some(true) => Staging::NothingToSave,
-        None => Staging::Unknown(format!(
+        Some(false) => StagingSupport::Possible,
+        Some(true) if HOST_AS_DEVICE.load(Ordering::Relaxed) => StagingSupport::Possible,
+        Some(true) => StagingSupport::NothingToSave,
+        None => StagingSupport::Unknown(format!(
             "memsave does not know where the backend `{}` keeps its tensors (register it with \
              `memsave::nn::register_backend`)",
             std::any::type_name::<B>()
@@ -120,7 +121,7 @@ pub fn staging<B: Backend>() -> Staging {
 }
 
 /// The line a run prints once where `key` (`offload.activations`, `offload.optimizer`) is on
-/// but the backend `B` has nothing to offload to ([`Staging::NothingToSave`]).
+/// but the backend `B` has nothing to offload to ([`StagingSupport::NothingToSave`]).
 pub fn nothing_to_save<B: Backend>(key: &str) -> String {
     format!(
         "memsave: `{key}` is on, but this run's device keeps its tensors in host memory \
@@ -134,13 +135,13 @@ pub fn nothing_to_save<B: Backend>(key: &str) -> String {
 /// the backend).
 pub fn can_offload<B: Backend>() -> Result<(), String> {
     match staging::<B>() {
-        Staging::Possible => Ok(()),
-        Staging::NothingToSave => Err(format!(
+        StagingSupport::Possible => Ok(()),
+        StagingSupport::NothingToSave => Err(format!(
             "the backend `{}` keeps its tensors in host memory: host and device are one memory, \
              and offloading to the host saves nothing",
             std::any::type_name::<B>()
         )),
-        Staging::Unknown(why) => Err(why),
+        StagingSupport::Unknown(why) => Err(why),
     }
 }
 

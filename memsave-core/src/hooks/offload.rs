@@ -194,15 +194,15 @@ impl<B: AutodiffBackend, M: TrainModel<B>> Hook<B, M> for OffloadHook {
 
     fn before_run(&mut self, state: &mut TrainState<B, M>) -> Result<()> {
         match offload::staging::<B::InnerBackend>() {
-            offload::Staging::Possible => {}
-            offload::Staging::NothingToSave => {
+            offload::StagingSupport::Possible => {}
+            offload::StagingSupport::NothingToSave => {
                 eprintln!(
                     "{}",
                     offload::nothing_to_save::<B::InnerBackend>("offload.activations")
                 );
                 return Ok(());
             }
-            offload::Staging::Unknown(why) => {
+            offload::StagingSupport::Unknown(why) => {
                 return Err(Error::invalid("offload.activations", why));
             }
         }

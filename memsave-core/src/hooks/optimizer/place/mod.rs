@@ -162,8 +162,8 @@ impl Place {
         state: &TrainState<B, M>,
     ) -> Place {
         if optimizer_offload {
-            use crate::checkpoint::offload::{nothing_to_save, staging, Staging};
-            if staging::<B::InnerBackend>() != Staging::NothingToSave {
+            use crate::checkpoint::offload::{nothing_to_save, staging, StagingSupport};
+            if staging::<B::InnerBackend>() != StagingSupport::NothingToSave {
                 return Place::OnHost(OnHost::default());
             }
             // Flex: the host is the device; the step runs where it would without offload.
