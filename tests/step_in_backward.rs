@@ -625,6 +625,7 @@ fn the_step_in_backward_with_peers_but_no_peer_reducer_is_an_error_naming_it() {
     runner.state_mut().peer = PeerPlace {
         rank: 0,
         world_size: 2,
+        ..PeerPlace::ALONE
     };
     let message = runner.run().unwrap_err().to_string();
     assert!(

@@ -252,6 +252,66 @@ fn the_step_in_backward_with_peers_steps_like_plain_data_parallelism_at_every_st
     }
 }
 
+/// Optimizer offload's host bytes are the host's: every peer of this process is counted (a set
+/// each at stage 0, their parts under ZeRO), as the check before `memsave train` and the
+/// activation offload's limit count them. Each peer's state knows its process's peers.
+#[test]
+fn optimizer_offloads_host_bytes_count_every_peer_of_the_process() {
+    use memsave::parallel::zero::owned_bytes;
+    use memsave::train::params::{OffloadedOptimizer, OnThisHost};
+    let _turn = turn();
+    let places = watchdog(60, || {
+        let dir = work_dir("places");
+        peers(2, |peer| {
+            let shard = peer.shard();
+            let length = RunLength::Iters(1);
+            let runner = peer_runner(
+                net(),
+                OptimizerHook::new(),
+                data(2, 8, shard),
+                length,
+                &dir,
+                peer,
+            );
+            Ok(runner.state().peer)
+        })
+        .unwrap()
+    });
+    for place in &places {
+        assert_eq!(place.local_ranks(), 0..2, "{place:?}");
+    }
+    let model = net();
+    let of = |accumulates: bool, host: &OnThisHost| {
+        OffloadedOptimizer::of(&model, 2.0, accumulates, host)
+    };
+    let alone = of(true, &OnThisHost::alone());
+    assert_eq!(
+        (alone.state, alone.sums, alone.peers),
+        (2 * alone.masters, alone.masters, 1)
+    );
+    // Two peers here, a whole set each; the sums stay on the device with peers.
+    let whole_each = of(true, &OnThisHost::of(&places[0], false));
+    assert_eq!(whole_each.masters, 2 * alone.masters);
+    assert_eq!((whole_each.sums, whole_each.peers), (0, 2));
+    // Under ZeRO the two parts here are the whole model once.
+    let parts = of(true, &OnThisHost::of(&places[1], true));
+    assert_eq!(parts.masters, alone.masters);
+    // Two peers of four here (the second node): their two parts.
+    let owned = owned_bytes(&model, 4);
+    let node = OnThisHost {
+        world: 4,
+        local: 2..4,
+        sharded: true,
+    };
+    let half = of(false, &node);
+    assert_eq!(half.masters, owned[2] + owned[3]);
+    assert!(
+        half.masters < alone.masters && half.masters > 0,
+        "{half:?} {owned:?}"
+    );
+    assert_eq!(half.total(), 3 * half.masters);
+}
+
 /// Heads that some micro-batches do not reach ([`Sometimes`]), under accumulation in groups of
 /// 3. Peer 0 uses them at each group's first two micro-batches, peer 1 at iterations 0 and 5 of
 /// every 6: at iteration 2 neither peer's last micro-batch reaches them, at 5 peer 1's does and

@@ -163,7 +163,8 @@ impl<M, D> Config<M, D> {
             Box::new(
                 crate::hooks::OffloadHook::new(setting)
                     .with_host_budget(host_budget)
-                    .with_optimizer_offload(self.offload.optimizer, accumulates),
+                    .with_optimizer_offload(self.offload.optimizer, accumulates)
+                    .with_zero_stage(self.optimizer_config.zero().unwrap_or_default()),
             ) as Box<dyn Hook<B, Mo>>
         });
         let mut hooks: Vec<Box<dyn Hook<B, Mo>>> = vec![

@@ -97,6 +97,8 @@ pub struct OffloadHook {
     /// Whether optimizer offload keeps its state and masters (and, accumulating, the sums) in
     /// the same budget: `Some(accumulates)`.
     optimizer_on_host: Option<bool>,
+    /// Whether each data-parallel peer keeps only its part of the state (ZeRO 1 or 2).
+    sharded: bool,
     /// Whether this hook's run holds the setting in force ([`IN_FORCE`]).
     active: bool,
     /// Whether the first iteration's offload was looked at.
@@ -110,6 +112,7 @@ impl OffloadHook {
             setting,
             host_budget: None,
             optimizer_on_host: None,
+            sharded: false,
             active: false,
             checked: false,
         }
@@ -128,6 +131,14 @@ impl OffloadHook {
     /// it `accumulates` training alone, the group's fp32 sums.
     pub fn with_optimizer_offload(mut self, on: bool, accumulates: bool) -> Self {
         self.optimizer_on_host = on.then_some(accumulates);
+        self
+    }
+
+    /// Whether, with data-parallel peers, each keeps the optimizer's state and masters of its
+    /// own part only (ZeRO `stage` 1 or 2): what optimizer offload holds on this host is then
+    /// the parts of this process's peers, else a whole set for each of them.
+    pub fn with_zero_stage(mut self, stage: crate::parallel::ZeroStage) -> Self {
+        self.sharded = stage != crate::parallel::ZeroStage::Off;
         self
     }
 
@@ -162,17 +173,20 @@ impl OffloadHook {
     }
 
     /// What the host budget leaves activation offload: the budget less optimizer offload's
-    /// masters, state and sums (the same bytes the check before the run counts).
+    /// masters, state and sums, for every peer of this process (the same bytes the check
+    /// before the run counts). The limit is the process's: its peers share it.
     fn host_limit<B: AutodiffBackend, M: TrainModel<B>>(
         &self,
         state: &TrainState<B, M>,
     ) -> Option<u64> {
+        use crate::train::params::{OffloadedOptimizer, OnThisHost};
         let budget = self.host_budget?;
         let optimizer = match self.optimizer_on_host {
-            Some(accumulates) => crate::train::params::OffloadedOptimizer::of(
+            Some(accumulates) => OffloadedOptimizer::of(
                 &state.model,
                 state.optimizer_state_per_weight,
-                accumulates && state.world_size() == 1,
+                accumulates,
+                &OnThisHost::of(&state.peer, self.sharded),
             )
             .total(),
             None => 0,

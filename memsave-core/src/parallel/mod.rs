@@ -75,6 +75,12 @@ pub trait Collective<B: Backend>: Send + Sync {
     /// The reduction of `tensor` over every peer; every peer gets the same values.
     fn all_reduce(&self, tensor: FloatTensor<B>, op: Reduce) -> Result<FloatTensor<B>>;
 
+    /// The ranks of the peers in this peer's process, which share its host memory (itself
+    /// only, unless the implementation says more).
+    fn local_ranks(&self) -> std::ops::Range<usize> {
+        self.rank()..self.rank() + 1
+    }
+
     /// The shard of the data this peer reads.
     fn shard(&self) -> Shard {
         Shard {

@@ -233,9 +233,12 @@ where
     M: TrainModel<A>,
     D: DataSource<A, M::Batch>,
 {
+    let local = collective.local_ranks();
     runner.state_mut().peer = PeerPlace {
         rank: collective.rank(),
         world_size: collective.world_size(),
+        local_first: local.start,
+        local_peers: local.len(),
     };
     runner.register_hook_at(Box::new(BroadcastHook::new(collective)), Priority::VeryHigh);
 }

@@ -317,6 +317,10 @@ impl<B: Backend> Collective<B> for BurnPeer<B> {
         self.topology.world()
     }
 
+    fn local_ranks(&self) -> std::ops::Range<usize> {
+        self.topology.local_ranks()
+    }
+
     fn all_reduce(&self, tensor: FloatTensor<B>, op: Reduce) -> Result<FloatTensor<B>> {
         let id = self.id;
         let op = match op {

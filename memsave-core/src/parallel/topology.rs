@@ -49,6 +49,11 @@ impl Topology {
         self.devices * self.nodes
     }
 
+    /// The ranks of this process's peers.
+    pub fn local_ranks(&self) -> std::ops::Range<usize> {
+        self.rank_of(0)..self.rank_of(self.devices.max(1))
+    }
+
     /// The rank of this process's peer `local`.
     pub(crate) fn rank_of(&self, local: usize) -> usize {
         self.node_rank * self.devices + local
@@ -155,4 +160,19 @@ fn parse_address(flag: &str, address: &str) -> Result<burn_communication::Addres
     address
         .parse()
         .map_err(|error: String| Error::invalid(flag, error))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_process_holds_the_ranks_of_its_devices() {
+        let mut topology = Topology::local(3);
+        assert_eq!(topology.local_ranks(), 0..3);
+        topology.nodes = 2;
+        topology.node_rank = 1;
+        assert_eq!(topology.local_ranks(), 3..6);
+        assert_eq!(topology.rank_of(1), 4);
+    }
 }

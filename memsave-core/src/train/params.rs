@@ -39,7 +39,40 @@ pub(crate) fn trainable_elements<B: AutodiffBackend, M: AutodiffModule<B>>(model
     elements.0
 }
 
-/// What optimizer offload keeps in host memory (see [`OffloadedOptimizer::of`]).
+/// The peers whose optimizer offload shares one host's memory: those of this process. A host
+/// budget (`[memory] host_budget`) is the machine's, so it holds all of theirs.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct OnThisHost {
+    /// The number of peers in the run.
+    pub world: usize,
+    /// The ranks of the peers in this process.
+    pub local: std::ops::Range<usize>,
+    /// Whether each peer keeps the state and masters of its own part only (ZeRO stage 1 or 2).
+    pub sharded: bool,
+}
+
+impl OnThisHost {
+    /// Training alone.
+    pub fn alone() -> Self {
+        OnThisHost {
+            world: 1,
+            local: 0..1,
+            sharded: false,
+        }
+    }
+
+    /// The peers of the process `place` is in, each keeping its part where `sharded`.
+    pub fn of(place: &crate::train::PeerPlace, sharded: bool) -> Self {
+        OnThisHost {
+            world: place.world_size.max(1),
+            local: place.local_ranks(),
+            sharded,
+        }
+    }
+}
+
+/// What optimizer offload keeps in host memory (see [`OffloadedOptimizer::of`]): for every
+/// peer on this host.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct OffloadedOptimizer {
     /// The fp32 master weights.
@@ -48,22 +81,38 @@ pub struct OffloadedOptimizer {
     pub state: u64,
     /// The group's fp32 gradient sums (under accumulation, training alone; else 0).
     pub sums: u64,
+    /// The peers they are for (1 training alone).
+    pub peers: usize,
 }
 
 impl OffloadedOptimizer {
-    /// For `model`'s trainable parameters: their fp32 masters, the optimizer's state at
-    /// `state_per_weight` fp32 copies of them (8-bit state: its share), and the group's fp32
-    /// sums where `sums_on_host` (accumulation, training alone).
+    /// For `model`'s trainable parameters, on the peers `host` says: the fp32 masters of the
+    /// parameters each steps (every one, or under ZeRO its part, as balanced by
+    /// [`crate::parallel::zero::owned_bytes`]), the optimizer's state at `state_per_weight`
+    /// fp32 copies of them (8-bit state: its share), and, training alone where it
+    /// `accumulates`, the group's fp32 sums (with peers the sums stay on the device).
     pub fn of<B: AutodiffBackend, M: AutodiffModule<B>>(
         model: &M,
         state_per_weight: f64,
-        sums_on_host: bool,
+        accumulates: bool,
+        host: &OnThisHost,
     ) -> Self {
-        let masters = trainable_elements(model) * 4;
+        let whole = trainable_elements(model) * 4;
+        let alone = host.world <= 1;
+        let peers = host.local.len().max(1);
+        let masters = if alone {
+            whole
+        } else if host.sharded {
+            let owned = crate::parallel::zero::owned_bytes::<B, M>(model, host.world);
+            host.local.clone().filter_map(|rank| owned.get(rank)).sum()
+        } else {
+            whole * peers as u64
+        };
         OffloadedOptimizer {
             masters,
             state: (masters as f64 * state_per_weight) as u64,
-            sums: if sums_on_host { masters } else { 0 },
+            sums: if alone && accumulates { whole } else { 0 },
+            peers: if alone { 1 } else { peers },
         }
     }
 

@@ -89,6 +89,10 @@ pub struct PeerPlace {
     pub rank: usize,
     /// The number of peers.
     pub world_size: usize,
+    /// The first rank of the peers in this process (which share its host memory).
+    pub local_first: usize,
+    /// The number of peers in this process (1 where each process has one).
+    pub local_peers: usize,
 }
 
 impl PeerPlace {
@@ -96,7 +100,14 @@ impl PeerPlace {
     pub const ALONE: PeerPlace = PeerPlace {
         rank: 0,
         world_size: 1,
+        local_first: 0,
+        local_peers: 1,
     };
+
+    /// The ranks of the peers in this process.
+    pub fn local_ranks(&self) -> std::ops::Range<usize> {
+        self.local_first..self.local_first + self.local_peers.max(1)
+    }
 }
 
 /// The state of a run, handed to every hook.

@@ -8,6 +8,7 @@ use memsave::config::Config;
 use memsave::models::registry::{Built, ModelJob};
 use memsave::parallel::{Collective, PeerReducer};
 use memsave::planner::{AutoPlanHook, WithCp};
+use memsave::train::params::OnThisHost;
 use memsave::train::{DataSource, Hook, Runner, TrainModel};
 
 use super::measure::measure;
@@ -117,7 +118,16 @@ where
         None => None,
     };
     if let Job::Train = job {
-        host_budget_holds(config, &model, peer.is_none())?;
+        let zero = config.optimizer_config.zero()?;
+        let host = match &peer {
+            Some(peer) => OnThisHost {
+                world: peer.world_size(),
+                local: peer.local_ranks(),
+                sharded: zero != memsave::parallel::ZeroStage::Off,
+            },
+            None => OnThisHost::alone(),
+        };
+        host_budget_holds(config, &model, &host)?;
     }
     let zero = config.optimizer_config.zero()?;
     if zero != memsave::parallel::ZeroStage::Off && peer.is_none() && main {
@@ -182,12 +192,13 @@ where
 }
 
 /// Optimizer offload on a device with memory of its own: the host must hold the fp32 masters and
-/// the optimizer's state within `[memory] host_budget` (default: half the machine's available
-/// memory), or the run stops before it starts, naming the key and what fits.
+/// the optimizer's state of every peer on it (`host`: this process's) within `[memory]
+/// host_budget` (default: half the machine's available memory), or the run stops before it
+/// starts, naming the key and what fits.
 fn host_budget_holds<B, S, D, M>(
     config: &Config<S, D>,
     model: &M,
-    alone: bool,
+    host: &OnThisHost,
 ) -> memsave::Result<()>
 where
     B: AutodiffBackend + memsave::Backend,
@@ -211,12 +222,23 @@ where
     let held = memsave::train::params::OffloadedOptimizer::of::<B, M>(
         model,
         config.optimizer().state_per_weight(),
-        accumulates && alone,
+        accumulates,
+        host,
     );
     let (trainable, state, sums, needed) = (held.masters, held.state, held.sums, held.total());
     if needed <= budget {
         return Ok(());
     }
+    let zero_said = if host.world > 1 && !host.sharded {
+        ", shard it across the peers (`optimizer_config.zero_stage = 1`)"
+    } else {
+        ""
+    };
+    let peers_said = match (held.peers, host.sharded) {
+        (1, _) => String::new(),
+        (peers, true) => format!(" for the {peers} peers of this process (each its part)"),
+        (peers, false) => format!(" for the {peers} peers of this process (a set each)"),
+    };
     let sums_said = if sums > 0 {
         format!(
             ", the group's gradient sums ({})",
@@ -229,9 +251,9 @@ where
         "offload.optimizer",
         format!(
             "the host must hold the fp32 master weights ({}) and the optimizer's state \
-             ({}){sums_said}, {} in all, and `[memory] host_budget` leaves {}{}: raise \
-             `memory.host_budget`, keep the state in 8 bits (`optimizer.state_dtype = \"int8\"`, \
-             a quarter of it), or turn optimizer offload off",
+             ({}){sums_said}{peers_said}, {} in all, and `[memory] host_budget` leaves {}{}: \
+             raise `memory.host_budget`, keep the state in 8 bits (`optimizer.state_dtype = \
+             \"int8\"`, a quarter of it){zero_said}, or turn optimizer offload off",
             memsave::memory::human(trainable),
             memsave::memory::human(state),
             memsave::memory::human(needed),
