@@ -622,11 +622,7 @@ fn the_step_in_backward_with_peers_but_no_peer_reducer_is_an_error_naming_it() {
         Default::default(),
     )
     .unwrap();
-    runner.state_mut().peer = PeerPlace {
-        rank: 0,
-        world_size: 2,
-        ..PeerPlace::ALONE
-    };
+    runner.state_mut().peer = PeerPlace::new(0, 2);
     let message = runner.run().unwrap_err().to_string();
     assert!(
         message.contains("step_in_backward") && message.contains("PeerReducer"),

@@ -280,6 +280,14 @@ fn optimizer_offloads_host_bytes_count_every_peer_of_the_process() {
     for place in &places {
         assert_eq!(place.local_ranks(), 0..2, "{place:?}");
     }
+    // A place that says nothing of its process: its own rank alone.
+    let bare = memsave::train::PeerPlace {
+        rank: 1,
+        world_size: 2,
+        ..memsave::train::PeerPlace::ALONE
+    };
+    assert_eq!(bare.local_ranks(), 1..2);
+    assert_eq!(memsave::train::PeerPlace::new(1, 2).local_ranks(), 1..2);
     let model = net();
     let of = |accumulates: bool, host: &OnThisHost| {
         OffloadedOptimizer::of(&model, 2.0, accumulates, host)

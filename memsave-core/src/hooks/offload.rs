@@ -136,7 +136,8 @@ impl OffloadHook {
 
     /// Whether, with data-parallel peers, each keeps the optimizer's state and masters of its
     /// own part only (ZeRO `stage` 1 or 2): what optimizer offload holds on this host is then
-    /// the parts of this process's peers, else a whole set for each of them.
+    /// the parts of this process's peers, else (the default) a whole set for each of them,
+    /// never too few.
     pub fn with_zero_stage(mut self, stage: crate::parallel::ZeroStage) -> Self {
         self.sharded = stage != crate::parallel::ZeroStage::Off;
         self

@@ -5,15 +5,20 @@
 //!
 //! Every peer must make the same all-reduces in the same order. The taps run in the reverse of
 //! the model's visiting order, the same on every peer; a parameter whose tap does not run on a
-//! peer (a branch its data did not take) is reduced there, with zeros, when a later tap runs or
-//! backward ends, so that the calls stay in step. After backward one more all-reduce counts
-//! which peers had each gradient: one that no peer had has none (as in plain data
-//! parallelism); an owner that had none itself receives the others' mean then.
+//! peer (a branch its data did not take) is reduced there when a later tap runs, or at the
+//! backward's end ([`BackwardReduce::end`], a step below every tap), so that the calls stay in
+//! step: with the peer's sum of the group's earlier micro-batches where it has one
+//! ([`Earlier`]), else with zeros. Each of these is made inside the backward: peers on threads of
+//! one process share Burn's graph registry, and a peer whose backward has returned takes every
+//! graph's lock to clean up, which waits for a peer still in its backward. After backward one
+//! more all-reduce (which no peer's backward waits for) counts which peers had each gradient:
+//! one that no peer had has none (as in plain data parallelism); an owner that had none itself
+//! receives the others' mean then.
 //!
 //! Exactness: an all-reduce sums element by element, so a parameter's mean is the same bits
 //! whether it travels alone or in a bucket ([`super::all_reduce_grads`]). One difference is
 //! left: plain data parallelism averages a half gradient that some peers lack in fp32; here it
-//! is averaged in its own precision.
+//! is averaged in its own precision (under accumulation both average in fp32).
 
 use std::collections::{HashMap, HashSet};
 
@@ -237,6 +242,12 @@ impl<K: Backend> BackwardReduce<K> {
         &mut self,
         earlier: &mut Earlier<'_, K>,
     ) -> Result<(HashSet<ParamId>, HashMap<ParamId, FloatTensor<K>>)> {
+        // After backward, a peer still in its backward could wait for these (see the module
+        // docs): the passes end their backward with `end`.
+        debug_assert_eq!(
+            self.below, 0,
+            "the backward ended without `BackwardReduce::end`"
+        );
         self.flush(0, earlier);
         if let Some(error) = self.error.take() {
             return Err(error);
@@ -327,6 +338,7 @@ mod tests {
                             kept.push((position, values(mean)));
                         }
                     }
+                    reduce.end(&mut Earlier::Nothing);
                     let (reached, deferred) = reduce.finish(&mut Earlier::Nothing)?;
                     let position = |id: &ParamId| ids.iter().position(|i| i == id).unwrap();
                     let mut deferred: Vec<(usize, Vec<f32>)> = deferred

@@ -104,9 +104,25 @@ impl PeerPlace {
         local_peers: 1,
     };
 
-    /// The ranks of the peers in this process.
+    /// Peer `rank` of `world_size`, alone in its process.
+    pub fn new(rank: usize, world_size: usize) -> Self {
+        PeerPlace {
+            rank,
+            world_size,
+            local_first: rank,
+            local_peers: 1,
+        }
+    }
+
+    /// The ranks of the peers in this process (its own rank alone where the fields do not hold
+    /// it).
     pub fn local_ranks(&self) -> std::ops::Range<usize> {
-        self.local_first..self.local_first + self.local_peers.max(1)
+        let local = self.local_first..self.local_first + self.local_peers.max(1);
+        if local.contains(&self.rank) {
+            local
+        } else {
+            self.rank..self.rank + 1
+        }
     }
 }
 

@@ -92,6 +92,7 @@ impl<R> Parts<'_, R> {
         self.log_loss(state, &loss)?;
         let divisor = self.groups.loss_factor(state.iter, state.max_iters) as f64;
         let summed = self.summed.take();
+        let peers = state.world_size() > 1;
         let grads = memory::in_phase(memory::phase::BACKWARD, || match &self.mixed {
             // fp32: the group's sums start the backward pass, no second set is made.
             None => grads::backward::<B, M>(loss.div_scalar(divisor), &state.model, summed),
@@ -101,12 +102,15 @@ impl<R> Parts<'_, R> {
                 let loss = loss.cast(DType::F32).mul_scalar(scale / divisor);
                 let grads = grads::backward::<B, M>(loss, state.forward_model(), None);
                 match summed {
-                    // Each half gradient is cast as it is added to its fp32 sum; one that no
-                    // earlier micro-batch gave a sum (a branch they did not reach) is cast too:
-                    // a group's gradients are all fp32, as another peer's sum of it is.
+                    // Each half gradient is cast as it is added to its fp32 sum. With peers, one
+                    // that no earlier micro-batch gave a sum (a branch they did not reach) is
+                    // cast too, as another peer's sum of it is fp32 (one precision to average;
+                    // training alone the step casts it, a part at a time).
                     Some(mut summed) => {
                         grads::accumulate::<B, M>(&state.model, &mut summed, grads);
-                        grads::to_f32::<B, M>(&state.model, &mut summed);
+                        if peers {
+                            grads::to_f32::<B, M>(&state.model, &mut summed);
+                        }
                         summed
                     }
                     // Half: cast at the step, group by group, or below as a group's first sums.
