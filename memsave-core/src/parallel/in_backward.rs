@@ -83,7 +83,7 @@ pub(crate) enum Earlier<'a, K: Backend> {
     },
     /// In fp32: the sums seeded the backward, each on its parameter's tap's node
     /// ([`crate::train::taps::seeded_on`]); a tap that did not run leaves it in `grads`, the
-    /// backward's gradients (during the pass or after it). `keys`: the taps' nodes.
+    /// gradients of the backward under way. `keys`: the taps' nodes.
     Seeded {
         grads: &'a mut Gradients,
         keys: &'a HashMap<ParamId, FloatTensor<Autodiff<K>>>,
@@ -233,22 +233,20 @@ impl<K: Backend> BackwardReduce<K> {
         self.flush(0, earlier);
     }
 
-    /// After backward: the parameters whose taps did not run are reduced (with their sums from
-    /// `earlier`, as in [`Self::reduce`]; none are left where [`Self::end`] ran), and the peers
-    /// count who had each gradient.
-    /// Returns the parameters some peer had a gradient of, and the means this peer keeps of
-    /// those it had none of itself.
+    /// After backward (which ended with [`Self::end`]: every parameter is reduced), the peers
+    /// count who had each gradient. Returns the parameters some peer had a gradient of, and the
+    /// means this peer keeps of those it had none of itself.
     pub(crate) fn finish(
         &mut self,
-        earlier: &mut Earlier<'_, K>,
     ) -> Result<(HashSet<ParamId>, HashMap<ParamId, FloatTensor<K>>)> {
         // After backward, a peer still in its backward could wait for these (see the module
-        // docs): the passes end their backward with `end`.
+        // docs): the passes end their backward with `end`. Were one not to, zeros keep the
+        // peers' calls in step.
         debug_assert_eq!(
             self.below, 0,
             "the backward ended without `BackwardReduce::end`"
         );
-        self.flush(0, earlier);
+        self.flush(0, &mut Earlier::Nothing);
         if let Some(error) = self.error.take() {
             return Err(error);
         }
@@ -339,7 +337,7 @@ mod tests {
                         }
                     }
                     reduce.end(&mut Earlier::Nothing);
-                    let (reached, deferred) = reduce.finish(&mut Earlier::Nothing)?;
+                    let (reached, deferred) = reduce.finish()?;
                     let position = |id: &ParamId| ids.iter().position(|i| i == id).unwrap();
                     let mut deferred: Vec<(usize, Vec<f32>)> = deferred
                         .into_iter()

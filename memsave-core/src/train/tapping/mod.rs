@@ -207,10 +207,10 @@ impl<B: AutodiffBackend> Tapping<B> {
             None => loss,
         };
         let loss = self.with_end(loss, &table);
-        let mut grads = loss.backward();
+        let grads = loss.backward();
         crate::checkpoint::join_helpers();
         let mut inner = lock(&table.inner);
-        let finished = inner.finish_peers(forward, &mut grads);
+        let finished = inner.finish_peers(forward);
         inner.finish_sums(forward, grads);
         let norm = finished.and_then(|()| inner.norm(forward, &state.device));
         let reached = std::mem::take(&mut inner.reached);
@@ -246,11 +246,10 @@ impl<B: AutodiffBackend> Tapping<B> {
             None => loss,
         };
         let loss = self.with_end(loss, &table);
-        let mut grads = loss.backward();
+        drop(loss.backward());
         crate::checkpoint::join_helpers();
         let mut inner = lock(&table.inner);
-        let finished = inner.finish_peers(forward, &mut grads);
-        drop(grads);
+        let finished = inner.finish_peers(forward);
         let kept = std::mem::take(&mut inner.kept);
         let reached = std::mem::take(&mut inner.reached);
         inner.sums = None;
@@ -307,10 +306,10 @@ impl<B: AutodiffBackend> Tapping<B> {
                 inner.forward = Some(extract.values);
             }
         }
-        let mut grads = loss.backward();
+        let grads = loss.backward();
         crate::checkpoint::join_helpers();
         let mut inner = lock(&table.inner);
-        let finished = inner.finish_peers(&state.model, &mut grads);
+        let finished = inner.finish_peers(&state.model);
         inner.finish_sums(&state.model, grads);
         inner.host_sums = None;
         match (inner.steps.take(), host) {

@@ -146,8 +146,7 @@ impl<B: AutodiffBackend> Sink<K<B>> for Table<B> {
         };
         let grad = match &mut table.peers {
             Some(peers) => {
-                let mut earlier =
-                    earlier::<B>(table.sums.as_mut(), &table.keys, Some(backward), keep);
+                let mut earlier = earlier::<B>(table.sums.as_mut(), &table.keys, backward, keep);
                 match peers.reduce(id, grad, &mut earlier) {
                     Some(mean) => mean,
                     // Another peer's part, or the pass failed (said after backward).
@@ -267,7 +266,7 @@ impl<B: AutodiffBackend> TableInner<B> {
     /// micro-batch added to. The sums are on the host under optimizer offload; else, training
     /// alone, on the device: in fp32 they seeded the backward, and such a sum is left on its
     /// tap's node in `grads`; under mixed precision it is left in `sums`. (With peers on the
-    /// device, [`Self::finish_peers`] has reduced them.)
+    /// device, [`Self::end_peers`] has reduced them.)
     pub(super) fn finish_sums<M: AutodiffModule<B>>(&mut self, model: &M, mut grads: B::Gradients) {
         if !matches!(self.phase, Phase::Norm | Phase::Step)
             || (self.host_sums.is_none() && self.peers.is_some())
@@ -330,27 +329,19 @@ impl<B: AutodiffBackend> TableInner<B> {
             return;
         };
         let keep = self.phase == Phase::Norm;
-        let mut earlier = earlier::<B>(self.sums.as_mut(), &self.keys, Some(backward), keep);
+        let mut earlier = earlier::<B>(self.sums.as_mut(), &self.keys, backward, keep);
         peers.end(&mut earlier);
     }
 
-    /// After backward with peers: the gradients whose taps did not run are reduced (with this
-    /// peer's sums of the group's earlier micro-batches: in `sums`, or seeded and left in
-    /// `backward`, what the backward returned), `reached` becomes the parameters some peer had
-    /// a gradient of, and the means this peer keeps but had no gradient of are used (`model`:
-    /// any model with the tapped parameters' ids).
-    pub(super) fn finish_peers<M: AutodiffModule<B>>(
-        &mut self,
-        model: &M,
-        backward: &mut B::Gradients,
-    ) -> Result<()> {
+    /// After backward with peers (the gradients whose taps did not run were reduced at its end,
+    /// [`Self::end_peers`]): `reached` becomes the parameters some peer had a gradient of, and
+    /// the means this peer keeps but had no gradient of are used (`model`: any model with the
+    /// tapped parameters' ids).
+    pub(super) fn finish_peers<M: AutodiffModule<B>>(&mut self, model: &M) -> Result<()> {
         let Some(peers) = &mut self.peers else {
             return Ok(());
         };
-        let keep = self.phase == Phase::Norm;
-        let backward = taps::autodiff_grads::<B>(backward);
-        let mut earlier = earlier::<B>(self.sums.as_mut(), &self.keys, backward, keep);
-        let (reached, deferred) = peers.finish(&mut earlier)?;
+        let (reached, deferred) = peers.finish()?;
         self.reached = reached;
         struct UseDeferred<'a, B: AutodiffBackend> {
             table: &'a mut TableInner<B>,
@@ -397,13 +388,15 @@ impl<B: AutodiffBackend> TableInner<B> {
 fn earlier<'a, B: AutodiffBackend>(
     sums: Option<&'a mut GradientsParams>,
     keys: &'a HashMap<ParamId, FloatTensor<Autodiff<K<B>>>>,
-    backward: Option<&'a mut Gradients>,
+    backward: &'a mut Gradients,
     keep: bool,
 ) -> Earlier<'a, K<B>> {
-    match (sums, backward) {
-        (Some(sums), _) => Earlier::Sums { sums, keep },
-        (None, Some(grads)) => Earlier::Seeded { grads, keys },
-        (None, None) => Earlier::Nothing,
+    match sums {
+        Some(sums) => Earlier::Sums { sums, keep },
+        None => Earlier::Seeded {
+            grads: backward,
+            keys,
+        },
     }
 }
 
