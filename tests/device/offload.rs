@@ -367,6 +367,69 @@ fn many_segments_prefetched_on_helper_threads_are_written_before_they_are_read()
     });
 }
 
+/// Activation offload's copies run on a stream of their own: the prefetched inputs' buffers
+/// come from that stream's pool (which the copy stream's meter, read alone, sees), and
+/// the training thread's pool meter reads that pool beside its own (a tensor made on the copy
+/// stream shows in it). Without the copy stream, or with the meter reading one stream, this
+/// fails.
+#[cfg(any(feature = "wgpu", feature = "cuda"))]
+#[test]
+fn activation_offloads_copies_run_on_a_stream_of_their_own_that_the_pool_meter_reads() {
+    on_device(|| {
+        let device: burn::tensor::Device<D> = Default::default();
+        D::seed(&device, 7);
+        let copies = memsave::checkpoint::copy_stream().expect("the runtime keeps many streams");
+        // A meter made on the copy stream reads its pools alone (it has no copy stream in use).
+        let copy_meter = copies
+            .executes(|| memory::meter_for(&device))
+            .expect("the device's memory can be read");
+        let meter = memory::meter_for(&device).expect("the device's memory can be read");
+        let before = copy_meter.reserved().unwrap_or(0);
+        let width = 128;
+        let model = deep(width, &device);
+        let x = Tensor::<D, 2>::random([512, width], Distribution::Normal(0.0, 1.0), &device);
+        let (reference, _) = with_offload(None, || deep_grads(&model, &x));
+        let setting = ActivationOffload {
+            min_bytes: 1024,
+            max_in_flight: 256 << 20,
+            prefetch: 3,
+        };
+        let base = copy_meter.reset_peak();
+        let (grads, stats) = with_offload(Some(setting), || deep_grads(&model, &x));
+        let seen = copy_meter.peak().saturating_sub(base);
+        let reserved = copy_meter.reserved().unwrap_or(0);
+        // 1 MiB made on the copy stream, read by the training thread's meter.
+        let live = meter.live();
+        let made = copies.executes(|| Tensor::<K, 2>::ones([256, 1024], &device));
+        let with_made = meter.live();
+        println!(
+            "device suite: {}: the copy stream's pools reserve {} KiB after an offloaded step \
+             ({} before), {} KiB in use there at most during it ({stats:?}); the training \
+             thread's meter: {} KiB, {} KiB with 1 MiB made on the copy stream",
+            device_name(),
+            reserved >> 10,
+            before >> 10,
+            seen >> 10,
+            live >> 10,
+            with_made >> 10,
+        );
+        drop(made);
+        assert!(same_bits(&grads, &reference), "other gradients");
+        assert!(stats.prefetched > 0, "{stats:?}");
+        // Its slot of the runtime's pool may be one an earlier thread's stream reserved in:
+        // then the tracker's readings show the prefetched inputs in use there.
+        assert!(
+            reserved > before || seen > 0,
+            "the prefetches' buffers came from the copy stream's pool: reserved {before} -> \
+             {reserved}, {seen} in use at most"
+        );
+        assert!(
+            with_made >= live + (1 << 20),
+            "the meter reads the copy stream's pool: {live} -> {with_made}"
+        );
+    });
+}
+
 /// `min_bytes` and `max_in_flight` are read: inputs below the minimum stay on the device (none
 /// offloaded, at the minimum all), and the copies under way never hold more device bytes than the
 /// bound (here one segment's input), where without a bound they pile up behind the forward.

@@ -40,6 +40,10 @@ pub use offload::{
 pub use reached::{no_segment_message, reached, unreached};
 pub use segment::{floats, Segment};
 pub use stream::RandomDraws;
+#[cfg(feature = "cubecl")]
+pub use threads::copy_stream;
+#[cfg(feature = "cubecl")]
+pub(crate) use threads::copy_stream_in_use;
 pub use threads::{join_helpers, live_helpers, recomputations};
 
 /// What the macros generate code against. Not a stable API.

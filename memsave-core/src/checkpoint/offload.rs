@@ -19,12 +19,17 @@
 //! thread, so that their copies overlap its recomputation. The values are the same bytes: the
 //! gradients are bit-identical to a run without offload.
 //!
-//! Streams (CubeCL): the copies are queued on the stream of the thread that trains, as the
-//! recomputations are ([`super::threads`]): stream order makes every buffer ready where it is
-//! read, and the pool meter, which reads that stream's pools, sees every byte. On a GPU the
-//! copies then share one stream with compute; a stream of their own (with the meter reading its
-//! pool too) is where the overlap would come from. Host buffers are ordinary (pageable) memory:
-//! Burn 0.21 has no pinned allocation.
+//! Streams (CubeCL): the copies (to the host in the forward, the prefetches back in backward)
+//! run on a stream of their own, the training stream's copy stream ([`super::copy_stream`]; a
+//! data-parallel peer has its own), so that on a GPU they queue beside the compute rather than
+//! in it. CubeCL orders each buffer across the two: a copy to the host waits on the training
+//! stream's event for the kernels that made its input, and a recomputation waits on the copy
+//! stream's for the prefetch that brought its input back (whose buffer goes back to the copy
+//! stream's pool once the recomputation's event is reached). The pool meter reads the copy
+//! stream's pools beside the training stream's ([`crate::memory::cube::pool_usage`]), so the
+//! prefetched inputs count as the device holds them. A copy back that the recomputation asks for
+//! itself (no prefetch brought it) runs on the training stream, which waits for it anyway. Host
+//! buffers are ordinary (pageable) memory: Burn 0.21 has no pinned allocation.
 //!
 //! Not offloaded: segments nested in another's recomputation (their inputs are made in
 //! backward and used at once), and what a segment that is not checkpointed keeps for backward
@@ -449,6 +454,7 @@ impl<B: Backend> Slot<B> {
 
     /// The inputs, back on the device, for the recomputation: waits for a copy under way.
     fn take(&self) -> Result<Vec<FloatTensor<B>>, String> {
+        release_retained(true);
         let mut state = lock(&self.state);
         loop {
             match std::mem::replace(&mut *state, State::Taken) {
@@ -458,6 +464,10 @@ impl<B: Backend> Slot<B> {
                 }
                 State::Ready(prims) => {
                     PREFETCHED.fetch_add(1, Ordering::Relaxed);
+                    retain(Retained::<B> {
+                        device: self.device.clone(),
+                        prims: prims.clone(),
+                    });
                     return Ok(prims);
                 }
                 State::Host(datas) => {
@@ -492,7 +502,7 @@ impl<B: Backend> Prefetch for Slot<B> {
             return;
         }
         let slot = self.clone();
-        let work = threads::on_this_stream(move || slot.load());
+        let work = threads::on_copy_stream(move || slot.load());
         // Where no thread can start, the recomputation copies back itself.
         let _ = std::thread::Builder::new()
             .name("memsave-prefetch".into())
@@ -510,6 +520,66 @@ impl<B: Backend> Drop for Slot<B> {
         if matches!(state, State::Host(_)) {
             host_sub(self.bytes);
         }
+    }
+}
+
+/// Prefetched inputs a recomputation has taken, held until the training stream is past them.
+///
+/// A prefetch makes its buffers on the copy stream, from that stream's pool, and the
+/// recomputation reads them on the training stream. When the recomputation drops them, they go
+/// back to the copy stream's pool at once, while the training stream's kernels that read them
+/// may still be queued: the next prefetch could take such a buffer and overwrite it first
+/// (wgpu's streams share one queue, in the order they are flushed; CUDA's run side by side).
+/// So each taken prefetch is held here until the next recomputation of the thread takes its
+/// inputs (or the step's helpers are joined), which waits for the training stream first: one
+/// segment's inputs at most stay on the device a little longer.
+struct Retained<B: Backend> {
+    device: B::Device,
+    prims: Vec<FloatTensor<B>>,
+}
+
+trait Release: Send {
+    /// Waits for the training stream (where `sync`), then lets the buffers go.
+    fn release(self: Box<Self>, sync: bool);
+}
+
+impl<B: Backend> Release for Retained<B> {
+    fn release(self: Box<Self>, sync: bool) {
+        if sync {
+            // A device that cannot sync has failed the step already: the step's error says so.
+            let _ = B::sync(&self.device);
+        }
+        drop(self.prims);
+    }
+}
+
+type Retaining = Mutex<HashMap<ThreadId, Vec<Box<dyn Release>>>>;
+
+fn retaining() -> &'static Retaining {
+    static RETAINING: OnceLock<Retaining> = OnceLock::new();
+    RETAINING.get_or_init(|| Mutex::new(HashMap::new()))
+}
+
+fn retain<B: Backend>(retained: Retained<B>) {
+    lock(retaining())
+        .entry(threads::owner())
+        .or_default()
+        .push(Box::new(retained));
+}
+
+/// Lets go the prefetched inputs this training thread's recomputations took, once its stream
+/// is past them (`sync`; without it, after a failed step, at once). Called on the training
+/// stream: by a recomputation before it takes its inputs, and when the step's helpers are
+/// joined ([`super::join_helpers`]).
+pub(crate) fn release_retained(sync: bool) {
+    let held = lock(retaining())
+        .remove(&threads::owner())
+        .unwrap_or_default();
+    let mut sync = sync;
+    for retained in held {
+        retained.release(sync);
+        // One wait covers them all.
+        sync = false;
     }
 }
 
@@ -642,6 +712,7 @@ pub fn fail_next_prefetch(why: Option<String>) {
 /// host bytes leave the count, and a later step neither prefetches nor numbers them). Burn
 /// frees the abandoned graph itself only at the next backward pass.
 pub(crate) fn abandon() {
+    release_retained(false);
     let slots = lock(order()).remove(&threads::owner()).unwrap_or_default();
     for slot in slots.iter().filter_map(Weak::upgrade) {
         slot.abandon();
@@ -756,7 +827,7 @@ where
     register(slot.clone());
 
     let copier = slot.clone();
-    let work = threads::on_this_stream(move || copier.download());
+    let work = threads::on_copy_stream(move || copier.download());
     if let Err(work) = spawn_or_return(work) {
         // No thread: copy here.
         work();

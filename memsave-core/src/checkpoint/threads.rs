@@ -28,6 +28,9 @@
 //! No `sync` is needed anywhere; the outer backward does not run kernels while it waits, so one
 //! stream loses no parallelism. Nested segments inherit the stream in turn. Burn's fusion
 //! streams key on the same thread-local id, so they follow the same rule.
+//!
+//! Activation offload's copies are the exception ([`on_copy_stream`]): they cross streams on
+//! purpose, once per offloaded input each way, so that on a GPU they run beside the compute.
 
 use std::cell::Cell;
 use std::sync::Mutex;
@@ -94,15 +97,22 @@ pub(crate) fn run_on_helper<R: Send>(work: impl FnOnce() -> R + Send) -> R {
     })
 }
 
-/// `work` made to run, on another thread, on the caller's device stream and as a helper of the
-/// caller's owner (see the module docs): the staging copies of activation offload
-/// ([`super::offload`]) run so.
-pub(crate) fn on_this_stream<R>(
+/// `work` made to run, on another thread, on the *copy stream* of the caller's device stream
+/// ([`copy_stream`]) and as a helper of the caller's owner: activation offload's copies to the
+/// host and its prefetches ([`super::offload`]) run so, beside the compute rather than in its
+/// queue. Where the runtime keeps one stream (`max_streams` 1), on the caller's stream; off
+/// CubeCL, streams do not exist.
+pub(crate) fn on_copy_stream<R>(
     work: impl FnOnce() -> R + Send + 'static,
 ) -> impl FnOnce() -> R + Send + 'static {
     #[cfg(feature = "cubecl")]
     let work = {
         let stream = cubecl::stream_id::StreamId::current();
+        let copies = copy_stream_of(stream);
+        if copies.is_some() {
+            copies_used(stream);
+        }
+        let stream = copies.unwrap_or(stream);
         move || stream.executes(work)
     };
     let owner = owner();
@@ -110,6 +120,70 @@ pub(crate) fn on_this_stream<R>(
         OWNER.with(|cell| cell.set(Some(owner)));
         work()
     }
+}
+
+/// The stream activation offload's copies of the calling thread's work run on
+/// ([`copy_stream_of`] its stream); `None` where the runtime keeps one stream.
+#[cfg(feature = "cubecl")]
+pub fn copy_stream() -> Option<cubecl::stream_id::StreamId> {
+    copy_stream_of(cubecl::stream_id::StreamId::current())
+}
+
+/// The stream activation offload's copies of the work of `stream` run on: one per training
+/// stream (a data-parallel peer has its own), so that the copies have a queue of their own (on
+/// CUDA a stream of the device's pool, which runs beside the compute) and their buffers a pool
+/// of their own. CubeCL orders a buffer made on one stream and read on the other (the reader
+/// waits on the maker's event; the buffer is released once the reader's event is reached). Its
+/// id is one the runtime maps to another slot of its pool than `stream`'s; `None` where the
+/// runtime keeps one stream.
+#[cfg(feature = "cubecl")]
+pub(crate) fn copy_stream_of(
+    stream: cubecl::stream_id::StreamId,
+) -> Option<cubecl::stream_id::StreamId> {
+    use cubecl::config::RuntimeConfig;
+    let slots = u64::from(
+        cubecl::config::CubeClRuntimeConfig::get()
+            .streaming
+            .max_streams,
+    );
+    if slots < 2 {
+        return None;
+    }
+    // Ids count up from 0 as threads ask for one: the top of the range is nobody's, and maps
+    // to a slot of its own unless it falls on `stream`'s.
+    let mut value = u64::MAX - stream.value;
+    if value % slots == stream.value % slots {
+        value -= 1;
+    }
+    Some(cubecl::stream_id::StreamId { value })
+}
+
+/// The training streams whose copy stream has been used (the pool meter reads those too).
+#[cfg(feature = "cubecl")]
+static COPIES_USED: Mutex<Vec<u64>> = Mutex::new(Vec::new());
+
+#[cfg(feature = "cubecl")]
+fn copies_used(stream: cubecl::stream_id::StreamId) {
+    let mut used = COPIES_USED
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner());
+    if !used.contains(&stream.value) {
+        used.push(stream.value);
+    }
+}
+
+/// The copy stream of `stream` ([`copy_stream_of`]) where activation offload has used it: the
+/// pools the pool meter reads beside `stream`'s.
+#[cfg(feature = "cubecl")]
+pub(crate) fn copy_stream_in_use(
+    stream: cubecl::stream_id::StreamId,
+) -> Option<cubecl::stream_id::StreamId> {
+    let used = COPIES_USED
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner());
+    used.contains(&stream.value)
+        .then(|| copy_stream_of(stream))
+        .flatten()
 }
 
 /// Frees this thread's matrix-product scratch (gemm's `L2_SLAB`, the size of the L2 cache). A
@@ -142,6 +216,7 @@ pub fn join_helpers() {
             let _ = handle.join();
         }
     });
+    super::offload::release_retained(true);
 }
 
 /// Joins the helpers that have ended, without waiting for the others.

@@ -186,14 +186,22 @@ pub mod cube {
 
     /// Bytes in use and bytes reserved by the pools of the calling thread's stream on `device`
     /// (CubeCL keeps pools per stream: a thread's own, which memsave's recompute helpers
-    /// share), or `None` if the runtime could not say.
+    /// share) and, where activation offload has used it, of that stream's copy stream
+    /// ([`crate::checkpoint::copy_stream`], whose pool holds the inputs prefetched back); `None`
+    /// if the runtime could not say.
     pub fn pool_usage<R: Runtime>(device: &R::Device) -> Option<(u64, u64)> {
         let usage = R::client(device).memory_usage().ok()?;
-        Some((usage.bytes_in_use, usage.bytes_reserved))
+        let (mut in_use, mut reserved) = (usage.bytes_in_use, usage.bytes_reserved);
+        if let Some(copies) = crate::checkpoint::copy_stream_in_use(StreamId::current()) {
+            let usage = copies.executes(|| R::client(device).memory_usage().ok())?;
+            in_use += usage.bytes_in_use;
+            reserved += usage.bytes_reserved;
+        }
+        Some((in_use, reserved))
     }
 
-    /// The meter of `device`'s pools, those of the stream of the thread that makes it (read on
-    /// that stream from any thread); see [`crate::memory::Meter`] for what each reading means.
+    /// The meter of `device`'s pools, those of the stream of the thread that makes it and of its
+    /// copy stream ([`pool_usage`], read on that stream from any thread); see [`crate::memory::Meter`] for what each reading means.
     pub fn pool_meter<R: Runtime>(
         device: R::Device,
     ) -> crate::memory::PoolReadings<impl Fn() -> Option<(u64, u64)> + Send + Sync + 'static> {
