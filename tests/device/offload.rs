@@ -400,7 +400,12 @@ fn activation_offloads_copies_run_on_a_stream_of_their_own_that_the_pool_meter_r
         let reserved = copy_meter.reserved().unwrap_or(0);
         // 1 MiB made on the copy stream, read by the training thread's meter.
         let live = meter.live();
-        let made = copies.executes(|| Tensor::<K, 2>::ones([256, 1024], &device));
+        // Read back, so that a lazy backend (fusion) has made it.
+        let made = copies.executes(|| {
+            let made = Tensor::<K, 2>::ones([256, 1024], &device);
+            let _ = made.to_data();
+            made
+        });
         let with_made = meter.live();
         println!(
             "device suite: {}: the copy stream's pools reserve {} KiB after an offloaded step \

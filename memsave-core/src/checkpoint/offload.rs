@@ -22,10 +22,10 @@
 //! Streams (CubeCL): the copies (to the host in the forward, the prefetches back in backward)
 //! run on a stream of their own, the training stream's copy stream ([`super::copy_stream`]; a
 //! data-parallel peer has its own), so that on a GPU they queue beside the compute rather than
-//! in it. CubeCL orders each buffer across the two: a copy to the host waits on the training
-//! stream's event for the kernels that made its input, and a recomputation waits on the copy
-//! stream's for the prefetch that brought its input back (whose buffer goes back to the copy
-//! stream's pool once the recomputation's event is reached). The pool meter reads the copy
+//! in it. CubeCL orders each buffer's first crossing: a copy to the host runs after the training
+//! stream's kernels that made its input, and a recomputation after the prefetch that brought its
+//! input back. It does not order a freed buffer's reuse, so each prefetch a recomputation takes
+//! is held until the training stream is past it (`Retained`). The pool meter reads the copy
 //! stream's pools beside the training stream's ([`crate::memory::cube::pool_usage`]), so the
 //! prefetched inputs count as the device holds them. A copy back that the recomputation asks for
 //! itself (no prefetch brought it) runs on the training stream, which waits for it anyway. Host
@@ -532,7 +532,8 @@ impl<B: Backend> Drop for Slot<B> {
 /// (wgpu's streams share one queue, in the order they are flushed; CUDA's run side by side).
 /// So each taken prefetch is held here until the next recomputation of the thread takes its
 /// inputs (or the step's helpers are joined), which waits for the training stream first: one
-/// segment's inputs at most stay on the device a little longer.
+/// segment's inputs at most stay on the device a little longer (and, held twice, are not
+/// overwritten in place by the recomputation's first operation).
 struct Retained<B: Backend> {
     device: B::Device,
     prims: Vec<FloatTensor<B>>,

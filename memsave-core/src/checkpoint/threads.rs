@@ -10,10 +10,11 @@
 //!
 //! CubeCL gives every thread a stream of its own: `StreamId::current()` is a thread-local id,
 //! and each id maps to a CUDA stream of the device's pool. A buffer made on one stream and read
-//! on another is safe there too (the server flushes the producing stream and makes the reader
-//! wait on its event, and defers the buffer's release to a GC thread until that event is
-//! reached), but it costs an event per crossing, and the recomputation crosses at every input,
-//! parameter and output gradient.
+//! on another is ordered there too (on CUDA the reader waits on the producer's event; on wgpu,
+//! whose streams share one queue, the producer's tasks are flushed to it first), but it costs
+//! an event per crossing, the recomputation crosses at every input, parameter and output
+//! gradient, and CubeCL 0.10 does not order a buffer's *reuse*: freed, it is free in its pool at
+//! once, though another stream's queued kernels may still read it.
 //!
 //! memsave avoids the question: a helper runs on the stream of the thread that started it
 //! (`StreamId::executes(outer, ..)`), so a recomputation's kernels are queued on the same CUDA
@@ -25,12 +26,14 @@
 //!   the send, on that stream: ready for every kernel queued after the receive;
 //! - a buffer the helper frees (its recomputed activations) goes back to the pool of that one
 //!   stream, so its next user, on the same stream, runs after every kernel that used it.
-//! No `sync` is needed anywhere; the outer backward does not run kernels while it waits, so one
+//! No `sync` is needed for this; the outer backward does not run kernels while it waits, so one
 //! stream loses no parallelism. Nested segments inherit the stream in turn. Burn's fusion
 //! streams key on the same thread-local id, so they follow the same rule.
 //!
 //! Activation offload's copies are the exception ([`on_copy_stream`]): they cross streams on
-//! purpose, once per offloaded input each way, so that on a GPU they run beside the compute.
+//! purpose, once per offloaded input each way, so that on a GPU they run beside the compute, and
+//! hold each prefetched buffer until a `sync` of the training stream has passed its readers
+//! (see `offload`'s `Retained`).
 
 use std::cell::Cell;
 use std::sync::Mutex;
@@ -132,10 +135,12 @@ pub fn copy_stream() -> Option<cubecl::stream_id::StreamId> {
 /// The stream activation offload's copies of the work of `stream` run on: one per training
 /// stream (a data-parallel peer has its own), so that the copies have a queue of their own (on
 /// CUDA a stream of the device's pool, which runs beside the compute) and their buffers a pool
-/// of their own. CubeCL orders a buffer made on one stream and read on the other (the reader
-/// waits on the maker's event; the buffer is released once the reader's event is reached). Its
-/// id is one the runtime maps to another slot of its pool than `stream`'s; `None` where the
-/// runtime keeps one stream.
+/// of their own. CubeCL orders a buffer made on one stream and read on the other, not its reuse
+/// once freed (see the module docs): activation offload holds what it prefetched until the
+/// training stream is past it. Its id is one no thread is given (threads count up from 0), one
+/// for each `stream` (peers do not share one), that the runtime maps to another slot of its
+/// pool than `stream`'s (with more streams than slots, two may share a slot, as CubeCL's own
+/// streams do); `None` where the runtime keeps one stream.
 #[cfg(feature = "cubecl")]
 pub(crate) fn copy_stream_of(
     stream: cubecl::stream_id::StreamId,
@@ -146,16 +151,25 @@ pub(crate) fn copy_stream_of(
             .streaming
             .max_streams,
     );
+    copy_id(stream.value, slots).map(|value| cubecl::stream_id::StreamId { value })
+}
+
+/// The id of the copy stream of the stream `stream` where the runtime keeps `slots` streams
+/// (an id's slot is the id modulo `slots`). Ids count up from 0 as threads ask for one: the top
+/// of the range is nobody's. A stream's copy stream is counted down from there (so that the
+/// streams of a few peers have their copies in slots apart), or, where that falls in its own
+/// slot, the next id down, far below (so that no other stream's is the same).
+#[cfg_attr(not(feature = "cubecl"), allow(dead_code))]
+fn copy_id(stream: u64, slots: u64) -> Option<u64> {
     if slots < 2 {
         return None;
     }
-    // Ids count up from 0 as threads ask for one: the top of the range is nobody's, and maps
-    // to a slot of its own unless it falls on `stream`'s.
-    let mut value = u64::MAX - stream.value;
-    if value % slots == stream.value % slots {
-        value -= 1;
-    }
-    Some(cubecl::stream_id::StreamId { value })
+    let down = u64::MAX.wrapping_sub(stream);
+    Some(if down % slots != stream % slots {
+        down
+    } else {
+        down.wrapping_sub(1).wrapping_sub(slots << 32)
+    })
 }
 
 /// The training streams whose copy stream has been used (the pool meter reads those too).
@@ -242,4 +256,35 @@ fn lock() -> std::sync::MutexGuard<'static, Vec<(ThreadId, JoinHandle<()>)>> {
     HELPERS
         .lock()
         .unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::copy_id;
+
+    /// A copy stream's slot is never its stream's, no two streams share a copy stream, and no
+    /// thread's id (counted up from 0) is one.
+    #[test]
+    fn each_stream_has_a_copy_stream_of_its_own_in_another_slot() {
+        for slots in [2u64, 3, 5, 7, 128, 255] {
+            let mut seen = std::collections::HashSet::new();
+            for stream in 0..1000u64 {
+                let copy = copy_id(stream, slots).expect("many slots");
+                assert_ne!(
+                    copy % slots,
+                    stream % slots,
+                    "slots {slots}, stream {stream}"
+                );
+                assert!(copy > 1 << 40, "slots {slots}, stream {stream}: {copy}");
+                assert!(seen.insert(copy), "slots {slots}: {copy} twice");
+            }
+        }
+        // CubeCL's default: the first streams' copies in slots of their own.
+        let slots: std::collections::HashSet<u64> = (0..128)
+            .map(|stream| copy_id(stream, 128).unwrap() % 128)
+            .collect();
+        assert_eq!(slots.len(), 128);
+        assert_eq!(copy_id(3, 1), None, "one stream: no copy stream");
+        assert_eq!(copy_id(3, 0), None);
+    }
 }

@@ -193,9 +193,11 @@ pub mod cube {
         let usage = R::client(device).memory_usage().ok()?;
         let (mut in_use, mut reserved) = (usage.bytes_in_use, usage.bytes_reserved);
         if let Some(copies) = crate::checkpoint::copy_stream_in_use(StreamId::current()) {
-            let usage = copies.executes(|| R::client(device).memory_usage().ok())?;
-            in_use += usage.bytes_in_use;
-            reserved += usage.bytes_reserved;
+            // Where only that reading fails, the training stream's stands alone.
+            if let Some(usage) = copies.executes(|| R::client(device).memory_usage().ok()) {
+                in_use += usage.bytes_in_use;
+                reserved += usage.bytes_reserved;
+            }
         }
         Some((in_use, reserved))
     }
