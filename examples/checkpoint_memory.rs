@@ -251,7 +251,7 @@ fn run<B: AutodiffBackend + memsave::Backend>(
         let forward = start.elapsed().as_secs_f64();
         let grads = GradientsParams::from_grads(loss.backward(), &model);
         let _ = B::sync(device);
-        join_helpers();
+        join_helpers().unwrap();
         let backward = start.elapsed().as_secs_f64() - forward;
         slot.1 = slot.2.step(0.01, model, grads);
         let _ = B::sync(device);

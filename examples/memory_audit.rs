@@ -227,7 +227,7 @@ fn main() {
                 }
             }
         }
-        memsave::checkpoint::join_helpers();
+        memsave::checkpoint::join_helpers().unwrap();
     }
 }
 

@@ -260,7 +260,7 @@ fn step(
     let loss = model.loss(model.forward(tokens.clone()), labels.clone());
     let value = loss.clone().into_scalar();
     let grads = loss.mul_scalar(scale).backward();
-    join_helpers();
+    join_helpers().unwrap();
     let mut grads = gradients(model, &grads);
     for values in grads.values_mut() {
         values.iter_mut().for_each(|value| *value /= scale);
@@ -331,7 +331,7 @@ fn main() {
             let start = Instant::now();
             let loss = model.loss(model.forward(tokens.clone()), labels.clone());
             drop(loss.backward());
-            join_helpers();
+            join_helpers().unwrap();
             let elapsed = start.elapsed().as_secs_f64();
             let peak = memory::peak_bytes().saturating_sub(baseline);
             if round > 0 {

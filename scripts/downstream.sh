@@ -59,7 +59,7 @@ echo "downstream: Cargo.toml"
 sed 's/^/  /' Cargo.toml
 
 # 1. The dependency tree.
-unwanted='^(tokio|tokio-tungstenite|tokio-util|axum|hyper|tungstenite|burn-collective|memsave-burn-collective|burn-communication|clap|plotters|dejavu|image|zip|tar|zstd|roxmltree|burn-vision|burn-store|memsave-models) '
+unwanted='^(tokio|tokio-tungstenite|tokio-util|axum|hyper|tungstenite|burn-collective|memsave-burn-collective|burn-communication|clap|indicatif|plotters|dejavu|image|zip|tar|zstd|roxmltree|burn-vision|burn-store|memsave-models) '
 tree="$(cargo tree -e normal,build --prefix none | sed 's/ (\*)//; s/ (proc-macro)//' | sort -u)"
 crates="$(awk '{print $1" "$2}' <<<"$tree" | sort -u | wc -l)"
 echo "downstream: $crates crates under the library line"

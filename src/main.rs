@@ -1,6 +1,7 @@
 //! The `memsave` command line.
 
 mod commands;
+mod terminal;
 
 use std::process::ExitCode;
 
@@ -69,14 +70,10 @@ fn main() -> ExitCode {
         }
         report(info);
     }));
-    // Burn's collective (data parallelism across machines) would install an INFO-level log
-    // of every connection and transfer; warnings and errors are what a user needs.
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
-    let _ = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr)
-        .try_init();
+    // The library's warnings, notices, log lines and progress are events: printed here. Burn's
+    // collective (data parallelism across machines) would log every connection and transfer
+    // at INFO; warnings and errors are what a user needs of other crates.
+    terminal::install();
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Train(args) => commands::train::train(args),

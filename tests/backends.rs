@@ -57,7 +57,7 @@ fn step<B: AutodiffBackend + memsave::Backend>(with_cp: bool) -> (usize, usize) 
         let loss = criterion.forward(logits, labels.clone());
         let kept = memory::current_bytes() - baseline;
         let grads = loss.backward();
-        memsave::checkpoint::join_helpers();
+        memsave::checkpoint::join_helpers().unwrap();
         let peak = memory::peak_bytes() - baseline;
         drop(grads);
         measured = (kept, peak);

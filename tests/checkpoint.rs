@@ -125,7 +125,7 @@ fn residual_block_input_and_parameter_gradients_equal() {
         assert_eq!(recomputations(), 0);
         let g_cp = (checkpointed.forward(x.clone()) * w).sum().backward();
         assert_eq!(recomputations(), 1, "the block was recomputed once");
-        memsave::checkpoint::join_helpers();
+        memsave::checkpoint::join_helpers().unwrap();
 
         let dx_plain = common::values(x.grad(&g_plain).unwrap());
         let dx_cp = common::values(x.grad(&g_cp).unwrap());
@@ -153,7 +153,7 @@ fn stack_of_eight_gradients_equal() {
         assert_eq!(recomputations(), 0);
         let g_cp = (checkpointed.forward(x) * w).sum().backward();
         assert_eq!(recomputations(), 8, "each of the 8 blocks was recomputed");
-        memsave::checkpoint::join_helpers();
+        memsave::checkpoint::join_helpers().unwrap();
         assert_same_grads(
             &param_grads(&checkpointed, &g_cp),
             &param_grads(&plain, &g_plain),
@@ -182,7 +182,7 @@ fn batch_norm_statistics_are_updated_once() {
         let _ = loss_plain.backward();
         let _ = loss_cp.backward();
         assert_eq!(recomputations(), 2, "both blocks were recomputed");
-        memsave::checkpoint::join_helpers();
+        memsave::checkpoint::join_helpers().unwrap();
         // `valid()` settles the updates of every thread (the recomputation runs on another).
         use burn::module::AutodiffModule;
         let (plain_settled, cp_settled) = (plain.valid(), checkpointed.valid());
@@ -199,7 +199,7 @@ fn batch_norm_statistics_are_updated_once() {
         let mean = common::values(checkpointed.blocks[0].bn1.running_mean.value_sync().inner());
         assert!(mean.iter().any(|v| *v != 0.0));
         let _ = checkpointed.forward(images(4)).sum().backward();
-        memsave::checkpoint::join_helpers();
+        memsave::checkpoint::join_helpers().unwrap();
         let again = common::values(checkpointed.blocks[0].bn1.running_mean.value_sync().inner());
         let plain_mean = common::values(plain.blocks[0].bn1.running_mean.value_sync().inner());
         assert_ne!(again, plain_mean, "the two models share their statistics");
@@ -263,7 +263,7 @@ fn fpn_like_graph_with_shared_outputs_gradients_equal() {
         let g_plain = loss(&plain).backward();
         let g_cp = loss(&checkpointed).backward();
         assert_eq!(recomputations(), 1);
-        memsave::checkpoint::join_helpers();
+        memsave::checkpoint::join_helpers().unwrap();
         let mut worst = 0.0_f32;
         for input in [&c3, &c4] {
             let a = common::values(input.grad(&g_cp).unwrap());
@@ -299,7 +299,7 @@ fn with_auto_fp16_half_activations_inside_the_segment() {
             .backward();
         let g_cp = (out.cast(DType::F32) * w).sum().backward();
         assert_eq!(recomputations(), 3);
-        memsave::checkpoint::join_helpers();
+        memsave::checkpoint::join_helpers().unwrap();
         let grads = param_grads(&checkpointed, &g_cp);
         assert!(!grads.is_empty());
         assert_same_grads(&grads, &param_grads(&plain, &g_plain), 1e-6)
@@ -344,7 +344,7 @@ fn nested_checkpoints_work() {
         let g_nested = (nested.forward(x.clone()) * w).sum().backward();
         // The outer segment here; the inner one on the outer's recompute thread.
         assert_eq!(recomputations(), 1);
-        memsave::checkpoint::join_helpers();
+        memsave::checkpoint::join_helpers().unwrap();
         assert_same_grads(
             &param_grads(&nested, &g_nested),
             &param_grads(&plain, &g_plain),
@@ -365,7 +365,7 @@ fn many_segments() {
         let g_plain = plain.forward(x.clone()).sum().backward();
         let g_cp = checkpointed.forward(x).sum().backward();
         assert_eq!(recomputations(), 48);
-        memsave::checkpoint::join_helpers();
+        memsave::checkpoint::join_helpers().unwrap();
         assert_same_grads(
             &param_grads(&checkpointed, &g_cp),
             &param_grads(&plain, &g_plain),
@@ -403,7 +403,7 @@ fn an_unused_parameter_gets_no_gradient_as_without_checkpointing_and_nothing_han
             .require_grad();
         let grads = model.forward(x.clone()).sum().backward();
         assert_eq!(recomputations(), 1);
-        memsave::checkpoint::join_helpers();
+        memsave::checkpoint::join_helpers().unwrap();
         assert!(model.unused.grad(&grads).is_none());
         assert!(model.used.weight.grad(&grads).is_some());
         assert!(x.grad(&grads).is_some());
@@ -450,7 +450,7 @@ fn a_panic_while_recomputing_reaches_backward_without_a_hang() {
             .require_grad();
         let loss = model.forward(x).sum();
         let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| loss.backward()));
-        memsave::checkpoint::join_helpers();
+        memsave::checkpoint::join_helpers().unwrap();
         let Err(payload) = outcome else {
             panic!("the backward pass must fail")
         };
@@ -504,7 +504,7 @@ fn twenty_inputs_in_a_vec() {
         let g_plain = plain.forward(maps.clone()).sum().backward();
         let g_cp = checkpointed.forward(maps.clone()).sum().backward();
         assert_eq!(recomputations(), 1);
-        memsave::checkpoint::join_helpers();
+        memsave::checkpoint::join_helpers().unwrap();
         for map in &maps {
             let a = common::values(map.grad(&g_cp).unwrap());
             let b = common::values(map.grad(&g_plain).unwrap());

@@ -39,7 +39,7 @@ fn run(
     let device = Default::default();
     AB::seed(&device, seed);
     let grads = model.forward(x.clone()).sum().backward();
-    memsave::checkpoint::join_helpers();
+    memsave::checkpoint::join_helpers().unwrap();
     // The next draw of the global stream after the step.
     let next = values(Tensor::<AB, 1>::random([4], Distribution::Default, &device).inner());
     (grads, next)

@@ -82,7 +82,7 @@ fn an_unused_output_computed_from_a_non_leaf_input_does_not_break_backward() {
         let before = recomputations();
         let g_cp = step(&checkpointed);
         assert_eq!(recomputations() - before, 1);
-        memsave::checkpoint::join_helpers();
+        memsave::checkpoint::join_helpers().unwrap();
         let dx = compare("x", x.grad(&g_cp), x.grad(&g_plain));
         assert!(dx <= 1e-6, "x: {dx}");
         let params = assert_same_grads(
@@ -133,7 +133,7 @@ fn a_segment_that_ignores_a_non_leaf_input_does_not_break_backward() {
         };
         let g_plain = step(&plain);
         let g_cp = step(&checkpointed);
-        memsave::checkpoint::join_helpers();
+        memsave::checkpoint::join_helpers().unwrap();
         assert!(compare("x", x.grad(&g_cp), x.grad(&g_plain)) <= 1e-6);
         assert_same_grads(
             &param_grads(&checkpointed, &g_cp),
@@ -157,7 +157,7 @@ fn a_leaf_input_the_segment_ignores_gets_no_gradient_as_without_checkpointing() 
         let x = randn([1, 4, 4, 4]).require_grad();
         let z = randn([1, 4, 4, 4]).require_grad();
         let grads = model.forward(x.clone(), z.clone()).sum().backward();
-        memsave::checkpoint::join_helpers();
+        memsave::checkpoint::join_helpers().unwrap();
         assert!(x.grad(&grads).is_some());
         assert!(z.grad(&grads).is_none());
     });
@@ -178,7 +178,7 @@ fn an_output_that_a_later_segment_ignores_gives_nothing_and_hangs_nothing() {
         let y = first.forward(a.clone(), x.clone()); // depends on `a` only
         let out = second.forward(x.clone(), y); // ignores `y`
         let grads = out.sum().backward();
-        memsave::checkpoint::join_helpers();
+        memsave::checkpoint::join_helpers().unwrap();
         assert!(x.grad(&grads).is_some());
         assert!(a.grad(&grads).is_none(), "nothing reached `a`");
     });
@@ -235,7 +235,7 @@ fn nested_segments_with_an_unused_inner_parameter_match_plain() {
         let x = randn([2, 4, 5, 5]).require_grad();
         let g_plain = plain.forward(x.clone()).sum().backward();
         let g_cp = nested.forward(x.clone()).sum().backward();
-        memsave::checkpoint::join_helpers();
+        memsave::checkpoint::join_helpers().unwrap();
         assert!(nested.inner.unused.grad(&g_cp).is_none());
         assert!(plain.inner.unused.grad(&g_plain).is_none());
         assert_same_grads(
@@ -288,7 +288,7 @@ fn four_nested_levels_over_the_whole_vec_match_plain() {
             Tensor::<AB, 2>::random([3, 6], Distribution::Normal(0.0, 1.0), &device).require_grad();
         let g_plain = suffix_forward(&model, x.clone(), 0, false).sum().backward();
         let g_cp = suffix_forward(&model, x.clone(), 0, true).sum().backward();
-        memsave::checkpoint::join_helpers();
+        memsave::checkpoint::join_helpers().unwrap();
         let a = values(x.grad(&g_cp).unwrap());
         let b = values(x.grad(&g_plain).unwrap());
         let dx = common::max_relative_difference(&a, &b);
@@ -334,7 +334,7 @@ fn a_closure_that_captures_a_tracked_tensor_gets_its_gradient_and_does_not_hang(
         };
         let g_plain = step(false);
         let g_cp = step(true);
-        memsave::checkpoint::join_helpers();
+        memsave::checkpoint::join_helpers().unwrap();
         assert!(compare("x", x.grad(&g_cp), x.grad(&g_plain)) <= 1e-6);
         assert_same_grads(
             &param_grads(&model, &g_cp),
@@ -369,7 +369,7 @@ fn a_closure_that_captures_a_leaf_gives_it_its_gradient() {
         };
         let g_plain = step(false);
         let g_cp = step(true);
-        memsave::checkpoint::join_helpers();
+        memsave::checkpoint::join_helpers().unwrap();
         let d = compare("scale", scale.grad(&g_cp), scale.grad(&g_plain));
         assert!(d <= 1e-6, "{d}");
         assert!(compare("x", x.grad(&g_cp), x.grad(&g_plain)) <= 1e-6);
@@ -407,7 +407,7 @@ fn a_bare_tensor_field_holding_a_tracked_tensor_gets_its_gradient() {
         let x = randn([1, 4, 4, 4]).require_grad();
         let g_plain = plain.forward(x.clone()).sum().backward();
         let g_cp = checkpointed.forward(x.clone()).sum().backward();
-        memsave::checkpoint::join_helpers();
+        memsave::checkpoint::join_helpers().unwrap();
         assert!(compare("bias", bias.grad(&g_cp), bias.grad(&g_plain)) <= 1e-6);
         assert!(compare("x", x.grad(&g_cp), x.grad(&g_plain)) <= 1e-6);
         assert!(uncheckpointed_segments()
@@ -461,7 +461,7 @@ fn arguments_named_like_generated_code_compile_and_work() {
             .sum()
             .backward();
         assert_eq!(recomputations() - before, 1);
-        memsave::checkpoint::join_helpers();
+        memsave::checkpoint::join_helpers().unwrap();
         for t in [&a, &b, &c] {
             assert!(compare("input", t.grad(&g_cp), t.grad(&g_plain)) <= 1e-6);
         }
@@ -505,7 +505,7 @@ fn with_cp_on_a_method_of_a_trait_impl_is_checkpointed() {
         let before = recomputations();
         let g_cp = Layer::forward(&checkpointed, x.clone()).sum().backward();
         assert_eq!(recomputations() - before, 1);
-        memsave::checkpoint::join_helpers();
+        memsave::checkpoint::join_helpers().unwrap();
         assert_same_grads(
             &param_grads(&checkpointed, &g_cp),
             &param_grads(&plain, &g_plain),

@@ -91,7 +91,7 @@ fn three_hundred_steps_do_not_grow_memory_or_threads() {
             let grads = model.forward(x.clone()).powf_scalar(2.0).mean().backward();
             let grads = GradientsParams::from_grads(grads, &model);
             model = optimizer.step(1e-3, model, grads);
-            memsave::checkpoint::join_helpers();
+            memsave::checkpoint::join_helpers().unwrap();
             assert_eq!(live_helpers(), 0, "a recompute thread outlived step {step}");
             after.push(current_bytes());
         }

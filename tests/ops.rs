@@ -785,13 +785,14 @@ fn linear_matches_burns_and_seeded_gradients_add_in_place() {
             .powf_scalar(2.0)
             .sum()
     };
-    let first = grads::backward(loss(102), &net, None);
-    let second = grads::backward(loss(103), &net, None);
+    let first = grads::backward(loss(102), &net, None).unwrap();
+    let second = grads::backward(loss(103), &net, None).unwrap();
     let seeded = grads::backward(
         loss(103),
         &net,
-        Some(grads::backward(loss(102), &net, None)),
-    );
+        Some(grads::backward(loss(102), &net, None).unwrap()),
+    )
+    .unwrap();
     let pick = |g: &burn::optim::GradientsParams| {
         vec![
             values(g.get::<Flex, 4>(net.conv.weight.id).unwrap()),

@@ -92,7 +92,7 @@ fn a_planned_resnet_stays_within_its_budget() {
         runner.register_hook(Box::new(profiler));
         runner.run().unwrap();
         drop(runner);
-        join_helpers();
+        join_helpers().unwrap();
         let profile = taken.take().expect("profiled");
         let names: Vec<&str> = profile.segments.iter().map(|s| s.path.as_str()).collect();
         assert_eq!(names, paths.iter().map(String::as_str).collect::<Vec<_>>());
@@ -133,7 +133,7 @@ fn a_planned_resnet_stays_within_its_budget() {
         runner.register_hook(Box::new(meter));
         runner.run().unwrap();
         drop(runner);
-        join_helpers();
+        join_helpers().unwrap();
         for (_, measured) in steps.take() {
             assert!(
                 measured <= budget,
@@ -149,7 +149,7 @@ fn a_planned_resnet_stays_within_its_budget() {
         let grads_of = |model: ImageClassifier<B>| {
             let loss = model.loss(batch.clone());
             let grads = loss.backward();
-            join_helpers();
+            join_helpers().unwrap();
             let grads = burn::optim::GradientsParams::from_grads(grads, &model);
             let mut collect = Collect {
                 grads: &grads,

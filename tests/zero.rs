@@ -157,9 +157,10 @@ fn optimizer_offload_with_peers_steps_each_part_on_its_host_like_the_devices_ste
     use memsave::checkpoint::offload::stage_on_host_resident_backends;
     let _turn = turn();
     let adam = OptimizerKind::adam().with_weight_decay(1e-4);
-    let previous = stage_on_host_resident_backends(true);
     let offload = |hook: OptimizerHook| hook.with_optimizer_offload(true);
     let runs = watchdog(300, move || {
+        // The switch is the run's: this thread's, which the peers inherit.
+        stage_on_host_resident_backends(true);
         let clipped = || OptimizerHook::new().with_grad_clip(clip());
         let off = ZeroStage::Off;
         let one = ZeroStage::OptimizerState;
@@ -186,7 +187,6 @@ fn optimizer_offload_with_peers_steps_each_part_on_its_host_like_the_devices_ste
             ),
         ]
     });
-    stage_on_host_resident_backends(previous);
     for (what, reference, others) in runs {
         assert_ne!(reference[0].0, weights(&net()), "{what}: training moved");
         assert_eq!(reference[0].2, 4, "{what}: the device's step keeps state");

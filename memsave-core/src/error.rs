@@ -20,6 +20,9 @@ pub enum Error {
         path: PathBuf,
         /// What is wrong with it.
         message: String,
+        /// The typed cause, where one is: the file's format, or a record's bytes.
+        #[source]
+        source: Option<crate::train::snapshot::SnapshotCause>,
     },
     /// A configuration file that cannot be used; the message names the key at fault.
     #[error("config {}: {message}", path.display())]
@@ -28,6 +31,9 @@ pub enum Error {
         path: PathBuf,
         /// The key and what is wrong with it.
         message: String,
+        /// The TOML parser's or deserialiser's own error, where it found the fault.
+        #[source]
+        source: Option<toml::de::Error>,
     },
     /// A `--set key=value` argument that cannot be applied, or whose value is wrong.
     #[error("`--set {argument}`: {message}")]
@@ -36,10 +42,35 @@ pub enum Error {
         argument: String,
         /// What is wrong with it.
         message: String,
+        /// The deserialiser's own error, where it found the fault.
+        #[source]
+        source: Option<toml::de::Error>,
+    },
+    /// A state kept as bytes or JSON (the optimizer's, the loss scaler's, a hook's) that
+    /// cannot be read or written.
+    #[error("{what}: {source}")]
+    State {
+        /// The state, in words (`optimizer state`, `loss scaler state`).
+        what: String,
+        /// Why.
+        #[source]
+        source: StateCause,
     },
     /// Training data that cannot be read.
     #[error("data: {0}")]
     Data(String),
+    /// A data file (an annotation, an image, a detections file) that cannot be used: the file,
+    /// what is wrong, and the reader's own error.
+    #[error("data: {}: {message}: {source}", path.display())]
+    DataFile {
+        /// The file.
+        path: PathBuf,
+        /// What is wrong with it.
+        message: String,
+        /// The reader's error (XML, image, JSON).
+        #[source]
+        source: Box<dyn std::error::Error + Send + Sync>,
+    },
     /// A training step that cannot fit in memory, found before it ran (sizes known up front) or
     /// when the device's allocator gave up (CUDA).
     #[error(
@@ -70,6 +101,9 @@ pub enum Error {
         peer: String,
         /// What happened.
         message: String,
+        /// The peer's own error, where it failed in this process.
+        #[source]
+        source: Option<Box<Error>>,
     },
     /// The device failed during a step (lost, reset, a copy between it and the host refused):
     /// the message says what failed and where (the checkpointed segment whose input it was
@@ -81,6 +115,36 @@ pub enum Error {
         /// What failed, and what to do.
         message: String,
     },
+    /// A thread memsave needed could not be started.
+    #[error("could not start {what}: {source}")]
+    Thread {
+        /// The thread, in words.
+        what: String,
+        /// What the system said.
+        #[source]
+        source: std::io::Error,
+    },
+    /// A run's context was entered after the run ended ([`crate::run::RunContext::end`]).
+    #[error(
+        "the run `{run}` has ended: its context cannot be entered again (make a new \
+         `RunContext` for a new run)"
+    )]
+    RunEnded {
+        /// The run's name.
+        run: String,
+    },
+    /// A run's context was entered on a thread that holds another run's.
+    #[error(
+        "cannot enter the run `{entering}` on this thread: the run `{installed}` is installed \
+         here (one run per thread at a time: enter `{entering}` on another thread, or after \
+         `{installed}`'s guard is dropped)"
+    )]
+    RunInstalled {
+        /// The run already installed on the thread.
+        installed: String,
+        /// The run that was to be entered.
+        entering: String,
+    },
     /// A file could not be read or written.
     #[error("{}: {source}", path.display())]
     Io {
@@ -89,6 +153,49 @@ pub enum Error {
         /// The underlying error.
         source: std::io::Error,
     },
+}
+
+/// Why a state could not be read or written ([`Error::State`]).
+#[derive(Debug, thiserror::Error)]
+pub enum StateCause {
+    /// Its JSON.
+    #[error("{0}")]
+    Json(#[from] serde_json::Error),
+    /// Its record bytes.
+    #[error("{0}")]
+    Codec(#[from] crate::train::snapshot::codec::CodecError),
+}
+
+impl Error {
+    /// A [`Error::State`] of `what`.
+    pub fn state(what: impl Into<String>, source: impl Into<StateCause>) -> Self {
+        Error::State {
+            what: what.into(),
+            source: source.into(),
+        }
+    }
+
+    /// A [`Error::Snapshot`] of `path` with no typed cause.
+    pub fn snapshot(path: impl Into<PathBuf>, message: impl Into<String>) -> Self {
+        Error::Snapshot {
+            path: path.into(),
+            message: message.into(),
+            source: None,
+        }
+    }
+
+    /// A [`Error::DataFile`] of `path`: `message`, caused by `source`.
+    pub fn data_file(
+        path: impl Into<PathBuf>,
+        message: impl Into<String>,
+        source: impl Into<Box<dyn std::error::Error + Send + Sync>>,
+    ) -> Self {
+        Error::DataFile {
+            path: path.into(),
+            message: message.into(),
+            source: source.into(),
+        }
+    }
 }
 
 /// `Result` with memsave's [`Error`].
@@ -100,6 +207,37 @@ impl Error {
         Error::InvalidValue {
             field: field.into(),
             message: message.into(),
+        }
+    }
+
+    /// The error that ended the step of iteration `iter` of a run writing its snapshots to
+    /// `work_dir`: a memory or device failure says which iteration, and that the snapshots
+    /// written before it are whole (what to resume from); other errors are returned as they
+    /// are.
+    pub fn in_step(self, iter: usize, work_dir: &std::path::Path) -> Self {
+        let snapshots = format!(
+            "the snapshots written before it in {} are whole",
+            work_dir.display()
+        );
+        match self {
+            Error::OutOfMemory {
+                what,
+                needed,
+                place,
+                available,
+                advice,
+            } => Error::OutOfMemory {
+                what: format!("iteration {iter}: {what}"),
+                needed,
+                place,
+                available,
+                advice: format!("{advice}; {snapshots}"),
+            },
+            Error::Device { device, message } => Error::Device {
+                device,
+                message: format!("iteration {iter}: {message}; {snapshots}"),
+            },
+            other => other,
         }
     }
 

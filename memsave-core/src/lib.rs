@@ -16,6 +16,8 @@
 //!   snapshots, and the TOML configuration.
 //! - [`parallel`]: data parallelism on Burn's collective (MMCV's `mmcv.parallel`): the
 //!   optimizer hook's reducer part, the weight broadcast, the sampler's shards, the peers.
+//! - [`run`]: one run's state in a context the run owns ([`RunContext`]): its settings,
+//!   figures and failures; two runs in one process each see their own.
 
 #![warn(missing_docs)]
 
@@ -32,11 +34,9 @@ pub mod memory;
 pub mod nn;
 pub mod parallel;
 pub mod planner;
+pub mod run;
 pub mod scaler;
 pub mod train;
 
 pub use error::{panic_text, Error, Result};
-
-/// The data-parallel module's earlier name.
-#[deprecated(since = "0.1.0", note = "renamed `parallel` (MMCV's `mmcv.parallel`)")]
-pub use parallel as dist;
+pub use run::RunContext;

@@ -161,7 +161,7 @@ impl LossScaler {
     /// checks its arguments; errors name the field.
     pub(crate) fn from_state(state: serde_json::Value) -> Result<Self> {
         let state: ScalerState = serde_json::from_value(state)
-            .map_err(|error| Error::invalid("loss scaler state", error.to_string()))?;
+            .map_err(|error| Error::state("loss scaler state", error))?;
         Self::try_from(state)
     }
 

@@ -46,9 +46,12 @@ pub fn load_torchvision_resnet<B: Backend, M: ModuleSnapshot<B>>(
     mut model: M,
     path: &Path,
 ) -> Result<M> {
-    let bad = |message: String| Error::Snapshot {
+    let bad = |message: String| Error::snapshot(path, message);
+    // burn-store's error, kept as the cause.
+    let unreadable = |error: Box<dyn std::error::Error + Send + Sync>| Error::Snapshot {
         path: path.to_path_buf(),
-        message,
+        message: error.to_string(),
+        source: Some(memsave_core::train::snapshot::SnapshotCause::Other(error)),
     };
     let text = path.display().to_string();
     if text.contains("://") {
@@ -82,7 +85,7 @@ pub fn load_torchvision_resnet<B: Backend, M: ModuleSnapshot<B>>(
                 .allow_partial(true);
             model
                 .load_from(&mut store)
-                .map_err(|e| bad(e.to_string()))?
+                .map_err(|e| unreadable(Box::new(e)))?
         }
         "pth" | "pt" | "bin" => {
             let mut store = PytorchStore::from_file(path)
@@ -92,7 +95,7 @@ pub fn load_torchvision_resnet<B: Backend, M: ModuleSnapshot<B>>(
                 .allow_partial(true);
             model
                 .load_from(&mut store)
-                .map_err(|e| bad(e.to_string()))?
+                .map_err(|e| unreadable(Box::new(e)))?
         }
         other => {
             return Err(bad(format!(

@@ -77,7 +77,7 @@ fn with_cp_switches_every_block_and_keeps_the_gradients() {
     let g_plain = loss(&plain).backward();
     let g_cp = loss(&checkpointed).backward();
     assert_eq!(recomputations(), 8, "the 8 basic blocks were recomputed");
-    join_helpers();
+    join_helpers().unwrap();
 
     let (a, b) = (grads(&checkpointed, &g_cp), grads(&plain, &g_plain));
     assert_eq!(a.len(), b.len());
@@ -174,7 +174,7 @@ fn frozen_stages_take_no_gradient_and_no_optimizer_state_with_or_without_checkpo
         let g_plain = feature_loss(&plain, images.clone()).backward();
         let before = recomputations();
         let g_cp = feature_loss(&checkpointed, images.clone()).backward();
-        join_helpers();
+        join_helpers().unwrap();
         // MMCV's guard: a block whose input does not require grad runs plainly. With the stem
         // frozen that is every frozen block and the first block after them.
         let plain_blocks = match frozen {

@@ -78,7 +78,7 @@ pub fn run(command: DataCommand) -> memsave::Result<()> {
                 ApMode::Area
             });
             let result = voc_map(&images, &records, 0.5, mode)
-                .map_err(|e| memsave::Error::Data(format!("{}: {e}", detections.display())))?;
+                .map_err(|e| memsave::Error::data_file(detections, "cannot be scored", e))?;
             println!("{result}");
             Ok(())
         }

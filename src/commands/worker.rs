@@ -29,7 +29,7 @@ pub enum Report<T> {
 
 /// Sends `report` to the parent: one line on standard output.
 pub fn send<T: Serialize>(report: &Report<T>) -> Result<()> {
-    let line = serde_json::to_string(report).map_err(|e| Error::Data(e.to_string()))?;
+    let line = serde_json::to_string(report).map_err(|e| Error::state("the worker's report", e))?;
     let mut stdout = std::io::stdout().lock();
     writeln!(stdout, "{line}")
         .and_then(|()| stdout.flush())

@@ -1,13 +1,16 @@
 //! CPU staging on the device: activation offload (the inputs checkpointed segments keep, in host
-//! memory between forward and backward). On the CPU (Flex) offload has nothing to save: the
-//! same tests check that it then does nothing and changes nothing.
+//! memory between forward and backward). On the CPU (Flex) offload has nothing to save; the same
+//! tests run there with staging let run on host memory (the run's host-resident switch), so that
+//! the copier, the prefetch, the limits and the failures are tested by `cargo test --workspace`
+//! too: every test asserts staging is active before it measures, and the memory it saves only on
+//! a device.
 
 use burn::module::Module;
 use burn::prelude::*;
 use burn::tensor::Distribution;
 use memsave::checkpoint::offload::{
-    can_offload, offload_stats, reset_offload_stats, set_activation_offload, wait_for_copies,
-    ActivationOffload, OffloadStats,
+    offload_stats, reset_offload_stats, set_activation_offload, stage_on_host_resident_backends,
+    staging, wait_for_copies, ActivationOffload, OffloadStats, StagingSupport,
 };
 use memsave::checkpoint::{join_helpers, set_with_cp};
 use memsave::memory;
@@ -17,6 +20,26 @@ use memsave::hooks::{LrSchedule, LrUpdaterHook, OptimizerHook};
 use memsave::train::{Hook, OptimizerKind, RunLength, Runner, TrainState};
 
 use super::{device_name, narrow_resnet, on_device, Classifier, Deep, Materialise, Segment, D, K};
+
+/// Whether the suite runs on a device with memory of its own (built with `wgpu` or `cuda`).
+pub(super) const ON_A_DEVICE: bool = cfg!(any(feature = "wgpu", feature = "cuda"));
+
+/// Staging is active where these tests run: on a device by itself (a regression that made it
+/// unavailable fails here, not through an "off" branch of every test), on the CPU through the
+/// host-resident switch of the test's run. Returns whether staging saves device memory here (on
+/// a device only: on the CPU the host is the device).
+fn staging_active() -> bool {
+    if !ON_A_DEVICE {
+        stage_on_host_resident_backends(true);
+    }
+    assert_eq!(
+        staging::<K>(),
+        StagingSupport::Possible,
+        "CPU staging must be active on {}",
+        device_name()
+    );
+    ON_A_DEVICE
+}
 
 /// `f` with activation offload set to `setting`, the counts started again; the setting before
 /// is restored after.
@@ -68,12 +91,13 @@ fn activation_offload_gives_the_same_gradients_and_frees_the_kept_inputs() {
                 wait_for_copies();
                 let kept = meter.live().saturating_sub(base);
                 let grads = loss.backward();
-                join_helpers();
+                join_helpers().unwrap();
                 let peak = meter.peak().saturating_sub(base);
                 out = Some((common::param_grads::<D, _>(&model, &grads), kept, peak));
             }
             out.expect("two steps")
         };
+        let saves = staging_active();
         let ((reference, kept, peak), _) = with_offload(None, run);
         let setting = ActivationOffload {
             min_bytes: 1024,
@@ -97,29 +121,20 @@ fn activation_offload_gives_the_same_gradients_and_frees_the_kept_inputs() {
             same_bits(&grads, &reference),
             "offload changed the gradients"
         );
-        match can_offload::<K>() {
-            Ok(()) => {
-                // Eight blocks a step, two steps.
-                assert_eq!(stats.segments, 16, "{stats:?}");
-                assert!(stats.bytes > 0 && stats.host_peak > 0, "{stats:?}");
-                assert_eq!(stats.host_bytes, 0, "every input came back: {stats:?}");
-                assert!(stats.prefetched > 0, "backward prefetched: {stats:?}");
-                // Every block's input left the device (the stem's activations stay: it is not
-                // checkpointed). The step's peak is the stem's backward here, which offload
-                // does not reach: the next test measures a peak that kept inputs make.
-                assert!(
-                    kept_off + stats.bytes / 2 * 9 / 10 <= kept,
-                    "offload keeps less on the device: {kept_off} vs {kept}, {} offloaded",
-                    stats.bytes / 2
-                );
-            }
-            Err(why) => {
-                println!(
-                    "device suite: {}: offload is off here: {why}",
-                    device_name()
-                );
-                assert_eq!(stats, OffloadStats::default(), "nothing offloaded");
-            }
+        // Eight blocks a step, two steps.
+        assert_eq!(stats.segments, 16, "{stats:?}");
+        assert!(stats.bytes > 0 && stats.host_peak > 0, "{stats:?}");
+        assert_eq!(stats.host_bytes, 0, "every input came back: {stats:?}");
+        assert!(stats.prefetched > 0, "backward prefetched: {stats:?}");
+        if saves {
+            // Every block's input left the device (the stem's activations stay: it is not
+            // checkpointed). The step's peak is the stem's backward here, which offload does
+            // not reach: the next test measures a peak that kept inputs make.
+            assert!(
+                kept_off + stats.bytes / 2 * 9 / 10 <= kept,
+                "offload keeps less on the device: {kept_off} vs {kept}, {} offloaded",
+                stats.bytes / 2
+            );
         }
     });
 }
@@ -148,7 +163,7 @@ fn deep_grads(
 ) -> std::collections::HashMap<burn::module::ParamId, Vec<f32>> {
     let y = model.layers.iter().fold(x.clone(), |h, l| l.forward(h));
     let grads = y.square().mean().backward();
-    join_helpers();
+    join_helpers().unwrap();
     common::param_grads::<D, _>(model, &grads)
 }
 
@@ -217,9 +232,7 @@ fn activation_offload_past_the_host_budget_or_with_a_lost_copy_ends_the_run_nami
             max_in_flight: 64 << 20,
             prefetch: 2,
         };
-        if can_offload::<K>().is_err() {
-            return;
-        }
+        staging_active();
 
         // A budget of 20 KiB: the first two segments' inputs (8 KiB each) fit, the third's
         // does not.
@@ -241,12 +254,16 @@ fn activation_offload_past_the_host_budget_or_with_a_lost_copy_ends_the_run_nami
                 && past.contains("memory.host_budget"),
             "{past}"
         );
-        drop(failed);
         // The run's setting and limit are gone with it, and the abandoned step's inputs let go.
-        wait_for_copies();
-        assert_eq!(offload_stats().host_bytes, 0, "{:?}", offload_stats());
-        assert_eq!(set_activation_offload(None), None);
-        assert_eq!(memsave::checkpoint::offload::set_host_limit(None), None);
+        let run = failed.context().clone();
+        drop(failed);
+        run.scope(|| {
+            wait_for_copies();
+            assert_eq!(offload_stats().host_bytes, 0, "{:?}", offload_stats());
+            assert_eq!(set_activation_offload(None), None);
+            assert_eq!(memsave::checkpoint::offload::set_host_limit(None), None);
+        })
+        .unwrap();
         runner(OffloadHook::new(setting).with_host_budget(Some(1 << 30)), 1)
             .run()
             .unwrap();
@@ -293,12 +310,13 @@ fn activation_offload_lowers_a_peak_that_kept_inputs_make() {
                 let base = meter.reset_peak();
                 let y = model.layers.iter().fold(x.clone(), |h, l| l.forward(h));
                 let grads = y.square().mean().backward();
-                join_helpers();
+                join_helpers().unwrap();
                 peak = peak.max(meter.peak().saturating_sub(base));
                 drop(grads);
             }
             peak
         };
+        let saves = staging_active();
         let (peak, _) = with_offload(None, run);
         let setting = ActivationOffload {
             min_bytes: 1024,
@@ -315,14 +333,12 @@ fn activation_offload_lowers_a_peak_that_kept_inputs_make() {
             mib(peak_off),
             peak_off as f64 / peak as f64,
         );
-        if can_offload::<K>().is_ok() {
-            assert_eq!(stats.segments, 12 * 4, "{stats:?}");
+        assert_eq!(stats.segments, 12 * 4, "{stats:?}");
+        if saves {
             assert!(
                 peak_off * 10 < peak * 6,
                 "offload lowers the peak: {peak_off} vs {peak}"
             );
-        } else {
-            assert_eq!(stats.segments, 0, "{stats:?}");
         }
     });
 }
@@ -336,6 +352,7 @@ fn many_segments_prefetched_on_helper_threads_are_written_before_they_are_read()
         let model = deep(width, &device);
         let x = Tensor::<D, 2>::random([64, width], Distribution::Normal(0.0, 1.0), &device);
         let run = |model: &Deep<D>| deep_grads(model, &x);
+        staging_active();
         let (reference, _) = with_offload(None, || run(&model));
         // Three segments prefetched ahead; at most two inputs (32 KiB each) in flight, so that
         // the forward waits on the copies too.
@@ -356,14 +373,10 @@ fn many_segments_prefetched_on_helper_threads_are_written_before_they_are_read()
             device_name()
         );
         assert_eq!(same, 0, "a repetition's gradients differed");
-        if can_offload::<K>().is_ok() {
-            // The first segment's input (the data) is not tracked: MMCV's guard runs it plainly.
-            assert_eq!(stats.segments, 11 * 50, "{stats:?}");
-            assert!(stats.prefetched >= 50, "the helpers prefetched: {stats:?}");
-            assert_eq!(stats.host_bytes, 0, "{stats:?}");
-        } else {
-            assert_eq!(stats.segments, 0, "{stats:?}");
-        }
+        // The first segment's input (the data) is not tracked: MMCV's guard runs it plainly.
+        assert_eq!(stats.segments, 11 * 50, "{stats:?}");
+        assert!(stats.prefetched >= 50, "the helpers prefetched: {stats:?}");
+        assert_eq!(stats.host_bytes, 0, "{stats:?}");
     });
 }
 
@@ -378,6 +391,7 @@ fn activation_offloads_copies_run_on_a_stream_of_their_own_that_the_pool_meter_r
     on_device(|| {
         let device: burn::tensor::Device<D> = Default::default();
         D::seed(&device, 7);
+        staging_active();
         let copies = memsave::checkpoint::copy_stream().expect("the runtime keeps many streams");
         // A meter made on the copy stream reads its pools alone (it has no copy stream in use).
         let copy_meter = copies
@@ -449,6 +463,7 @@ fn the_minimum_size_and_the_bound_on_bytes_in_flight_are_kept() {
         let input = 512 * width as u64 * 4;
         let x = Tensor::<D, 2>::random([512, width], Distribution::Normal(0.0, 1.0), &device);
         let run = || (0..5).map(|_| deep_grads(&model, &x)).collect::<Vec<_>>();
+        staging_active();
         let (reference, _) = with_offload(None, run);
         let setting = |min_bytes: u64, max_in_flight: u64| ActivationOffload {
             min_bytes,
@@ -456,8 +471,12 @@ fn the_minimum_size_and_the_bound_on_bytes_in_flight_are_kept() {
             prefetch: 2,
         };
         let (above, above_stats) = with_offload(Some(setting(input + 1, 256 << 20)), run);
+        // Copies slower than the forward (as on a slow link), so that they pile up without a
+        // bound: the bound then has something to act on, on every device.
+        memsave::checkpoint::offload::slow_copies(Some(std::time::Duration::from_millis(20)));
         let (at, at_stats) = with_offload(Some(setting(input, 256 << 20)), run);
         let (tight, tight_stats) = with_offload(Some(setting(input, input)), run);
+        memsave::checkpoint::offload::slow_copies(None);
         println!(
             "device suite: {}: 12 segments with 256 KiB inputs, 5 runs each: min_bytes 256 KiB + \
              1: {} offloaded; min_bytes 256 KiB: {} offloaded, at most {} KiB in flight; \
@@ -475,17 +494,23 @@ fn the_minimum_size_and_the_bound_on_bytes_in_flight_are_kept() {
                 "{what}: other gradients"
             );
         }
-        if can_offload::<K>().is_ok() {
-            assert_eq!(above_stats.segments, 0, "{above_stats:?}");
-            assert_eq!(at_stats.segments, 11 * 5, "{at_stats:?}");
-            assert_eq!(tight_stats.segments, 11 * 5, "{tight_stats:?}");
-            assert!(
-                tight_stats.in_flight_peak <= input,
-                "the bound: {tight_stats:?}"
-            );
-        } else {
-            assert_eq!(at_stats.segments, 0, "{at_stats:?}");
-        }
+        assert_eq!(above_stats.segments, 0, "{above_stats:?}");
+        assert_eq!(at_stats.segments, 11 * 5, "{at_stats:?}");
+        assert_eq!(tight_stats.segments, 11 * 5, "{tight_stats:?}");
+        assert!(
+            tight_stats.in_flight_peak <= input,
+            "the bound: {tight_stats:?}"
+        );
+        // The bound acted: without it more than one input was on its way at once, and under
+        // it the forward waited for the copies.
+        assert!(
+            at_stats.in_flight_peak > input,
+            "unbounded, the slow copies pile up: {at_stats:?}"
+        );
+        assert!(
+            tight_stats.waits > 0,
+            "the bound made the forward wait: {tight_stats:?}"
+        );
     });
 }
 
@@ -528,7 +553,7 @@ fn optimizer_offload_steps_on_the_host_as_the_device_does_and_frees_the_state() 
             (all_weights(&runner.state().model), peak, held)
         };
         let offload = |hook: OptimizerHook| hook.with_optimizer_offload(true);
-        let staged = can_offload::<K>().is_ok();
+        let staged = staging_active();
         // The tolerance: the same arithmetic in the host's and the device's kernels.
         let tolerance = if staged { 1e-5 } else { 0.0 };
         let mib = |b: u64| b as f64 / (1024.0 * 1024.0);
@@ -769,7 +794,7 @@ fn the_planner_offers_offload_on_the_device_and_verify_measures_it() {
         );
         // Verified on a device only: on the CPU, whatever the budget leaves, the report is what
         // is checked.
-        let stages = can_offload::<K>().is_ok();
+        let stages = ON_A_DEVICE;
         let out = super::memsave_cmd()
             .args([
                 "plan",
@@ -899,7 +924,7 @@ fn optimizer_offload_past_the_host_budget_stops_before_the_run_naming_what_it_ne
             .output()
             .unwrap();
         let stderr = String::from_utf8_lossy(&out.stderr);
-        if can_offload::<K>().is_err() {
+        if !ON_A_DEVICE {
             assert!(out.status.success(), "{stderr}");
             let _ = std::fs::remove_dir_all(&dir);
             return;

@@ -316,6 +316,10 @@ impl MemsaveMetrics {
 
 impl<LC: LearningComponentsTypes> MetricRegistration<LC> for MemsaveMetrics {
     fn register(self, mut training: SupervisedTraining<LC>) -> SupervisedTraining<LC> {
+        // The handle that stops the training where a step fails (`Shared::fail`).
+        if let Some(metric) = self.metrics.first() {
+            lock(&metric.shared).interrupter = Some(super::Interrupter(training.interrupter()));
+        }
         for metric in self.metrics {
             training = training.metric_train_numeric(metric);
         }

@@ -116,6 +116,13 @@ pub(crate) struct Shared {
     /// Whether the first step's check of the `with_cp` switches ran.
     pub(crate) checked_segments: bool,
     pub(crate) warnings: Vec<String>,
+    /// The error that stopped the training, until [`Memsave::finish`] takes it.
+    pub(crate) failure: Option<Error>,
+    /// burn-train's handle that stops the training (from the registration of
+    /// [`Memsave::metrics`]).
+    pub(crate) interrupter: Option<Interrupter>,
+    /// The run's context ([`crate::run`]): what the model's steps run in.
+    pub(crate) context: Option<crate::RunContext>,
     pub(crate) warned_past_end: bool,
     pub(crate) warned_burn_accumulation: bool,
 }
@@ -185,8 +192,31 @@ impl Shared {
     }
 
     pub(crate) fn warn(&mut self, message: String) {
-        eprintln!("memsave: warning: {message}");
+        tracing::warn!(target: "memsave", "{message}");
         self.warnings.push(message);
+    }
+
+    /// Stops the training with `error`: burn-train's loop has no error of its own, so the
+    /// error is kept for [`Memsave::finish`], said as an event, and the training stopped
+    /// through burn-train's interrupter (where [`Memsave::metrics`] is registered; else the
+    /// steps left change nothing). The first error counts.
+    pub(crate) fn fail(&mut self, error: Error) {
+        if self.failure.is_some() {
+            return;
+        }
+        let message = error.to_string();
+        tracing::error!(target: "memsave", "{message}");
+        if let Some(interrupter) = &self.interrupter {
+            interrupter.0.stop(Some(&format!("memsave: {message}")));
+        }
+        self.failure = Some(error);
+    }
+
+    /// The run's context.
+    pub(crate) fn context(&mut self) -> crate::RunContext {
+        self.context
+            .get_or_insert_with(|| crate::run::installed().unwrap_or_default())
+            .clone()
     }
 
     /// The state kept in Burn's optimizer checkpoints, as JSON.
@@ -200,8 +230,8 @@ impl Shared {
 
     /// Restores [`Shared::state_json`]'s state.
     pub(crate) fn load_state_json(&mut self, json: &str) -> Result<()> {
-        let value: serde_json::Value = serde_json::from_str(json)
-            .map_err(|error| Error::invalid("memsave state", error.to_string()))?;
+        let value: serde_json::Value =
+            serde_json::from_str(json).map_err(|error| Error::state("memsave state", error))?;
         let iter = value
             .get("iter")
             .and_then(serde_json::Value::as_u64)
@@ -225,6 +255,16 @@ impl Shared {
     }
 }
 
+/// burn-train's interrupter, with the `Debug` that [`Shared`] derives.
+#[derive(Clone, Default)]
+pub(crate) struct Interrupter(pub(crate) burn::train::Interrupter);
+
+impl std::fmt::Debug for Interrupter {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Interrupter")
+    }
+}
+
 /// Locks the shared state (a panic elsewhere while it was held leaves it usable).
 pub(crate) fn lock(shared: &Mutex<Shared>) -> MutexGuard<'_, Shared> {
     shared.lock().unwrap_or_else(PoisonError::into_inner)
@@ -232,16 +272,52 @@ pub(crate) fn lock(shared: &Mutex<Shared>) -> MutexGuard<'_, Shared> {
 
 /// The strategies for a burn-train run, and the adapters that carry them out (see the
 /// [module docs](self)).
-#[derive(Clone, Debug, Default)]
+#[derive(Clone, Debug)]
 pub struct Memsave {
     shared: Arc<Mutex<Shared>>,
 }
 
+impl Default for Memsave {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
 impl Memsave {
     /// fp32, a step every micro-batch, no clipping: Burn's loop as it is, until a strategy
-    /// is switched on.
+    /// is switched on. Its run's context ([`crate::run`]) is the one installed on this thread,
+    /// or one of its own: the model's steps run in it.
     pub fn new() -> Self {
-        Self::default()
+        let shared = Shared {
+            context: Some(crate::run::installed().unwrap_or_default()),
+            ..Shared::default()
+        };
+        Memsave {
+            shared: Arc::new(Mutex::new(shared)),
+        }
+    }
+
+    /// The run's context: its settings and figures.
+    pub fn context(&self) -> crate::RunContext {
+        lock(&self.shared).context()
+    }
+
+    /// What the run does when a module is switched on without a `#[with_cp]` method
+    /// ([`crate::checkpoint::UnusedWithCp`]; by default the training stops with an error,
+    /// [`Memsave::finish`]'s).
+    pub fn unused_with_cp(self, unused: crate::checkpoint::UnusedWithCp) -> Result<Self> {
+        self.context()
+            .scope(|| crate::checkpoint::set_unused_with_cp(unused))?;
+        Ok(self)
+    }
+
+    /// After the training: the error that stopped it, if any (burn-train's `launch` returns
+    /// none of its own). Call it after `launch`: `memsave.finish()?`.
+    pub fn finish(&self) -> Result<()> {
+        match lock(&self.shared).failure.take() {
+            Some(error) => Err(error),
+            None => Ok(()),
+        }
     }
 
     /// Mixed precision: the forward and backward run on a `precision` copy of the weights,

@@ -150,6 +150,30 @@ where
     type Output = M::Output;
 
     fn step(&self, input: Self::Input) -> TrainOutput<Self::Output> {
+        // In the run's context (Burn calls this on its training thread): a thread that holds
+        // another run cannot train this one.
+        let context = lock(&self.shared).context();
+        match context.enter() {
+            Ok(_entered) => self.step_here(input),
+            Err(error) => {
+                // burn-train needs this step's output: it runs, the training stops after it.
+                lock(&self.shared).fail(error);
+                self.step_here(input)
+            }
+        }
+    }
+}
+
+impl<B, M> MemsaveModel<B, M>
+where
+    B: AutodiffBackend,
+    M: ForwardStep + AutodiffModule<B> + Fp16Module,
+    M::Output: LossOutput<B>,
+{
+    /// [`TrainStep::step`] in the run's context. A failure (a segment's, or a module switched
+    /// on without a `#[with_cp]` method) stops the training ([`super::Shared::fail`]) and the
+    /// step gives no gradients.
+    fn step_here(&self, input: M::Input) -> TrainOutput<M::Output> {
         let (divisor, scale, summed, first) = {
             let mut shared = lock(&self.shared);
             let iter = shared.forwards;
@@ -172,24 +196,32 @@ where
             (Some(half), Some(scale)) => {
                 let item = half.forward_step(input);
                 let loss = item.loss().cast(DType::F32).mul_scalar(scale / divisor);
-                let grads = grads::backward::<B, M>(loss, half, None);
-                let grads = match summed {
+                let grads = grads::backward::<B, M>(loss, half, None).map(|grads| match summed {
                     Some(mut summed) => {
                         grads::accumulate::<B, M>(&self.model, &mut summed, grads);
                         summed
                     }
                     None => grads,
-                };
+                });
                 (item, grads)
             }
         };
         // The first step: a module switched on without a `#[with_cp]` method trained plainly.
-        if first {
-            let missing = crate::check::switched_on_without_segment(&self.model);
-            if !missing.is_empty() {
-                lock(&self.shared).warn(crate::checkpoint::no_segment_message(&missing));
-            }
+        let checked = if first {
+            crate::check::segments_ran(&self.model)
+        } else {
+            Ok(None)
+        };
+        if let Ok(Some(warning)) = &checked {
+            lock(&self.shared).warnings.push(warning.clone());
         }
+        let grads = match grads.and_then(|grads| checked.map(|_| grads)) {
+            Ok(grads) => grads,
+            Err(error) => {
+                lock(&self.shared).fail(error);
+                GradientsParams::new()
+            }
+        };
         // The loss for memsave's metrics, read only if one asks (reading waits for the device).
         let loss = item.loss().inner();
         lock(&self.shared).pending_loss = Some(LazyLoss(Arc::new(move || {

@@ -117,6 +117,10 @@ impl<O> MemsaveOptimizer<O> {
         O: Optimizer<M, B>,
     {
         let mut shared = lock(&self.shared);
+        if shared.failure.is_some() {
+            // The training stopped with an error (`Memsave::finish`): no step on what is left.
+            return module;
+        }
         let iter = shared.iter;
         shared.iter += 1;
         if iter == 0 && shared.run_length.wanted && !shared.metrics_registered {

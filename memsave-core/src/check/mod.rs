@@ -64,6 +64,30 @@ pub fn switched_on_without_segment<M: Fp16Module>(model: &M) -> Vec<String> {
     crate::checkpoint::unreached(|visit| model.visit_with_cp_flags(visit))
 }
 
+/// After a step's forward: every module of `model` whose `with_cp` switch is on ran a
+/// `#[with_cp]` method in the current run. Where one did not (a block whose forward is not
+/// marked), the current run's choice ([`crate::checkpoint::set_unused_with_cp`]) says what
+/// happens: an error naming the types (the default), or a warning (an event with the `types`,
+/// once per run), whose text it returns. The runner, burn-train's adapter and [`ModelCheck`]
+/// call it after the first step; in a user's own loop, call it after the first backward.
+pub fn segments_ran<M: Fp16Module>(model: &M) -> Result<Option<String>> {
+    let missing = switched_on_without_segment(model);
+    if missing.is_empty() {
+        return Ok(None);
+    }
+    let message = crate::checkpoint::no_segment_message(&missing);
+    match crate::checkpoint::unused_with_cp() {
+        crate::checkpoint::UnusedWithCp::Error => Err(Error::invalid("with_cp", message)),
+        crate::checkpoint::UnusedWithCp::Warn => {
+            if !crate::run::current().first_time("unused with_cp") {
+                return Ok(None);
+            }
+            tracing::warn!(target: "memsave", types = ?missing, "{message}");
+            Ok(Some(message))
+        }
+    }
+}
+
 /// [`ModelCheck::run`] with the defaults (fp32 only, seed 42).
 pub fn check_model<B, M, L>(model: M, loss: L) -> Result<CheckReport>
 where
@@ -98,10 +122,13 @@ impl ModelCheck {
                  #[memsave::model] makes it)",
             ));
         }
-        let model = materialise(model);
-        let mut runner = Passes::new(self, &model);
-        runner.pair("fp32", &model, &loss, 1.0)?;
-        Ok(runner.report())
+        // In the run of this thread (installed, or its own): its choices and counts.
+        crate::run::current().scope(|| {
+            let model = materialise(model);
+            let mut runner = Passes::new(self, &model);
+            runner.pair("fp32", &model, &loss, 1.0)?;
+            runner.report()
+        })?
     }
 
     /// [`ModelCheck::run`], with the half passes of [`ModelCheck::with_precision`] (F16 if it
@@ -118,6 +145,15 @@ impl ModelCheck {
                 format!("must be a positive finite number, got {}", self.loss_scale),
             ));
         }
+        crate::run::current().scope(|| self.run_with_fp16_here(model, loss))?
+    }
+
+    fn run_with_fp16_here<B, M, L>(&self, model: M, loss: L) -> Result<CheckReport>
+    where
+        B: AutodiffBackend,
+        M: AutodiffModule<B> + CheckpointModule + Fp16Module,
+        L: Fn(&M) -> Tensor<B, 1>,
+    {
         let precision = self.precision.unwrap_or(Precision::F16);
         let model = materialise(model);
         let mut runner = Passes::new(self, &model);
@@ -136,7 +172,7 @@ impl ModelCheck {
         plain_half.worst_parameter =
             worst.map(|id| runner.names.get(&id).cloned().unwrap_or_default());
         plain_half.against = reference;
-        Ok(runner.report())
+        runner.report()
     }
 }
 

@@ -144,7 +144,7 @@ impl<'a> Passes<'a> {
         } else {
             value.mul_scalar(scale).backward()
         };
-        join_helpers();
+        join_helpers()?;
         let peak = match (&self.meter, start) {
             (Some(meter), Some(start)) => Some(meter.peak().saturating_sub(start)),
             _ => None,
@@ -168,14 +168,40 @@ impl<'a> Passes<'a> {
         Ok((report, gradients, events))
     }
 
-    pub(super) fn report(self) -> CheckReport {
-        CheckReport {
+    /// The report. A segment switched on whose type ran no `#[with_cp]` method is the run's
+    /// error by default, as in the runner ([`crate::check::segments_ran`]); where the run says
+    /// to warn, the report names it.
+    pub(super) fn report(self) -> Result<CheckReport> {
+        let mut missing: Vec<String> = Vec::new();
+        for segment in &self.segments {
+            if segment.recomputed == 0
+                && segment
+                    .why_plain
+                    .as_deref()
+                    .is_some_and(|why| why.starts_with(NO_METHOD))
+                && !missing.contains(&segment.type_name)
+            {
+                missing.push(segment.type_name.clone());
+            }
+        }
+        if !missing.is_empty()
+            && crate::checkpoint::unused_with_cp() == crate::checkpoint::UnusedWithCp::Error
+        {
+            return Err(Error::invalid(
+                "with_cp",
+                crate::checkpoint::no_segment_message(&missing),
+            ));
+        }
+        Ok(CheckReport {
             passes: self.passes.into_iter().map(|(report, _)| report).collect(),
             segments: self.segments,
             meter: self.meter_name,
-        }
+        })
     }
 }
+
+/// How the report says a segment's type ran no `#[with_cp]` method.
+const NO_METHOD: &str = "no `#[with_cp]` method of ";
 
 /// A meter that reads nothing, for a recording that only counts.
 struct Blind;
@@ -241,9 +267,9 @@ fn segments<M: CheckpointModule>(
                 .any(|event| matches!(event, Event::Forward { id: f, .. } if *f == id));
             let why_plain = if !ran {
                 Some(format!(
-                    "no `#[with_cp]` method of `{type_name}` ran: its `with_cp` flag is on, but \
-                     the method that computes it (its forward) is not marked `#[with_cp]` (or \
-                     it did not run in this step); mark it `#[with_cp]`"
+                    "{NO_METHOD}`{type_name}` ran: its `with_cp` flag is on, but the method \
+                     that computes it (its forward) is not marked `#[with_cp]` (or it did not \
+                     run in this step); mark it `#[with_cp]`"
                 ))
             } else if !ran_checkpointed {
                 Some(

@@ -18,6 +18,7 @@
 mod autodiff;
 pub(crate) mod context;
 pub(crate) mod id;
+mod module;
 pub mod offload;
 pub mod profile;
 mod reached;
@@ -30,26 +31,62 @@ use burn::module::Module;
 use burn::prelude::Backend;
 use burn::tensor::ops::FloatTensor;
 
+#[cfg(feature = "cubecl")]
+pub use crate::memory::cube::copy_stream;
 pub(crate) use autodiff::{mark_ours, take_grad};
 pub use context::{is_recomputing, random};
 pub use id::SegmentId;
+pub use module::{segment_paths, set_with_cp, set_with_cp_paths, CheckpointModule, HasWithCp};
 pub use offload::{
     activation_offload, measure_link, offload_stats, reset_offload_stats, set_activation_offload,
     wait_for_copies, ActivationOffload, Link, OffloadStats,
 };
-pub use reached::{no_segment_message, reached, unreached};
+pub use reached::{
+    no_segment_message, reached, set_unused_with_cp, unreached, unused_with_cp, UnusedWithCp,
+};
 pub use segment::{floats, Segment};
 pub use stream::RandomDraws;
-#[cfg(feature = "cubecl")]
-pub use threads::copy_stream;
-#[cfg(feature = "cubecl")]
-pub(crate) use threads::copy_stream_in_use;
-pub use threads::{join_helpers, live_helpers, recomputations};
+pub use threads::{live_helpers, recomputations};
+
+/// Ends a backward pass's part of checkpointing: waits for the helper threads of the calling
+/// training thread to end, lets go the prefetches activation offload held for it, and returns
+/// the step's failure, if any (a segment's input the host could not take within its limit, a
+/// copy back that failed: [`crate::Error`]s naming the segment, recorded in the current run).
+/// Call it after `backward()` returned (the training hooks do); never from inside a backward
+/// pass, whose lock the helpers wait for. In a user's own loop: `join_helpers()?` after each
+/// `backward()`.
+pub fn join_helpers() -> crate::Result<()> {
+    threads::join_mine();
+    offload::release_retained(true);
+    match crate::run::take_failure() {
+        Some(error) => {
+            offload::abandon();
+            Err(error)
+        }
+        None => Ok(()),
+    }
+}
+
+/// The failure recorded in the current run for the calling training thread's step, if any,
+/// taken; its offloaded segments are let go. What a runner asks after a forward: a failure
+/// there (the host past its limit) ends the step before its backward.
+pub(crate) fn take_step_failure() -> Option<crate::Error> {
+    let failure = crate::run::take_failure()?;
+    offload::abandon();
+    Some(failure)
+}
+
+/// After a step that ended early (a failure or a panic): what activation offload held for the
+/// calling training thread is let go, and its recorded failure dropped.
+pub(crate) fn abandon_step() {
+    offload::abandon();
+    let _ = crate::run::take_failure();
+}
 
 /// What the macros generate code against. Not a stable API.
 #[doc(hidden)]
 pub mod __private {
-    pub use super::join_path;
+    pub use super::module::join_path;
     pub use super::stream::__private::*;
 
     /// The fields of a `#[memsave::model]` type `M` without a `with_cp` flag or a marked field:
@@ -214,33 +251,39 @@ where
     })
 }
 
-/// The segments that ran without checkpointing because a tracked tensor entered them other
-/// than as an input or a parameter (see [`checkpoint`]), by name, in the order first seen.
+/// The segments of the current run that ran without checkpointing because a tracked tensor
+/// entered them other than as an input or a parameter (see [`checkpoint`]), by name, in the
+/// order first seen.
 pub fn uncheckpointed_segments() -> Vec<String> {
-    lock_uncheckpointed().clone()
+    lock_uncheckpointed(&crate::run::current().part()).clone()
 }
 
-static UNCHECKPOINTED: std::sync::Mutex<Vec<String>> = std::sync::Mutex::new(Vec::new());
+/// [`uncheckpointed_segments`], a part of the run's state.
+#[derive(Default)]
+struct Uncheckpointed(std::sync::Mutex<Vec<String>>);
 
-fn lock_uncheckpointed() -> std::sync::MutexGuard<'static, Vec<String>> {
-    UNCHECKPOINTED
+fn lock_uncheckpointed(part: &Uncheckpointed) -> std::sync::MutexGuard<'_, Vec<String>> {
+    part.0
         .lock()
         .unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
-/// Warns, once per segment, that the segment `method` of a module of type `module` runs
-/// without checkpointing.
+/// Warns, once per segment and run, that the segment `method` of a module of type `module`
+/// runs without checkpointing.
 pub(crate) fn warn_uncheckpointed(module: &str, method: &str) {
     let name = id::segment_name(module, method);
-    let mut seen = lock_uncheckpointed();
+    let part = crate::run::current().part::<Uncheckpointed>();
+    let mut seen = lock_uncheckpointed(&part);
     if seen.contains(&name) {
         return;
     }
-    eprintln!(
-        "memsave: warning: the checkpointed segment `{name}` uses a tracked tensor that is \
-         neither its input nor a parameter (captured by its closure, or held in a bare `Tensor` \
-         field); it runs without checkpointing. Pass that tensor to the segment as an input, or \
-         hold it in a `Param`, to checkpoint it."
+    tracing::warn!(
+        target: "memsave",
+        segment = %name,
+        "the checkpointed segment `{name}` uses a tracked tensor that is neither its input nor \
+         a parameter (captured by its closure, or held in a bare `Tensor` field); it runs \
+         without checkpointing. Pass that tensor to the segment as an input, or hold it in a \
+         `Param`, to checkpoint it."
     );
     seen.push(name);
 }
@@ -280,192 +323,3 @@ plain_backend!(
 );
 #[cfg(feature = "fusion")]
 plain_backend!([FB: burn_fusion::FusionBackend] burn_fusion::Fusion<FB>);
-
-/// A module with a `with_cp` flag, read by `#[with_cp]` methods.
-///
-/// `#[memsave::model]` implements it for a struct with a field `with_cp: bool`.
-#[diagnostic::on_unimplemented(
-    message = "`{Self}` has no `with_cp` flag, so `#[with_cp]` cannot be used on its methods",
-    label = "this method reads `self.with_cp`",
-    note = "put `#[memsave::model]` on the struct and give it a field `with_cp: bool` (start it \
-            at `false`; `set_with_cp` or the config switches it on)"
-)]
-pub trait HasWithCp {
-    /// The module's own flag.
-    fn with_cp(&self) -> bool;
-}
-
-/// A module in which checkpointing can be switched on: it has a `with_cp` flag, or fields
-/// marked `#[with_cp]` that lead to one.
-#[diagnostic::on_unimplemented(
-    message = "`{Self}` cannot be checkpointed: nothing in it has a `with_cp` switch",
-    label = "checkpointing is switched on in this `{Self}`",
-    note = "a checkpointable block is a `#[memsave::model]` struct with a field `with_cp: bool` \
-            and a `#[with_cp]` method (its forward), and a model reaches its blocks through \
-            fields marked `#[with_cp]`; Burn's layers have no such switch: checkpoint the block \
-            that contains them"
-)]
-pub trait CheckpointModule: Sized {
-    /// Whether the module is itself a checkpointed segment ([`crate::fp16::__private::Marked`]:
-    /// it has the `with_cp` flag, or it is an enum of blocks) or only leads to some
-    /// ([`crate::fp16::__private::Unmarked`]: a container, such as a backbone whose stem runs
-    /// plainly). The first-layer guard of `#[auto_fp16]` asks it of the field that receives the
-    /// network's input.
-    type Mark: Default;
-
-    /// Sets every `with_cp` flag of this module and of its `#[with_cp]` fields to `on`.
-    fn set_with_cp(self, on: bool) -> Self;
-
-    /// Sets the `with_cp` flag of each segment below this module to `on(its path)`, where the
-    /// path of this module is `path` and a marked field's is `path.field` (`Vec` items by
-    /// index: `backbone.layer2.1`; an enum's variant adds nothing). See [`set_with_cp_paths`].
-    fn set_with_cp_by_path(self, _path: &str, _on: &dyn Fn(&str) -> bool) -> Self {
-        self
-    }
-
-    /// Calls `visit` with the path and identity of each segment (a module with a `with_cp`
-    /// flag) at or below this module, reached through `#[with_cp]` fields, in field order.
-    fn visit_segments(&self, _path: &str, _visit: &mut dyn FnMut(&str, SegmentId)) {}
-}
-
-/// The module paths of the segments of `model` (`backbone.layer1.0`, ...), in field order.
-pub fn segment_paths<M: CheckpointModule>(model: &M) -> Vec<String> {
-    let mut paths = Vec::new();
-    model.visit_segments("", &mut |path, _| paths.push(path.to_string()));
-    paths
-}
-
-/// Checkpoints exactly the segments of `model` whose paths are in `paths` (as
-/// [`segment_paths`] names them), and no other: a plan pinned by hand, or the planner's.
-/// A path that names no segment is an error that lists the closest ones.
-pub fn set_with_cp_paths<M: CheckpointModule>(model: M, paths: &[String]) -> crate::Result<M> {
-    let known = segment_paths(&model);
-    for path in paths {
-        if !known.contains(path) {
-            let mut close: Vec<&String> = known
-                .iter()
-                .filter(|known| {
-                    known.starts_with(path.as_str()) || path.starts_with(known.as_str())
-                })
-                .take(6)
-                .collect();
-            if close.is_empty() {
-                close = known.iter().take(6).collect();
-            }
-            let close: Vec<String> = close.iter().map(|p| format!("`{p}`")).collect();
-            return Err(crate::Error::invalid(
-                "with_cp",
-                format!(
-                    "`{path}` is not a checkpointable segment of this model; its {} segments \
-                     include {}",
-                    known.len(),
-                    if close.is_empty() {
-                        "none".to_string()
-                    } else {
-                        close.join(", ")
-                    }
-                ),
-            ));
-        }
-    }
-    Ok(model.set_with_cp_by_path("", &|path| paths.iter().any(|p| p == path)))
-}
-
-/// Switches checkpointing on (or off) in `model`: its `with_cp` flag and, through every field
-/// marked `#[with_cp]`, the flags of the blocks below (MMCV's `with_cp=True` on a backbone).
-pub fn set_with_cp<M: CheckpointModule>(model: M, on: bool) -> M {
-    model.set_with_cp(on)
-}
-
-impl<T: CheckpointModule> CheckpointModule for Vec<T> {
-    type Mark = T::Mark;
-
-    fn set_with_cp(self, on: bool) -> Self {
-        self.into_iter()
-            .map(|module| module.set_with_cp(on))
-            .collect()
-    }
-
-    fn set_with_cp_by_path(self, path: &str, on: &dyn Fn(&str) -> bool) -> Self {
-        self.into_iter()
-            .enumerate()
-            .map(|(index, module)| module.set_with_cp_by_path(&join_index(path, index), on))
-            .collect()
-    }
-
-    fn visit_segments(&self, path: &str, visit: &mut dyn FnMut(&str, SegmentId)) {
-        for (index, module) in self.iter().enumerate() {
-            module.visit_segments(&join_index(path, index), visit);
-        }
-    }
-}
-
-impl<T: CheckpointModule> CheckpointModule for Option<T> {
-    type Mark = T::Mark;
-
-    fn set_with_cp(self, on: bool) -> Self {
-        self.map(|module| module.set_with_cp(on))
-    }
-
-    fn set_with_cp_by_path(self, path: &str, on: &dyn Fn(&str) -> bool) -> Self {
-        self.map(|module| module.set_with_cp_by_path(path, on))
-    }
-
-    fn visit_segments(&self, path: &str, visit: &mut dyn FnMut(&str, SegmentId)) {
-        if let Some(module) = self {
-            module.visit_segments(path, visit);
-        }
-    }
-}
-
-impl<T: CheckpointModule> CheckpointModule for Box<T> {
-    type Mark = T::Mark;
-
-    fn set_with_cp(self, on: bool) -> Self {
-        Box::new((*self).set_with_cp(on))
-    }
-
-    fn set_with_cp_by_path(self, path: &str, on: &dyn Fn(&str) -> bool) -> Self {
-        Box::new((*self).set_with_cp_by_path(path, on))
-    }
-
-    fn visit_segments(&self, path: &str, visit: &mut dyn FnMut(&str, SegmentId)) {
-        (**self).visit_segments(path, visit);
-    }
-}
-
-impl<T: CheckpointModule, const N: usize> CheckpointModule for [T; N] {
-    type Mark = T::Mark;
-
-    fn set_with_cp(self, on: bool) -> Self {
-        self.map(|module| module.set_with_cp(on))
-    }
-
-    fn set_with_cp_by_path(self, path: &str, on: &dyn Fn(&str) -> bool) -> Self {
-        let mut index = 0;
-        self.map(|module| {
-            index += 1;
-            module.set_with_cp_by_path(&join_index(path, index - 1), on)
-        })
-    }
-
-    fn visit_segments(&self, path: &str, visit: &mut dyn FnMut(&str, SegmentId)) {
-        for (index, module) in self.iter().enumerate() {
-            module.visit_segments(&join_index(path, index), visit);
-        }
-    }
-}
-
-/// `path.name`, or `name` at the root.
-#[doc(hidden)]
-pub fn join_path(path: &str, name: &str) -> String {
-    if path.is_empty() {
-        name.to_string()
-    } else {
-        format!("{path}.{name}")
-    }
-}
-
-fn join_index(path: &str, index: usize) -> String {
-    join_path(path, &index.to_string())
-}

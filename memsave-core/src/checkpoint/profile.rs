@@ -4,14 +4,16 @@
 //! previous boundary. Off unless [`start`] was called: then each segment and recomputation costs
 //! two reads of the live bytes and a device sync.
 //!
-//! One recording at a time per process (the recorder is global, as the allocator's counts are).
+//! One recording at a time per run: the recorder is the run's ([`crate::run`]), read by the
+//! run's threads and the helpers they start. (On the CPU the bytes it reads are the process's
+//! counting allocator's: two runs measured at once would read each other's bytes.)
 //!
 //! The events are read by `crate::planner::Profile::from_events`. Bytes come from the one
 //! [`Meter`]: the counting allocator on the CPU, the device's pools elsewhere.
 
 use std::cell::Cell;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use super::SegmentId;
@@ -100,16 +102,25 @@ struct Recorder {
     started: Instant,
 }
 
-static ACTIVE: AtomicBool = AtomicBool::new(false);
-static RECORDER: Mutex<Option<Recorder>> = Mutex::new(None);
+/// The run's part: whether a recording is on, and the recorder.
+#[derive(Default)]
+struct Profiling {
+    active: AtomicBool,
+    recorder: Mutex<Option<Recorder>>,
+}
+
+fn profiling() -> Arc<Profiling> {
+    crate::run::current().part::<Profiling>()
+}
 
 thread_local! {
     /// The segment whose `checkpoint_segment` runs on this thread now.
     static PENDING: Cell<Option<SegmentId>> = const { Cell::new(None) };
 }
 
-fn recorder() -> std::sync::MutexGuard<'static, Option<Recorder>> {
-    RECORDER
+fn recorder(profiling: &Profiling) -> std::sync::MutexGuard<'_, Option<Recorder>> {
+    profiling
+        .recorder
         .lock()
         .unwrap_or_else(|poisoned| poisoned.into_inner())
 }
@@ -117,12 +128,13 @@ fn recorder() -> std::sync::MutexGuard<'static, Option<Recorder>> {
 /// Starts recording, with `probe` reading the memory; drops what an earlier recording left.
 pub fn start(probe: Box<dyn Meter>) {
     probe.window_peak();
-    *recorder() = Some(Recorder {
+    let profiling = profiling();
+    *recorder(&profiling) = Some(Recorder {
         probe,
         events: Vec::new(),
         started: Instant::now(),
     });
-    ACTIVE.store(true, Ordering::SeqCst);
+    profiling.active.store(true, Ordering::SeqCst);
     // The step's phases mark their own ends (`memory::in_phase`): the loop knows nothing of
     // the recording.
     crate::memory::on_phase_end(Some(Box::new(|phase| match phase {
@@ -139,7 +151,8 @@ pub fn restart() -> f64 {
     if !is_recording() {
         return 0.0;
     }
-    let seconds = match recorder().as_mut() {
+    let profiling = profiling();
+    let seconds = match recorder(&profiling).as_mut() {
         Some(recorder) => {
             let seconds = recorder.started.elapsed().as_secs_f64();
             recorder.events.clear();
@@ -156,13 +169,15 @@ pub fn restart() -> f64 {
 /// Stops recording; returns the events.
 pub fn stop() -> Vec<Event> {
     crate::memory::on_phase_end(None);
-    ACTIVE.store(false, Ordering::SeqCst);
-    recorder().take().map(|r| r.events).unwrap_or_default()
+    let profiling = profiling();
+    profiling.active.store(false, Ordering::SeqCst);
+    let events = recorder(&profiling).take().map(|r| r.events);
+    events.unwrap_or_default()
 }
 
-/// Whether a recording is on.
+/// Whether a recording is on in the current run.
 pub fn is_recording() -> bool {
-    ACTIVE.load(Ordering::Relaxed)
+    profiling().active.load(Ordering::Relaxed)
 }
 
 /// Marks a phase boundary (the step's start and end: the profiling hook; the ends of forward
@@ -172,7 +187,7 @@ pub fn boundary(at: Boundary) {
     if !is_recording() {
         return;
     }
-    if let Some(recorder) = recorder().as_mut() {
+    if let Some(recorder) = recorder(&profiling()).as_mut() {
         let window_peak = recorder.probe.window_peak();
         let event = Event::Boundary {
             at,
@@ -186,7 +201,9 @@ pub fn boundary(at: Boundary) {
 }
 
 fn live() -> u64 {
-    recorder().as_ref().map_or(0, |r| r.probe.live())
+    recorder(&profiling())
+        .as_ref()
+        .map_or(0, |r| r.probe.live())
 }
 
 /// Runs a segment's forward `f`, recording it when a recording is on; `sync` waits for the
@@ -215,7 +232,7 @@ pub(crate) fn forward<O>(
     sync();
     let seconds = started.elapsed().as_secs_f64();
     let after = live();
-    if let Some(recorder) = recorder().as_mut() {
+    if let Some(recorder) = recorder(&profiling()).as_mut() {
         recorder.events.push(Event::Forward {
             id,
             before,
@@ -238,7 +255,7 @@ pub(crate) fn recompute<O>(id: Option<SegmentId>, sync: impl Fn(), f: impl FnOnc
         return f();
     };
     sync();
-    let (window_peak, before, gradients) = match recorder().as_ref() {
+    let (window_peak, before, gradients) = match recorder(&profiling()).as_ref() {
         Some(r) => (r.probe.window_peak(), r.probe.live(), r.probe.gradients()),
         None => return f(),
     };
@@ -247,7 +264,7 @@ pub(crate) fn recompute<O>(id: Option<SegmentId>, sync: impl Fn(), f: impl FnOnc
     sync();
     let seconds = started.elapsed().as_secs_f64();
     let after = live();
-    if let Some(recorder) = recorder().as_mut() {
+    if let Some(recorder) = recorder(&profiling()).as_mut() {
         recorder.events.push(Event::Recompute {
             id,
             window_peak,
@@ -268,7 +285,7 @@ pub(crate) fn joined(helpers: usize, join: impl FnOnce()) {
     let before = live();
     join();
     let after = live();
-    if let Some(recorder) = recorder().as_mut() {
+    if let Some(recorder) = recorder(&profiling()).as_mut() {
         recorder.events.push(Event::Joined {
             helpers,
             before,
@@ -286,7 +303,7 @@ pub(crate) fn live_if_recording() -> Option<u64> {
 /// the `sent` bytes of gradients it handed over.
 pub(crate) fn released(id: SegmentId, started: u64, sent: u64) {
     let held = live().saturating_sub(started).saturating_sub(sent);
-    if let Some(recorder) = recorder().as_mut() {
+    if let Some(recorder) = recorder(&profiling()).as_mut() {
         recorder.events.push(Event::Released { id, held });
     }
 }

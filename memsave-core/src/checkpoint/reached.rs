@@ -1,42 +1,75 @@
-//! Which module types a `#[with_cp]` method ran for, and the check that every module switched on
-//! has one: a block whose `with_cp` flag is on but whose forward is not marked `#[with_cp]`
-//! would otherwise train without checkpointing, silently.
+//! Which module types a `#[with_cp]` method ran for in a run, and the check that every module
+//! switched on has one: a block whose `with_cp` flag is on but whose forward is not marked
+//! `#[with_cp]` would otherwise train without checkpointing, silently.
 //!
 //! The check cannot be made when the code compiles: `#[memsave::model]` on the struct and
 //! `#[with_cp]` on a method are expanded apart, and a method's attribute can add nothing outside
 //! its `impl` block that names the type (a trait `impl` takes no extra item). So the first step
-//! makes it: [`crate::train::Runner`] ends with an error, burn-train's adapter warns, and
-//! `memsave::check` names the cause (through [`crate::check::switched_on_without_segment`]).
+//! makes it, with one behaviour everywhere ([`crate::check::segments_ran`]): the runner,
+//! burn-train's adapter, `memsave::check` and a user's loop end with an error by default, or
+//! warn where the run says so ([`set_unused_with_cp`]).
 
 use std::sync::Mutex;
 
 use super::id::SegmentId;
+use crate::run;
 
-/// The types `checkpoint_with` ran for in this process, whether or not it checkpointed (MMCV's
-/// guard). It only grows: a run in another thread can only add to it.
-static REACHED: Mutex<Vec<&'static str>> = Mutex::new(Vec::new());
+/// What a run does when a module's `with_cp` switch is on but no `#[with_cp]` method of it ran
+/// in the first step (config: `unused_with_cp`, top level).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum UnusedWithCp {
+    /// The step ends with an error naming the types (the default: training on without
+    /// checkpointing would use the memory the switch was meant to save).
+    #[default]
+    Error,
+    /// A warning naming them, once, and the run goes on without checkpointing them.
+    Warn,
+}
 
-/// Notes that a `#[with_cp]` method of `id`'s type ran.
-pub(crate) fn note(id: SegmentId) {
-    let mut reached = REACHED
+/// The run's part: the types `checkpoint_with` ran for, whether or not it checkpointed (MMCV's
+/// guard), and what the check does. It only grows in a run.
+#[derive(Default)]
+struct Reached {
+    types: Mutex<Vec<&'static str>>,
+    unused: Mutex<UnusedWithCp>,
+}
+
+fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    mutex
         .lock()
-        .unwrap_or_else(|poisoned| poisoned.into_inner());
-    if !reached.contains(&id.type_name) {
-        reached.push(id.type_name);
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+/// Notes that a `#[with_cp]` method of `id`'s type ran, in the current run.
+pub(crate) fn note(id: SegmentId) {
+    let reached = run::current().part::<Reached>();
+    let mut types = lock(&reached.types);
+    if !types.contains(&id.type_name) {
+        types.push(id.type_name);
     }
 }
 
-/// Whether a `#[with_cp]` method of `id`'s type has run in this process.
+/// Whether a `#[with_cp]` method of `id`'s type has run in the current run.
 pub fn reached(id: SegmentId) -> bool {
-    REACHED
-        .lock()
-        .unwrap_or_else(|poisoned| poisoned.into_inner())
-        .contains(&id.type_name)
+    lock(&run::current().part::<Reached>().types).contains(&id.type_name)
+}
+
+/// Sets what the current run does when a module is switched on without a `#[with_cp]` method
+/// ([`UnusedWithCp`]); returns the previous choice.
+pub fn set_unused_with_cp(unused: UnusedWithCp) -> UnusedWithCp {
+    std::mem::replace(&mut *lock(&run::current().part::<Reached>().unused), unused)
+}
+
+/// What the current run does when a module is switched on without a `#[with_cp]` method.
+pub fn unused_with_cp() -> UnusedWithCp {
+    *lock(&run::current().part::<Reached>().unused)
 }
 
 /// The types whose `with_cp` flag is on, as `visit` reports each module's flag, and for which no
-/// `#[with_cp]` method has run: call it after a forward pass. Each is named once, short
-/// (`Block`). [`crate::check::switched_on_without_segment`] asks it of a model.
+/// `#[with_cp]` method has run in the current run: call it after a forward pass. Each is named
+/// once, short (`Block`), with the signature of one of its methods where the model knows it.
+/// [`crate::check::switched_on_without_segment`] asks it of a model.
 pub fn unreached(visit: impl FnOnce(&mut dyn FnMut(SegmentId, bool))) -> Vec<String> {
     let mut found: Vec<String> = Vec::new();
     visit(&mut |id, on| {
@@ -58,8 +91,9 @@ pub fn no_segment_message(types: &[String]) -> String {
     format!(
         "checkpointing is switched on in {list}, but no `#[with_cp]` method of {} ran in the \
          first step, so nothing was checkpointed: mark the method that computes the block \
-         (its forward) `#[with_cp]`, as in `#[with_cp] fn forward(&self, x: Tensor<B, 4>) -> \
-         Tensor<B, 4>`, or switch its `with_cp` off",
+         (its forward) `#[with_cp]`, or switch its `with_cp` off (a run that should go on \
+         without it: `unused_with_cp = \"warn\"`, or \
+         `memsave::checkpoint::set_unused_with_cp(UnusedWithCp::Warn)`)",
         if types.len() == 1 { "it" } else { "them" }
     )
 }

@@ -36,23 +36,19 @@
 //! (see `offload`'s `Retained`).
 
 use std::cell::Cell;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::thread::{JoinHandle, ThreadId};
 
-/// The helpers not joined yet, each with the thread whose backward pass it serves (its owner):
-/// peers of a data-parallel run train on threads of one process, and each joins its own.
-static HELPERS: Mutex<Vec<(ThreadId, JoinHandle<()>)>> = Mutex::new(Vec::new());
+use crate::run;
+
+/// The helpers of a run not joined yet, each with the training thread whose backward pass it
+/// serves (its owner): peers of a data-parallel run train on threads of one process, and each
+/// joins its own.
+#[derive(Default)]
+struct Helpers(Mutex<Vec<(ThreadId, JoinHandle<()>)>>);
+
 thread_local! {
     static RECOMPUTATIONS: Cell<u64> = const { Cell::new(0) };
-    /// On a helper: the thread that owns it (a nested helper inherits its parent's owner).
-    static OWNER: Cell<Option<ThreadId>> = const { Cell::new(None) };
-}
-
-/// The thread whose backward pass the current thread serves (itself, unless a helper).
-pub(crate) fn owner() -> ThreadId {
-    OWNER
-        .with(|owner| owner.get())
-        .unwrap_or_else(|| std::thread::current().id())
 }
 
 /// How many segments the backward passes run on this thread have recomputed so far (for logs
@@ -61,8 +57,8 @@ pub fn recomputations() -> u64 {
     RECOMPUTATIONS.with(Cell::get)
 }
 
-/// Starts a helper thread, on the caller's device stream (see the module docs), and keeps its
-/// handle.
+/// Starts a helper thread, in the caller's run and on its device stream (see the module docs),
+/// and keeps its handle.
 pub(crate) fn spawn(work: impl FnOnce() + Send + 'static) -> std::io::Result<()> {
     RECOMPUTATIONS.with(|count| count.set(count.get() + 1));
     #[cfg(feature = "cubecl")]
@@ -70,134 +66,52 @@ pub(crate) fn spawn(work: impl FnOnce() + Send + 'static) -> std::io::Result<()>
         let stream = cubecl::stream_id::StreamId::current();
         move || stream.executes(work)
     };
-    let owner = owner();
+    let inherited = run::inherit();
+    let helpers = inherited.context().part::<Helpers>();
+    let owner = run::owner();
     let handle = std::thread::Builder::new()
         .name("memsave-recompute".into())
-        .spawn(move || {
-            OWNER.with(|cell| cell.set(Some(owner)));
-            work()
-        })?;
-    lock().push((owner, handle));
+        .spawn(inherited.wrap(work))?;
+    lock(&helpers).push((owner, handle));
     Ok(())
 }
 
-/// Runs `work` on a scoped helper thread, on the caller's device stream, and returns its result
-/// (a panic in `work` is resumed on the caller).
+/// Runs `work` on a scoped helper thread, in the caller's run and on its device stream, and
+/// returns its result (a panic in `work`, the user's segment code, is resumed on the caller: a
+/// thread boundary).
 pub(crate) fn run_on_helper<R: Send>(work: impl FnOnce() -> R + Send) -> R {
     #[cfg(feature = "cubecl")]
     let work = {
         let stream = cubecl::stream_id::StreamId::current();
         move || stream.executes(work)
     };
-    let owner = owner();
-    let work = move || {
-        OWNER.with(|cell| cell.set(Some(owner)));
-        work()
-    };
+    let work = run::inherit().wrap(work);
     std::thread::scope(|scope| match scope.spawn(work).join() {
         Ok(result) => result,
         Err(payload) => std::panic::resume_unwind(payload),
     })
 }
 
-/// `work` made to run, on another thread, on the *copy stream* of the caller's device stream
-/// ([`copy_stream`]) and as a helper of the caller's owner: activation offload's copies to the
-/// host and its prefetches ([`super::offload`]) run so, beside the compute rather than in its
-/// queue. Where the runtime keeps one stream (`max_streams` 1), on the caller's stream; off
-/// CubeCL, streams do not exist.
+/// `work` made to run on the *copy stream* of the caller's device stream
+/// ([`crate::memory::cube::copy_stream_of`]): activation offload's copies to the host and its
+/// prefetches ([`super::offload`]) run so, on threads of their own that inherit the caller's
+/// run, beside the compute rather than in its queue. Where the runtime keeps one stream
+/// (`max_streams` 1), on the caller's stream; off CubeCL, streams do not exist.
 pub(crate) fn on_copy_stream<R>(
     work: impl FnOnce() -> R + Send + 'static,
 ) -> impl FnOnce() -> R + Send + 'static {
     #[cfg(feature = "cubecl")]
     let work = {
+        use crate::memory::cube;
         let stream = cubecl::stream_id::StreamId::current();
-        let copies = copy_stream_of(stream);
+        let copies = cube::copy_stream_of(stream);
         if copies.is_some() {
-            copies_used(stream);
+            cube::copies_used(stream);
         }
         let stream = copies.unwrap_or(stream);
         move || stream.executes(work)
     };
-    let owner = owner();
-    move || {
-        OWNER.with(|cell| cell.set(Some(owner)));
-        work()
-    }
-}
-
-/// The stream activation offload's copies of the calling thread's work run on
-/// ([`copy_stream_of`] its stream); `None` where the runtime keeps one stream.
-#[cfg(feature = "cubecl")]
-pub fn copy_stream() -> Option<cubecl::stream_id::StreamId> {
-    copy_stream_of(cubecl::stream_id::StreamId::current())
-}
-
-/// The stream activation offload's copies of the work of `stream` run on: one per training
-/// stream (a data-parallel peer has its own), so that the copies have a queue of their own (on
-/// CUDA a stream of the device's pool, which runs beside the compute) and their buffers a pool
-/// of their own. CubeCL orders a buffer made on one stream and read on the other, not its reuse
-/// once freed (see the module docs): activation offload holds what it prefetched until the
-/// training stream is past it. Its id is one no thread is given (threads count up from 0), one
-/// for each `stream` (peers do not share one), that the runtime maps to another slot of its
-/// pool than `stream`'s (with more streams than slots, two may share a slot, as CubeCL's own
-/// streams do); `None` where the runtime keeps one stream.
-#[cfg(feature = "cubecl")]
-pub(crate) fn copy_stream_of(
-    stream: cubecl::stream_id::StreamId,
-) -> Option<cubecl::stream_id::StreamId> {
-    use cubecl::config::RuntimeConfig;
-    let slots = u64::from(
-        cubecl::config::CubeClRuntimeConfig::get()
-            .streaming
-            .max_streams,
-    );
-    copy_id(stream.value, slots).map(|value| cubecl::stream_id::StreamId { value })
-}
-
-/// The id of the copy stream of the stream `stream` where the runtime keeps `slots` streams
-/// (an id's slot is the id modulo `slots`). Ids count up from 0 as threads ask for one: the top
-/// of the range is nobody's. A stream's copy stream is counted down from there (so that the
-/// streams of a few peers have their copies in slots apart), or, where that falls in its own
-/// slot, the next id down, far below (so that no other stream's is the same).
-#[cfg_attr(not(feature = "cubecl"), allow(dead_code))]
-fn copy_id(stream: u64, slots: u64) -> Option<u64> {
-    if slots < 2 {
-        return None;
-    }
-    let down = u64::MAX.wrapping_sub(stream);
-    Some(if down % slots != stream % slots {
-        down
-    } else {
-        down.wrapping_sub(1).wrapping_sub(slots << 32)
-    })
-}
-
-/// The training streams whose copy stream has been used (the pool meter reads those too).
-#[cfg(feature = "cubecl")]
-static COPIES_USED: Mutex<Vec<u64>> = Mutex::new(Vec::new());
-
-#[cfg(feature = "cubecl")]
-fn copies_used(stream: cubecl::stream_id::StreamId) {
-    let mut used = COPIES_USED
-        .lock()
-        .unwrap_or_else(|poisoned| poisoned.into_inner());
-    if !used.contains(&stream.value) {
-        used.push(stream.value);
-    }
-}
-
-/// The copy stream of `stream` ([`copy_stream_of`]) where activation offload has used it: the
-/// pools the pool meter reads beside `stream`'s.
-#[cfg(feature = "cubecl")]
-pub(crate) fn copy_stream_in_use(
-    stream: cubecl::stream_id::StreamId,
-) -> Option<cubecl::stream_id::StreamId> {
-    let used = COPIES_USED
-        .lock()
-        .unwrap_or_else(|poisoned| poisoned.into_inner());
-    used.contains(&stream.value)
-        .then(|| copy_stream_of(stream))
-        .flatten()
+    work
 }
 
 /// Frees this thread's matrix-product scratch (gemm's `L2_SLAB`, the size of the L2 cache). A
@@ -212,12 +126,13 @@ pub(crate) fn release_scratch() {
     });
 }
 
-/// Waits for every helper thread to end. Call it after `backward()` returned (the training
-/// hooks do); never from inside a backward pass, whose lock the helpers wait for.
-pub fn join_helpers() {
-    let owner = owner();
+/// Joins the helper threads of the calling training thread in the current run (see
+/// [`super::join_helpers`], which also ends the step's offload and takes its failure).
+pub(crate) fn join_mine() {
+    let helpers = run::current().part::<Helpers>();
+    let owner = run::owner();
     let handles: Vec<JoinHandle<()>> = {
-        let mut helpers = lock();
+        let mut helpers = lock(&helpers);
         let (mine, others): (Vec<_>, Vec<_>) =
             helpers.drain(..).partition(|(who, _)| *who == owner);
         *helpers = others;
@@ -230,12 +145,12 @@ pub fn join_helpers() {
             let _ = handle.join();
         }
     });
-    super::offload::release_retained(true);
 }
 
-/// Joins the helpers that have ended, without waiting for the others.
+/// Joins the helpers of the current run that have ended, without waiting for the others.
 pub(crate) fn reap_finished() {
-    let mut helpers = lock();
+    let helpers = run::current().part::<Helpers>();
+    let mut helpers = lock(&helpers);
     let (done, running): (Vec<_>, Vec<_>) = helpers
         .drain(..)
         .partition(|(_, handle)| handle.is_finished());
@@ -246,45 +161,15 @@ pub(crate) fn reap_finished() {
     }
 }
 
-/// How many helper threads have not been joined yet.
+/// How many helper threads of the current run have not been joined yet.
 pub fn live_helpers() -> usize {
-    lock().len()
+    lock(&run::current().part::<Helpers>()).len()
 }
 
-fn lock() -> std::sync::MutexGuard<'static, Vec<(ThreadId, JoinHandle<()>)>> {
+fn lock(helpers: &Arc<Helpers>) -> std::sync::MutexGuard<'_, Vec<(ThreadId, JoinHandle<()>)>> {
     // A poisoned list of handles is still a list of handles.
-    HELPERS
+    helpers
+        .0
         .lock()
         .unwrap_or_else(|poisoned| poisoned.into_inner())
-}
-
-#[cfg(test)]
-mod tests {
-    use super::copy_id;
-
-    /// A copy stream's slot is never its stream's, no two streams share a copy stream, and no
-    /// thread's id (counted up from 0) is one.
-    #[test]
-    fn each_stream_has_a_copy_stream_of_its_own_in_another_slot() {
-        for slots in [2u64, 3, 5, 7, 128, 255] {
-            let mut seen = std::collections::HashSet::new();
-            for stream in 0..1000u64 {
-                let copy = copy_id(stream, slots).expect("many slots");
-                assert_ne!(
-                    copy % slots,
-                    stream % slots,
-                    "slots {slots}, stream {stream}"
-                );
-                assert!(copy > 1 << 40, "slots {slots}, stream {stream}: {copy}");
-                assert!(seen.insert(copy), "slots {slots}: {copy} twice");
-            }
-        }
-        // CubeCL's default: the first streams' copies in slots of their own.
-        let slots: std::collections::HashSet<u64> = (0..128)
-            .map(|stream| copy_id(stream, 128).unwrap() % 128)
-            .collect();
-        assert_eq!(slots.len(), 128);
-        assert_eq!(copy_id(3, 1), None, "one stream: no copy stream");
-        assert_eq!(copy_id(3, 0), None);
-    }
 }

@@ -151,10 +151,7 @@ impl<M, D> Config<M, D> {
     pub fn hooks<B: AutodiffBackend, Mo: TrainModel<B>>(&self) -> Vec<Box<dyn Hook<B, Mo>>> {
         // The host budget as the run starts (unknown where the machine's memory cannot be read
         // and no budget is given: then unbounded).
-        let host_budget = self
-            .memory
-            .host_budget_bytes(crate::planner::available_host_memory())
-            .ok();
+        let host_budget = self.memory.host_budget().ok().flatten();
         let accumulates = self
             .optimizer_config
             .groups()
@@ -177,9 +174,28 @@ impl<M, D> Config<M, D> {
             )),
             Box::new(LoggerHook::new(self.log_config.interval)),
             Box::new(StrategyKeys),
+            Box::new(RunChoices {
+                unused_with_cp: self.unused_with_cp,
+            }),
         ];
         hooks.extend(offload);
         hooks
+    }
+}
+
+/// Puts the config's choices for the run in its context before the first step.
+struct RunChoices {
+    unused_with_cp: crate::checkpoint::UnusedWithCp,
+}
+
+impl<B: AutodiffBackend, M: TrainModel<B>> Hook<B, M> for RunChoices {
+    fn name(&self) -> &'static str {
+        "run_choices"
+    }
+
+    fn before_run(&mut self, _state: &mut crate::train::TrainState<B, M>) -> Result<()> {
+        crate::checkpoint::set_unused_with_cp(self.unused_with_cp);
+        Ok(())
     }
 }
 

@@ -13,6 +13,7 @@ pub(super) fn read_with_bases(path: &Path, chain: &mut Vec<PathBuf>) -> Result<t
     let error = |message: String| Error::Config {
         path: path.to_path_buf(),
         message,
+        source: None,
     };
     let canonical = path.canonicalize().map_err(|source| Error::Io {
         path: path.to_path_buf(),
@@ -26,7 +27,7 @@ pub(super) fn read_with_bases(path: &Path, chain: &mut Vec<PathBuf>) -> Result<t
         path: path.to_path_buf(),
         source,
     })?;
-    let mut table: toml::Table = toml::from_str(&text).map_err(|e| error(e.to_string()))?;
+    let mut table: toml::Table = toml::from_str(&text).map_err(|e| not_toml(path, e))?;
     let bases = match table.remove("_base_") {
         None => Vec::new(),
         Some(toml::Value::String(base)) => vec![base],
@@ -83,12 +84,23 @@ pub(super) struct Override {
     pub argument: String,
 }
 
+/// The error of a file at `path` that is not TOML: the parser's words, and its error as the
+/// cause.
+pub(super) fn not_toml(path: &Path, error: toml::de::Error) -> Error {
+    Error::Config {
+        path: path.to_path_buf(),
+        message: format!("not valid TOML: {}", error.message()),
+        source: Some(error),
+    }
+}
+
 /// `a.b.c=value` into `table`: the value is read as TOML (`4`, `2.5`, `true`, `"text"`,
 /// `[1, 2]`, `{ max_norm = 35 }`), or taken as a string when it is not TOML.
 pub(super) fn apply_override(table: &mut toml::Table, assignment: &str) -> Result<Override> {
     let error = |message: String| Error::Override {
         argument: assignment.to_string(),
         message,
+        source: None,
     };
     let (key, value) = assignment
         .split_once('=')

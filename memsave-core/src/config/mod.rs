@@ -24,6 +24,8 @@
 mod build;
 mod explain;
 mod file;
+mod memory;
+mod offload;
 mod sections;
 
 use std::path::{Path, PathBuf};
@@ -31,6 +33,8 @@ use std::path::{Path, PathBuf};
 use serde::de::DeserializeOwned;
 use serde::Deserialize;
 
+pub use memory::{available_host_memory, Bandwidth, MemorySection, DEFAULT_HOST_SHARE};
+pub use offload::{Bytes, OffloadSection};
 pub use sections::{
     EvaluationSection, Fp16Section, GradScalerParams, LossScaleSpec, OptimizerHookSection,
     OptimizerHookType, OptimizerSection,
@@ -83,10 +87,15 @@ pub struct Config<M, D> {
     pub evaluation: Option<EvaluationSection>,
     /// What a step must fit in (`memory_budget`), for `with_cp = "auto"`.
     #[serde(default)]
-    pub memory: crate::planner::MemorySection,
+    pub memory: MemorySection,
     /// What goes to host memory (CPU staging); absent: nothing.
     #[serde(default)]
-    pub offload: crate::hooks::OffloadSection,
+    pub offload: OffloadSection,
+    /// What the run does when a module's `with_cp` switch is on but no `#[with_cp]` method of
+    /// it ran in the first step: `"error"` (the default: the run stops, naming the types) or
+    /// `"warn"` (a warning, and the run goes on without checkpointing them).
+    #[serde(default)]
+    pub unused_with_cp: crate::checkpoint::UnusedWithCp,
 }
 
 impl<M: DeserializeOwned, D: DeserializeOwned> Config<M, D> {
@@ -99,10 +108,7 @@ impl<M: DeserializeOwned, D: DeserializeOwned> Config<M, D> {
 
     /// Parses `text` (`path` names it in errors; `_base_` is not followed).
     pub fn parse(text: &str, path: &Path, overrides: &[String]) -> Result<Self> {
-        let table: toml::Table = toml::from_str(text).map_err(|e| Error::Config {
-            path: path.to_path_buf(),
-            message: e.to_string(),
-        })?;
+        let table: toml::Table = toml::from_str(text).map_err(|e| file::not_toml(path, e))?;
         Self::from_table(table, path, overrides)
     }
 
@@ -112,8 +118,9 @@ impl<M: DeserializeOwned, D: DeserializeOwned> Config<M, D> {
             .iter()
             .map(|assignment| file::apply_override(&mut table, assignment))
             .collect::<Result<Vec<_>>>()?;
-        // A message about `key` is blamed on the `--set` that wrote it, if one did.
-        let blame = |key: &str, message: String| {
+        // A message about `key` is blamed on the `--set` that wrote it, if one did; `source`:
+        // the deserialiser's error, where it found the fault.
+        let blame = |key: &str, message: String, source: Option<toml::de::Error>| {
             let set = applied.iter().rev().find(|o| {
                 key == o.key
                     || key.starts_with(&format!("{}.", o.key))
@@ -123,25 +130,26 @@ impl<M: DeserializeOwned, D: DeserializeOwned> Config<M, D> {
                 Some(set) => Error::Override {
                     argument: set.argument.clone(),
                     message,
+                    source,
                 },
                 None => Error::Config {
                     path: path.to_path_buf(),
                     message,
+                    source,
                 },
             }
         };
         let mut config: Self = serde_path_to_error::deserialize(toml::Value::Table(table))
             .map_err(|e| {
                 let key = e.path().to_string();
-                blame(
-                    &key,
-                    explain::explain(key.clone(), e.into_inner().to_string()),
-                )
+                let inner = e.into_inner();
+                let message = explain::explain(key.clone(), inner.to_string());
+                blame(&key, message, Some(inner))
             })?;
         config.lr_config.base_lr = config.optimizer.lr;
         config.validate().map_err(|e| match e {
             Error::InvalidValue { field, message } => {
-                blame(&field, format!("`{field}`: {message}"))
+                blame(&field, format!("`{field}`: {message}"), None)
             }
             other => other,
         })?;

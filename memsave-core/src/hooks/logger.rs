@@ -3,7 +3,6 @@ use std::io::Write;
 use std::time::Instant;
 
 use burn::tensor::backend::AutodiffBackend;
-use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use smart_default::SmartDefault;
 
 use crate::memory;
@@ -21,8 +20,10 @@ pub struct LogConfig {
 
 /// A log line every `interval` iterations (loss and gradient norm averaged over them, learning
 /// rate, loss scale, peak memory as the device's [`memory::Meter::peak`] reads it, time since the
-/// start) to stderr and `train.log` in the work directory, and a progress bar on a terminal
-/// (MMCV's `TextLoggerHook`).
+/// start) to `train.log` in the work directory and as a `tracing` event (target `memsave`,
+/// `kind = "log"`), and the run's progress as events too (`kind = "progress"`, `iter`,
+/// `max_iters`): the command line prints the lines and draws the progress bar (MMCV's
+/// `TextLoggerHook`); a library user's subscriber decides.
 pub struct LoggerHook {
     /// Iterations between log lines.
     pub interval: usize,
@@ -32,7 +33,6 @@ pub struct LoggerHook {
     /// Sums and counts of the loss's named parts since the last line, in first-seen order.
     parts: Vec<(&'static str, f64, usize)>,
     file: Option<File>,
-    bar: Option<ProgressBar>,
     started: Option<Instant>,
     meter: Option<Box<dyn memory::Meter>>,
 }
@@ -46,17 +46,13 @@ impl LoggerHook {
             grad_norms: Vec::new(),
             parts: Vec::new(),
             file: None,
-            bar: None,
             started: None,
             meter: None,
         }
     }
 
     fn emit(&mut self, line: &str) {
-        match &self.bar {
-            Some(bar) if !bar.is_hidden() => bar.println(line),
-            _ => eprintln!("{line}"),
-        }
+        tracing::info!(target: "memsave", kind = "log", "{line}");
         if let Some(file) = &mut self.file {
             let _ = writeln!(file, "{line}");
         }
@@ -85,16 +81,15 @@ impl<B: AutodiffBackend, M: TrainModel<B>> Hook<B, M> for LoggerHook {
                 .open(&path)
                 .map_err(|source| Error::Io { path, source })?,
         );
-        let bar = ProgressBar::with_draw_target(
-            Some(state.max_iters as u64),
-            ProgressDrawTarget::stderr(),
+        tracing::trace!(
+            target: "memsave",
+            kind = "progress",
+            iter = state.iter,
+            max_iters = state.max_iters,
+            "iteration {} of {}",
+            state.iter,
+            state.max_iters
         );
-        bar.set_style(
-            ProgressStyle::with_template("{bar:40} {pos}/{len} iters  {elapsed} < {eta}")
-                .expect("a valid template"),
-        );
-        bar.set_position(state.iter as u64);
-        self.bar = Some(bar);
         self.started = Some(Instant::now());
         self.meter = memory::meter_for(&state.device);
         if let Some(meter) = &self.meter {
@@ -123,9 +118,15 @@ impl<B: AutodiffBackend, M: TrainModel<B>> Hook<B, M> for LoggerHook {
                 None => self.parts.push((name, value, 1)),
             }
         }
-        if let Some(bar) = &self.bar {
-            bar.inc(1);
-        }
+        tracing::trace!(
+            target: "memsave",
+            kind = "progress",
+            iter = state.iter + 1,
+            max_iters = state.max_iters,
+            "iteration {} of {}",
+            state.iter + 1,
+            state.max_iters
+        );
         if !(state.every_n_iters(self.interval) || state.is_last_iter()) {
             return Ok(());
         }
@@ -175,9 +176,14 @@ impl<B: AutodiffBackend, M: TrainModel<B>> Hook<B, M> for LoggerHook {
             // Rank 0 logs a data-parallel run.
             return Ok(());
         }
-        if let Some(bar) = self.bar.take() {
-            bar.finish_and_clear();
-        }
+        tracing::trace!(
+            target: "memsave",
+            kind = "progress",
+            iter = state.max_iters,
+            max_iters = state.max_iters,
+            done = true,
+            "the run ended"
+        );
         for warning in state.warnings().to_vec() {
             if let Some(file) = &mut self.file {
                 let _ = writeln!(file, "warning: {warning}");

@@ -11,7 +11,7 @@ mod snapshot;
 pub use crate::train::grads::GradClip;
 pub use logger::{LogConfig, LoggerHook};
 pub use lr::{LrSchedule, LrUpdaterHook, Policy, Warmup};
-pub use offload::{Bytes, OffloadHook, OffloadSection};
+pub use offload::OffloadHook;
 pub use optimizer::{
     Alone, Fp16OptimizerHook, GradientCumulativeFp16OptimizerHook, GradientCumulativeOptimizerHook,
     Groups, OptimizerHook, Reducer,

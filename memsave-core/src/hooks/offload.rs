@@ -1,95 +1,18 @@
-//! CPU staging as a policy: `[offload]` in the config, and the hook that switches activation
-//! offload ([`crate::checkpoint::offload`]) on for a run and off after it. Optimizer offload is
-//! a place of the optimizer hook's step (`OptimizerHook::with_optimizer_offload`).
-//!
-//! ```toml
-//! [offload]
-//! optimizer = true          # optimizer state and fp32 masters in host memory, stepped there
-//! activations = true        # checkpointed segments' kept inputs wait in host memory
-//! min_bytes = "1KiB"        # smaller tensors stay on the device
-//! max_in_flight = "256MiB"  # device bytes whose copy to the host may be under way at once
-//! prefetch = 2              # segments brought back ahead of the recomputation
-//! ```
+//! CPU staging as a policy: the hook that switches activation offload
+//! ([`crate::checkpoint::offload`]) on for a run and off after it (the config's `[offload]`:
+//! [`crate::config::OffloadSection`]). Optimizer offload is a place of the optimizer hook's
+//! step (`OptimizerHook::with_optimizer_offload`).
 
 use burn::tensor::backend::AutodiffBackend;
-use serde::Deserialize;
 
 use crate::checkpoint::offload::{self, ActivationOffload};
-use crate::planner::Budget;
 use crate::train::{Hook, TrainModel, TrainState};
 use crate::{Error, Result};
 
-/// `[offload]`: what goes to host memory (see the module docs). Unset values take
-/// [`ActivationOffload::default`]'s.
-#[derive(Clone, Debug, Default, PartialEq, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct OffloadSection {
-    /// The inputs that checkpointed segments keep for their recomputation, to host memory
-    /// during the forward and back before the recomputation (checkpointing must be on).
-    #[serde(default)]
-    pub activations: bool,
-    /// The optimizer's state and the fp32 master weights in host memory, each parameter stepped
-    /// there as its gradient is final ([`crate::hooks::OptimizerHook::with_optimizer_offload`]).
-    #[serde(default)]
-    pub optimizer: bool,
-    /// Tensors smaller than this stay on the device (bytes, or `"1KiB"`).
-    #[serde(default)]
-    pub min_bytes: Option<Bytes>,
-    /// The most device bytes whose copy to the host may be under way at once.
-    #[serde(default)]
-    pub max_in_flight: Option<Bytes>,
-    /// How many segments backward brings back ahead of the one it recomputes.
-    #[serde(default)]
-    pub prefetch: Option<usize>,
-}
-
-impl OffloadSection {
-    /// The activation offload asked for, if any.
-    pub fn activations(&self) -> Option<ActivationOffload> {
-        let default = ActivationOffload::default();
-        self.activations.then(|| ActivationOffload {
-            min_bytes: self.min_bytes.map_or(default.min_bytes, |b| b.0),
-            max_in_flight: self.max_in_flight.map_or(default.max_in_flight, |b| b.0),
-            prefetch: self.prefetch.unwrap_or(default.prefetch),
-        })
-    }
-}
-
-/// A byte count: a number, or a string with a unit (`"1KiB"`, `"256MiB"`, `"2GB"`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Bytes(pub u64);
-
-impl<'de> Deserialize<'de> for Bytes {
-    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
-        #[derive(Deserialize)]
-        #[serde(untagged)]
-        enum Raw {
-            Number(u64),
-            Text(String),
-        }
-        let raw = Raw::deserialize(d).map_err(|_| {
-            serde::de::Error::custom("a size is bytes: a number (1024) or a string (\"1KiB\")")
-        })?;
-        match raw {
-            Raw::Number(bytes) => Ok(Bytes(bytes)),
-            Raw::Text(text) => match Budget::parse(&text, "size") {
-                Ok(Budget::Bytes(bytes)) => Ok(Bytes(bytes)),
-                _ => Err(serde::de::Error::custom(format!(
-                    "`{text}` is not a size: give bytes (1024, \"1KiB\", \"256MiB\", \"2GB\")"
-                ))),
-            },
-        }
-    }
-}
-
-/// The runs of this process whose [`OffloadHook`] holds its setting in force, and what was in
-/// force before the first of them (data-parallel peers on threads of one process share it).
-type InForce = (usize, Option<(Option<ActivationOffload>, Option<u64>)>);
-static IN_FORCE: std::sync::Mutex<InForce> = std::sync::Mutex::new((0, None));
-
-/// Switches activation offload on for the run (before its first iteration) and back to what it
-/// was after it. On a backend whose tensors are host memory (Flex) it says so once and the run
-/// goes on without it.
+/// Switches activation offload on in the run (before its first iteration) and back to what it
+/// was after it: in the run's context ([`crate::run`]), which data-parallel peers on threads of
+/// one process share, so that its host limit is the host's. On a backend whose tensors are host
+/// memory (Flex) it says so once and the run goes on without it.
 pub struct OffloadHook {
     setting: ActivationOffload,
     /// The host bytes CPU staging may use (`[memory] host_budget`), if bounded.
@@ -99,8 +22,9 @@ pub struct OffloadHook {
     optimizer_on_host: Option<bool>,
     /// Whether each data-parallel peer keeps only its part of the state (ZeRO 1 or 2).
     sharded: bool,
-    /// Whether this hook's run holds the setting in force ([`IN_FORCE`]).
-    active: bool,
+    /// Whether this hook holds the setting in force in its run ([`offload::hold`]), and which
+    /// run.
+    active: Option<crate::RunContext>,
     /// Whether the first iteration's offload was looked at.
     checked: bool,
 }
@@ -113,7 +37,7 @@ impl OffloadHook {
             host_budget: None,
             optimizer_on_host: None,
             sharded: false,
-            active: false,
+            active: None,
             checked: false,
         }
     }
@@ -143,56 +67,49 @@ impl OffloadHook {
         self
     }
 
-    /// Puts the setting and `limit` in force, unless another run of this process (a peer on
-    /// another thread) has already.
+    /// Puts the setting and `limit` in force in the current run, unless another hook of the run
+    /// (a peer on another thread) has already.
     fn put_in_force(&mut self, limit: Option<u64>) {
-        let mut in_force = IN_FORCE.lock().unwrap_or_else(|e| e.into_inner());
-        if in_force.0 == 0 {
-            in_force.1 = Some((
-                offload::set_activation_offload(Some(self.setting)),
-                offload::set_host_limit(limit),
-            ));
-        }
-        in_force.0 += 1;
-        self.active = true;
+        offload::hold(self.setting, limit);
+        self.active = Some(crate::run::current());
     }
 
-    /// The last run of this process to end restores what was in force before the first.
+    /// The last hook of the run to end restores what was in force before the first.
     fn restore(&mut self) {
-        if !std::mem::take(&mut self.active) {
-            return;
-        }
-        let mut in_force = IN_FORCE.lock().unwrap_or_else(|e| e.into_inner());
-        in_force.0 -= 1;
-        if in_force.0 == 0 {
-            if let Some((setting, limit)) = in_force.1.take() {
-                offload::set_activation_offload(setting);
-                offload::set_host_limit(limit);
+        if let Some(run) = self.active.take() {
+            // Dropped outside the run (a runner dropped after its run failed): in it again.
+            match crate::run::installed() {
+                Some(installed) if installed == run => offload::release(),
+                _ => {
+                    let _ = run.scope(offload::release);
+                }
             }
-            offload::fail_next_prefetch(None);
         }
     }
 
     /// What the host budget leaves activation offload: the budget less optimizer offload's
-    /// masters, state and sums, for every peer of this process (the same bytes the check
-    /// before the run counts). The limit is the process's: its peers share it.
+    /// masters, state and sums, for every peer of this process
+    /// ([`crate::train::params::OffloadedOptimizer::within`], the check before a run). The
+    /// limit is the run's: its peers share it.
     fn host_limit<B: AutodiffBackend, M: TrainModel<B>>(
         &self,
         state: &TrainState<B, M>,
-    ) -> Option<u64> {
+    ) -> Result<Option<u64>> {
         use crate::train::params::{OffloadedOptimizer, OnThisHost};
-        let budget = self.host_budget?;
-        let optimizer = match self.optimizer_on_host {
+        let Some(budget) = self.host_budget else {
+            return Ok(None);
+        };
+        match self.optimizer_on_host {
             Some(accumulates) => OffloadedOptimizer::of(
                 &state.model,
                 state.optimizer_state_per_weight,
                 accumulates,
                 &OnThisHost::of(&state.peer, self.sharded),
             )
-            .total(),
-            None => 0,
-        };
-        Some(budget.saturating_sub(optimizer))
+            .within(budget)
+            .map(Some),
+            None => Ok(Some(budget)),
+        }
     }
 }
 
@@ -211,31 +128,31 @@ impl<B: AutodiffBackend, M: TrainModel<B>> Hook<B, M> for OffloadHook {
         match offload::staging::<B::InnerBackend>() {
             offload::StagingSupport::Possible => {}
             offload::StagingSupport::NothingToSave => {
-                eprintln!(
-                    "{}",
-                    offload::nothing_to_save::<B::InnerBackend>("offload.activations")
-                );
+                let notice = offload::nothing_to_save::<B::InnerBackend>("offload.activations");
+                tracing::info!(target: "memsave", key = "offload.activations", "{notice}");
                 return Ok(());
             }
             offload::StagingSupport::Unknown(why) => {
                 return Err(Error::invalid("offload.activations", why));
             }
         }
-        let limit = self.host_limit(state);
+        let limit = self.host_limit(state)?;
         self.put_in_force(limit);
-        offload::reset_offload_stats();
         Ok(())
     }
 
     fn after_iter(&mut self, _state: &mut TrainState<B, M>) -> Result<()> {
-        if self.active && !self.checked {
+        if self.active.is_some() && !self.checked {
             self.checked = true;
             if offload::offload_stats().segments == 0 {
-                eprintln!(
-                    "memsave: warning: `offload.activations` is on, but the first iteration \
-                     offloaded nothing: activation offload moves the inputs that checkpointed \
-                     segments keep, and no segment was checkpointed with an input of at least \
-                     {} bytes (switch checkpointing on: `with_cp = true`)",
+                tracing::warn!(
+                    target: "memsave",
+                    key = "offload.activations",
+                    min_bytes = self.setting.min_bytes,
+                    "`offload.activations` is on, but the first iteration offloaded nothing: \
+                     activation offload moves the inputs that checkpointed segments keep, and no \
+                     segment was checkpointed with an input of at least {} bytes (switch \
+                     checkpointing on: `with_cp = true`)",
                     self.setting.min_bytes
                 );
             }

@@ -122,8 +122,10 @@ impl<B: AutodiffBackend, M: TrainModel<B>> Hook<B, M> for SnapshotHook {
                 // Already gone (removed by hand) is fine; anything else is worth a word.
                 if let Err(error) = std::fs::remove_file(&old) {
                     if error.kind() != std::io::ErrorKind::NotFound {
-                        eprintln!(
-                            "memsave: warning: could not remove the old snapshot {}: {error}",
+                        tracing::warn!(
+                            target: "memsave",
+                            path = %old.display(),
+                            "could not remove the old snapshot {}: {error}",
                             old.display()
                         );
                     }

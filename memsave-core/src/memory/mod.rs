@@ -36,7 +36,10 @@ pub use meter::{meter_for, AllocatorMeter, Meter, PoolReadings};
 pub use tags::{live_by_tag, peak_by_tag, scope, scope_path, snapshot_peaks, TagBytes};
 pub use timeline::{Sample, Timeline};
 
+pub mod oom;
 pub mod phase;
+pub use oom::{is_out_of_memory_panic, out_of_memory_size};
+pub(crate) use oom::{other_thread_panics, watch_other_threads};
 pub use phase::{in_phase, on_phase_end};
 
 use allocator::{CURRENT, PEAK};
@@ -103,59 +106,6 @@ pub fn available_bytes() -> Option<u64> {
     })
 }
 
-/// Whether a panic message is a device allocator's out-of-memory report (CubeCL:
-/// "can't allocate buffer of size", "out-of-memory error"; CUDA's `CUDA_ERROR_OUT_OF_MEMORY`).
-pub fn is_out_of_memory_panic(message: &str) -> bool {
-    let lower = message.to_ascii_lowercase();
-    lower.contains("can't allocate buffer of size")
-        || lower.contains("out-of-memory")
-        || lower.contains("out of memory")
-        || lower.contains("cuda_error_out_of_memory")
-}
-
-/// Panics on other threads since [`other_thread_panics`] last took them: a CubeCL runtime's
-/// server thread (wgpu's) panics where its allocator cannot find room, and the thread that waits
-/// for its result only learns that "an error happened during execution".
-static OTHER_PANICS: std::sync::Mutex<Vec<String>> = std::sync::Mutex::new(Vec::new());
-
-/// Keeps the message of every panic on a thread other than this one (the runner's), the panic
-/// hook that was there still called. Installed once per process.
-pub(crate) fn watch_other_threads() {
-    static ONCE: std::sync::Once = std::sync::Once::new();
-    let runner = std::thread::current().id();
-    ONCE.call_once(|| {
-        let previous = std::panic::take_hook();
-        std::panic::set_hook(Box::new(move |info| {
-            if std::thread::current().id() != runner {
-                let text = crate::panic_text(info.payload())
-                    .map(str::to_string)
-                    .unwrap_or_else(|| info.to_string());
-                let mut panics = OTHER_PANICS.lock().unwrap_or_else(|e| e.into_inner());
-                if panics.len() < 64 {
-                    panics.push(text);
-                }
-            }
-            previous(info)
-        }));
-    });
-}
-
-/// The panics [`watch_other_threads`] kept since the last call, emptied.
-pub(crate) fn other_thread_panics() -> Vec<String> {
-    std::mem::take(&mut *OTHER_PANICS.lock().unwrap_or_else(|e| e.into_inner()))
-}
-
-/// The size an out-of-memory panic names (`can't allocate buffer of size: N`), if any.
-pub fn out_of_memory_size(message: &str) -> Option<u64> {
-    let rest = message.split("buffer of size").nth(1)?;
-    let digits: String = rest
-        .trim_start_matches([':', ' '])
-        .chars()
-        .take_while(char::is_ascii_digit)
-        .collect();
-    digits.parse().ok()
-}
-
 /// [`Meter::peak`] of `device`'s meter ([`meter_for`]): what a log line reports as memory.
 /// `None` where the device's memory cannot be read.
 pub fn device_peak_bytes<D: 'static>(device: &D) -> Option<u64> {
@@ -178,75 +128,10 @@ pub fn device_available_bytes<D: 'static>(device: &D) -> (String, Option<u64>) {
     ("this machine".to_string(), available_bytes())
 }
 
-/// The memory pools of any CubeCL runtime (CUDA, wgpu, ROCm).
+/// The memory pools of any CubeCL runtime (CUDA, wgpu, ROCm), and the streams activation
+/// offload's copies run on.
 #[cfg(feature = "cubecl")]
-pub mod cube {
-    use cubecl::stream_id::StreamId;
-    use cubecl::Runtime;
-
-    /// Bytes in use and bytes reserved by the pools of the calling thread's stream on `device`
-    /// (CubeCL keeps pools per stream: a thread's own, which memsave's recompute helpers
-    /// share) and, where activation offload has used it, of that stream's copy stream
-    /// ([`crate::checkpoint::copy_stream`], whose pool holds the inputs prefetched back); `None`
-    /// if the runtime could not say.
-    pub fn pool_usage<R: Runtime>(device: &R::Device) -> Option<(u64, u64)> {
-        let usage = R::client(device).memory_usage().ok()?;
-        let (mut in_use, mut reserved) = (usage.bytes_in_use, usage.bytes_reserved);
-        if let Some(copies) = crate::checkpoint::copy_stream_in_use(StreamId::current()) {
-            // Where only that reading fails, the training stream's stands alone.
-            if let Some(usage) = copies.executes(|| R::client(device).memory_usage().ok()) {
-                in_use += usage.bytes_in_use;
-                reserved += usage.bytes_reserved;
-            }
-        }
-        Some((in_use, reserved))
-    }
-
-    /// The meter of `device`'s pools, those of the stream of the thread that makes it and of its
-    /// copy stream ([`pool_usage`], read on that stream from any thread); see [`crate::memory::Meter`] for what each reading means.
-    pub fn pool_meter<R: Runtime>(
-        device: R::Device,
-    ) -> crate::memory::PoolReadings<impl Fn() -> Option<(u64, u64)> + Send + Sync + 'static> {
-        let stream = StreamId::current();
-        crate::memory::PoolReadings::new(move || stream.executes(|| pool_usage::<R>(&device)))
-    }
-
-    /// Whether the runtime and `device` can be opened: `Err` with the runtime's words where
-    /// not (CubeCL panics when the driver library or an adapter is missing; that panic is
-    /// caught here).
-    pub fn probe<R: Runtime>(device: &R::Device) -> Result<(), String> {
-        // The runtime's own words are its server thread's panic ("No possible adapter
-        // available"); the calling thread only learns that the answer never came.
-        static FIRST: std::sync::Mutex<Option<String>> = std::sync::Mutex::new(None);
-        let first = || {
-            FIRST
-                .lock()
-                .unwrap_or_else(|poisoned| poisoned.into_inner())
-        };
-        *first() = None;
-        let report = std::panic::take_hook();
-        std::panic::set_hook(Box::new(move |info| {
-            if let Some(text) = crate::panic_text(info.payload()) {
-                let mut first = FIRST
-                    .lock()
-                    .unwrap_or_else(|poisoned| poisoned.into_inner());
-                first.get_or_insert_with(|| text.to_string());
-            }
-        }));
-        let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-            R::client(device).memory_usage().map(|_| ())
-        }));
-        std::panic::set_hook(report);
-        match outcome {
-            Ok(Ok(())) => Ok(()),
-            Ok(Err(error)) => Err(format!("{error:?}")),
-            Err(payload) => Err(first()
-                .take()
-                .or_else(|| crate::panic_text(payload.as_ref()).map(str::to_string))
-                .unwrap_or_else(|| "the GPU runtime could not start".to_string())),
-        }
-    }
-}
+pub mod cube;
 
 /// One runtime's module of [`cube`]'s readings, by its device type.
 #[cfg(feature = "cubecl")]

@@ -175,7 +175,7 @@ impl<A: AutodiffBackend> Reducer<A> for PeerReducer<A::InnerBackend> {
             return Ok(None);
         }
         let bad = |error: crate::train::snapshot::codec::CodecError| {
-            crate::Error::invalid("optimizer state", error.to_string())
+            crate::Error::state("optimizer state", error)
         };
         // Each peer's parameters have their own ids: the parts travel keyed by position.
         let positions = zero::positions::<A, M>(model);

@@ -60,7 +60,7 @@ impl Group {
     /// was the first.
     fn fail<B: Backend>(&self, error: &Error, name: &str) -> bool {
         let (peer, message) = match error {
-            Error::Peer { peer, message } => (peer.clone(), message.clone()),
+            Error::Peer { peer, message, .. } => (peer.clone(), message.clone()),
             other => (name.to_string(), other.to_string()),
         };
         let first = {
@@ -90,6 +90,7 @@ impl Group {
 /// next run registers afresh. A server that has already stopped (its task panicked when a node
 /// was lost) needs none: the panic of sending to it is caught.
 fn reset<B: Backend>() {
+    // burn-collective panics when its server's task has ended: nothing is left to reset then.
     let _ = catch_unwind(burn_collective::reset_collective::<B>);
 }
 
@@ -211,6 +212,7 @@ impl<B: Backend> BurnPeer<B> {
                                 self.topology.world(),
                                 self.topology.nodes
                             ),
+                            source: None,
                         };
                         self.group.fail::<B>(&error, &self.name());
                         return Err(error);
@@ -241,7 +243,11 @@ impl<B: Backend> BurnPeer<B> {
             } else {
                 format!("{message} (so {} stopped too)", self.name())
             };
-            Error::Peer { peer, message }
+            Error::Peer {
+                peer,
+                message,
+                source: None,
+            }
         })
     }
 
@@ -249,6 +255,7 @@ impl<B: Backend> BurnPeer<B> {
         Error::Peer {
             peer: self.name(),
             message: format!("{what}: {message}"),
+            source: None,
         }
     }
 
@@ -267,6 +274,7 @@ impl<B: Backend> BurnPeer<B> {
                  ({detail})",
                 self.name(),
             ),
+            source: None,
         }
     }
 
@@ -370,6 +378,8 @@ where
     reset::<B>();
     *NETWORK_FAILURE.lock().unwrap_or_else(|e| e.into_inner()) = None;
     let group = Arc::new(Group::default());
+    // The peers are one run: each trains in the caller's (its host limit is the host's).
+    let inherited = crate::run::inherit();
     let results: Vec<Result<T>> = std::thread::scope(|scope| {
         let handles: Vec<_> = devices
             .into_iter()
@@ -377,11 +387,15 @@ where
             .map(|(local, device)| {
                 let group = group.clone();
                 let body = &body;
+                let inherited = inherited.clone();
                 std::thread::Builder::new()
                     .name(format!("memsave-peer-{}", topology.rank_of(local)))
                     .spawn_scoped(scope, move || {
+                        let _run = inherited.install();
                         let peer = Arc::new(BurnPeer::<B>::start(topology, local, device, group));
                         let name = peer.name();
+                        // A thread boundary: the peer's body is the user's code and may panic;
+                        // the group then stops every peer and names this one.
                         let outcome = catch_unwind(AssertUnwindSafe(|| {
                             peer.register()?;
                             let value = body(peer.clone())?;
@@ -396,6 +410,7 @@ where
                                     "panicked: {}",
                                     crate::panic_text(payload.as_ref()).unwrap_or("(no message)")
                                 ),
+                                source: None,
                             }),
                         };
                         if let Err(error) = &outcome {
@@ -413,6 +428,7 @@ where
                     Err(Error::Peer {
                         peer: "unknown".into(),
                         message: "a peer thread died".into(),
+                        source: None,
                     })
                 })
             })
@@ -420,7 +436,18 @@ where
     });
     reset::<B>();
     if let Some((peer, message)) = group.failure() {
-        return Err(Error::Peer { peer, message });
+        // The failing peer's own error, where it failed in this process, as the cause (the
+        // others' are only that they stopped).
+        let source = results
+            .into_iter()
+            .filter_map(Result::err)
+            .find(|error| !matches!(error, Error::Peer { .. }))
+            .map(Box::new);
+        return Err(Error::Peer {
+            peer,
+            message,
+            source,
+        });
     }
     results.into_iter().collect()
 }

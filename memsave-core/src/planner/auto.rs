@@ -90,9 +90,10 @@ impl AutoPlanHook {
     }
 }
 
-/// A line to stderr and to `train.log` in the work directory.
+/// A notice (a `tracing` event with target `memsave`) and a line in `train.log` in the work
+/// directory.
 fn note<B: AutodiffBackend, M: TrainModel<B>>(state: &TrainState<B, M>, line: &str) {
-    eprintln!("memsave: {line}");
+    tracing::info!(target: "memsave", "{line}");
     if std::fs::create_dir_all(&state.work_dir).is_ok() {
         if let Ok(mut file) = std::fs::OpenOptions::new()
             .create(true)

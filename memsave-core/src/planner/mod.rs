@@ -22,9 +22,7 @@ mod profile_hook;
 mod step_meter;
 
 pub use auto::AutoPlanHook;
-pub use budget::{
-    available_host_memory, Bandwidth, Budget, MemorySection, ModelKeys, WithCp, DEFAULT_HOST_SHARE,
-};
+pub use budget::{Budget, ModelKeys, WithCp};
 pub use profile::{GradientEstimate, Profile, SegmentProfile, Window};
 pub use profile_hook::ProfileHook;
 pub use solve::{plan, BelowFloor, Plan};

@@ -31,6 +31,8 @@ pub struct Sgd8State<B: Backend, const D: usize> {
     pub velocity: Option<StateTensor<B, D>>,
 }
 
+// `Sgd8` and `Adam8` repeat Burn's `SimpleOptimizer::step` signature, as each impl must; their
+// bodies (the two rules) share nothing.
 impl<B: Backend> SimpleOptimizer<B> for Sgd8 {
     type State<const D: usize> = Sgd8State<B, D>;
 

@@ -83,6 +83,10 @@ pub struct OffloadedOptimizer {
     pub sums: u64,
     /// The peers they are for (1 training alone).
     pub peers: usize,
+    /// The data-parallel run's peers in all (1 training alone).
+    pub world: usize,
+    /// Whether each peer keeps only its part (ZeRO 1 or 2).
+    pub sharded: bool,
 }
 
 impl OffloadedOptimizer {
@@ -113,12 +117,55 @@ impl OffloadedOptimizer {
             state: (masters as f64 * state_per_weight) as u64,
             sums: if alone && accumulates { whole } else { 0 },
             peers: if alone { 1 } else { peers },
+            world: host.world.max(1),
+            sharded: host.sharded,
         }
     }
 
     /// All of it.
     pub fn total(&self) -> u64 {
         self.masters + self.state + self.sums
+    }
+
+    /// What a host budget of `budget` bytes leaves once this is held: the host bytes
+    /// activation offload may use. The one place CPU staging's host budget is counted (the
+    /// check before a run, and the limit activation offload keeps); an error naming
+    /// `offload.optimizer`, what it needs and what to change where this alone does not fit.
+    pub fn within(&self, budget: u64) -> crate::Result<u64> {
+        use crate::memory::human;
+        let needed = self.total();
+        if needed <= budget {
+            return Ok(budget - needed);
+        }
+        let zero_said = if self.world > 1 && !self.sharded {
+            ", shard it across the peers (`optimizer_config.zero_stage = 1`)"
+        } else {
+            ""
+        };
+        let peers_said = match (self.peers, self.sharded) {
+            (1, _) => String::new(),
+            (peers, true) => format!(" for the {peers} peers of this process (each its part)"),
+            (peers, false) => format!(" for the {peers} peers of this process (a set each)"),
+        };
+        let sums_said = if self.sums > 0 {
+            format!(", the group's gradient sums ({})", human(self.sums))
+        } else {
+            String::new()
+        };
+        Err(crate::Error::invalid(
+            "offload.optimizer",
+            format!(
+                "the host must hold the fp32 master weights ({}) and the optimizer's state \
+                 ({}){sums_said}{peers_said}, {} in all, and `[memory] host_budget` (by default \
+                 half the machine's available memory) leaves {}: raise `memory.host_budget`, \
+                 keep the state in 8 bits (`optimizer.state_dtype = \"int8\"`, a quarter of \
+                 it){zero_said}, or turn optimizer offload off",
+                human(self.masters),
+                human(self.state),
+                human(needed),
+                human(budget),
+            ),
+        ))
     }
 }
 

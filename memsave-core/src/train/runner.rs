@@ -16,7 +16,7 @@ use super::snapshot::codec::{load_bytes, record_bytes};
 use super::snapshot::{Snapshot, SnapshotMeta};
 use super::state::{DataSource, IterLog, TrainModel, TrainState};
 use crate::hooks::LrUpdaterHook;
-use crate::{Error, Result};
+use crate::{Error, Result, RunContext};
 
 /// The error of a run that no hook gave a learning rate.
 fn no_learning_rate() -> Error {
@@ -34,6 +34,9 @@ pub struct Runner<B: AutodiffBackend, M: TrainModel<B>, D: DataSource<B, M::Batc
     state: TrainState<B, M>,
     data: D,
     hooks: Hooks<B, M>,
+    /// The run's context ([`crate::run`]): the one installed on the thread that made the runner
+    /// (a user's scope, a data-parallel peer's run), or that thread's own.
+    context: RunContext,
 }
 
 impl<B, M, D> Runner<B, M, D>
@@ -75,7 +78,26 @@ where
         }
         let mut hooks = Hooks::new();
         hooks.insert(optimizer_hook, Priority::AboveNormal);
-        Ok(Runner { state, data, hooks })
+        Ok(Runner {
+            state,
+            data,
+            hooks,
+            context: crate::run::current(),
+        })
+    }
+
+    /// The run's context: its settings and figures (activation offload's
+    /// [`crate::checkpoint::OffloadStats::of`], ...). Made where the runner was, or given with
+    /// [`Runner::with_context`].
+    pub fn context(&self) -> &RunContext {
+        &self.context
+    }
+
+    /// Runs in `context` rather than in the run installed where the runner was made (a run of
+    /// its own beside others on the same thread).
+    pub fn with_context(mut self, context: RunContext) -> Self {
+        self.context = context;
+        self
     }
 
     /// Trains at the constant learning rate `lr` (an [`LrUpdaterHook`] at MMCV's `VERY_HIGH`
@@ -124,6 +146,12 @@ where
     /// failure during a step (CUDA) also ends the run with that error, not a panic. Checkpoints
     /// already written are left as they are.
     pub fn run(&mut self) -> Result<()> {
+        let context = self.context.clone();
+        context.scope(|| self.run_here())?
+    }
+
+    /// [`Runner::run`], in the run's context.
+    fn run_here(&mut self) -> Result<()> {
         self.preflight()?;
         self.position();
         self.call(|hook, state| hook.before_run(state))?;
@@ -160,35 +188,46 @@ where
         self.save_if_requested()
     }
 
-    /// The forward of `batch`: the loss for the hooks, its parts for the log.
-    fn forward(&mut self, batch: M::Batch) {
+    /// The forward of `batch`: the loss for the hooks, its parts for the log. A failure a
+    /// segment recorded in it (activation offload past the host's limit) ends the step here,
+    /// before its backward.
+    fn forward(&mut self, batch: M::Batch) -> Result<()> {
         let (loss, parts) = crate::memory::in_phase(crate::memory::phase::FORWARD, || {
             self.state.forward_model().loss_with_parts(batch)
         });
+        if let Some(failure) = crate::checkpoint::take_step_failure() {
+            return Err(failure);
+        }
         self.state.log.parts = parts
             .iter()
             .map(|(name, part)| (*name, super::grads::scalar(part)))
             .collect();
         self.state.loss = Some(loss);
+        Ok(())
     }
 
     /// Forward, then the hooks' backward and optimizer step (twice when a hook asked for two
-    /// passes: [`TrainState::forward_passes`]); a device's out-of-memory panic becomes
-    /// [`Error::OutOfMemory`].
+    /// passes: [`TrainState::forward_passes`]). A failure a segment recorded (activation
+    /// offload: the host past its limit, a copy back lost) comes back as its [`Error`], with
+    /// the iteration; a device's out-of-memory panic becomes [`Error::OutOfMemory`].
     fn step(&mut self, batch: M::Batch, epoch: usize, index: usize) -> Result<()> {
         // A device's server thread that runs out of memory (wgpu) panics there: kept.
         crate::memory::watch_other_threads();
         let _ = crate::memory::other_thread_panics();
-        // A failure recorded outside a step (activation offload used without the runner) is not
-        // this step's.
-        let _ = crate::checkpoint::offload::take_failure();
+        // A failure recorded outside a step (a segment run without the runner) is not this
+        // step's.
+        let _ = crate::run::take_failure();
+        // The model's code is the user's and may panic, and Burn's device allocators panic
+        // when they run out of memory: the one place a step's panic is caught
+        // (`crate::memory::oom`).
         let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
             if self.state.forward_passes < 2 {
-                self.forward(batch);
+                self.forward(batch)?;
                 return self.call(|hook, state| hook.after_iter(state));
             }
             // The first forward's random draws and batch statistics, for the second.
-            let ((), draws) = crate::checkpoint::context::recording(|| self.forward(batch));
+            let (forwarded, draws) = crate::checkpoint::context::recording(|| self.forward(batch));
+            forwarded?;
             self.call(|hook, state| hook.after_first_pass(state))?;
             if self.state.forward_passes < 2 {
                 // A hook gave the second pass up (an overflow): the iteration ends here.
@@ -196,110 +235,39 @@ where
             }
             self.state.pass = 1;
             let batch = self.data.batch(epoch, index, &self.state.device)?;
-            crate::checkpoint::context::repeating(draws, || self.forward(batch));
+            crate::checkpoint::context::repeating(draws, || self.forward(batch))?;
             self.call(|hook, state| hook.after_iter(state))
         }));
-        match outcome {
-            Ok(result) => result,
+        let failed = match outcome {
+            Ok(Ok(())) => return Ok(()),
+            Ok(Err(error)) => error,
             Err(payload) => {
                 self.state.loss = None;
-                crate::checkpoint::offload::abandon();
-                if let Some(failure) = crate::checkpoint::offload::take_failure() {
-                    return Err(self.staging_error(failure));
+                crate::checkpoint::abandon_step();
+                match crate::memory::oom::from_panic(payload) {
+                    Ok(needed) => Error::OutOfMemory {
+                        what: "a buffer the device allocator could not find room for".to_string(),
+                        needed,
+                        place: crate::memory::device_available_bytes(&self.state.device).0,
+                        available: None,
+                        advice: self.memory_advice(self.data.footprint().map(|f| f.smaller), true),
+                    },
+                    Err(payload) => std::panic::resume_unwind(payload),
                 }
-                let own = crate::panic_text(payload.as_ref()).unwrap_or_default();
-                // The device's own thread may have said it, the waiting one only that an
-                // error happened.
-                let elsewhere = crate::memory::other_thread_panics()
-                    .into_iter()
-                    .find(|text| crate::memory::is_out_of_memory_panic(text));
-                let message = match (&elsewhere, crate::memory::is_out_of_memory_panic(own)) {
-                    (_, true) => own.to_string(),
-                    (Some(text), false) => text.clone(),
-                    (None, false) => std::panic::resume_unwind(payload),
-                };
-                let message = message.as_str();
-                let needed = crate::memory::out_of_memory_size(message).unwrap_or(0);
-                let (place, _) = crate::memory::device_available_bytes(&self.state.device);
-                let advice = self.memory_advice(self.data.footprint().map(|f| f.smaller), true);
-                Err(Error::OutOfMemory {
-                    what: format!(
-                        "iteration {} (a buffer the device allocator could not find room for)",
-                        self.state.iter
-                    ),
-                    needed,
-                    place,
-                    available: None,
-                    advice,
-                })
             }
-        }
-    }
-
-    /// The error of a step that activation offload ended: the host past its limit (with what
-    /// to change), or a copy back to the device failed (naming the segment). The snapshots
-    /// written before are left as they are.
-    fn staging_error(&self, failure: crate::checkpoint::offload::Failure) -> Error {
-        use crate::checkpoint::offload::Failure;
-        let snapshots = format!(
-            "the snapshots written before it in {} are whole",
-            self.state.work_dir.display()
-        );
-        match failure {
-            Failure::HostFull {
-                segment,
-                needed,
-                held,
-                limit,
-            } => Error::OutOfMemory {
-                what: format!(
-                    "iteration {}: activation offload, the input of the checkpointed segment \
-                     {segment} in host memory{}",
-                    self.state.iter,
-                    if held > 0 {
-                        format!(
-                            ", with the {} offload held or was copying there",
-                            crate::memory::human(held)
-                        )
-                    } else {
-                        String::new()
-                    }
-                ),
-                needed: held + needed,
-                place: "the host (`[memory] host_budget`, less what optimizer offload keeps \
-                        there)"
-                    .to_string(),
-                available: Some(limit),
-                advice: format!(
-                    "raise `memory.host_budget`, offload only larger tensors (a higher \
-                     `offload.min_bytes`), checkpoint fewer segments, make the batch smaller, or \
-                     turn `offload.activations` off; {snapshots}"
-                ),
-            },
-            Failure::Copy { segment, why } => Error::Device {
-                device: format!("{:?}", self.state.device),
-                message: format!(
-                    "iteration {}: the input of the checkpointed segment {segment} could not \
-                     be brought back for its recomputation ({why}): the device may have been \
-                     lost or reset; {snapshots}: check the device, then resume from the last one \
-                     (`memsave train --resume`)",
-                    self.state.iter
-                ),
-            },
-        }
+        };
+        self.state.loss = None;
+        crate::checkpoint::abandon_step();
+        Err(failed.in_step(self.state.iter, &self.state.work_dir))
     }
 
     /// After the first step: every module whose `with_cp` is on ran a `#[with_cp]` method
-    /// (see [`crate::check::switched_on_without_segment`]).
-    fn check_segments_ran(&self) -> Result<()> {
-        let missing = crate::check::switched_on_without_segment(&self.state.model);
-        if missing.is_empty() {
-            return Ok(());
+    /// (see [`crate::check::segments_ran`]).
+    fn check_segments_ran(&mut self) -> Result<()> {
+        if let Some(warning) = crate::check::segments_ran(&self.state.model)? {
+            self.state.keep_warning(warning);
         }
-        Err(Error::invalid(
-            "with_cp",
-            crate::checkpoint::no_segment_message(&missing),
-        ))
+        Ok(())
     }
 
     /// The sizes known before the first step, against the memory available.
@@ -391,13 +359,12 @@ where
             whole = self.state.whole_optimizer.take();
         }
         if whole.is_none() && self.state.sharded_optimizer {
-            return Err(Error::Snapshot {
-                path: path.to_path_buf(),
-                message: "the optimizer state is sharded across the data-parallel peers \
-                          (zero_stage): a snapshot is written through the SnapshotHook, whose \
-                          request has every peer gather it first"
-                    .into(),
-            });
+            return Err(Error::snapshot(
+                path,
+                "the optimizer state is sharded across the data-parallel peers (zero_stage): a \
+                 snapshot is written through the SnapshotHook, whose request has every peer \
+                 gather it first",
+            ));
         }
         let model = self.state.whole_model.take();
         // Serialising is not training: keep it out of the peak memory the log reports.
@@ -410,10 +377,7 @@ where
         whole_model: Option<Vec<u8>>,
         whole_optimizer: Option<Vec<u8>>,
     ) -> Result<()> {
-        let bad = |error: super::snapshot::codec::CodecError| Error::Snapshot {
-            path: path.to_path_buf(),
-            message: error.to_string(),
-        };
+        let bad = |error| super::snapshot::bad_snapshot(path, error);
         let completed = (self.state.iter + 1).min(self.state.max_iters);
         let mut hooks = BTreeMap::new();
         for hook in self.hooks.iter() {
@@ -457,10 +421,7 @@ where
     /// before [`Runner::run`].
     pub fn resume(&mut self, path: &Path) -> Result<()> {
         let checkpoint = Snapshot::load(path)?;
-        let bad = |message: String| Error::Snapshot {
-            path: path.to_path_buf(),
-            message,
-        };
+        let bad = |message: String| Error::snapshot(path, message);
         let expected = shapes::<B, M>(&self.state.model);
         if checkpoint.meta.param_shapes != expected {
             return Err(bad(format!(
@@ -475,23 +436,31 @@ where
                 checkpoint.meta.iter, self.state.max_iters
             )));
         }
-        let record = load_bytes::<B, M::Record>(&checkpoint.model, &self.state.device)
-            .map_err(|error| bad(error.to_string()))?;
+        let damaged = |error| super::snapshot::bad_snapshot(path, error);
+        let record =
+            load_bytes::<B, M::Record>(&checkpoint.model, &self.state.device).map_err(damaged)?;
         self.state.model = self.state.model.clone().load_record(record);
         self.state.optimizer = self
             .state
             .optimizer
             .clone()
             .load_bytes(&checkpoint.optimizer, &self.state.device)
-            .map_err(|error| bad(error.to_string()))?;
+            .map_err(damaged)?;
         let mut hook_states = checkpoint.meta.hooks.clone();
         for hook in self.hooks.iter_mut() {
             if let Some(value) = hook_states.remove(hook.name()) {
-                hook.load_state_dict(value).map_err(|error| match error {
-                    Error::InvalidValue { field, message } => {
-                        bad(format!("`hooks.{}.{field}`: {message}", hook.name()))
+                hook.load_state_dict(value).map_err(|error| {
+                    let message = match &error {
+                        Error::InvalidValue { field, message } => {
+                            format!("`hooks.{}.{field}`: {message}", hook.name())
+                        }
+                        other => format!("hook `{}`: {other}", hook.name()),
+                    };
+                    Error::Snapshot {
+                        path: path.to_path_buf(),
+                        message,
+                        source: Some(error.into()),
                     }
-                    other => bad(format!("hook `{}`: {other}", hook.name())),
                 })?;
             }
         }

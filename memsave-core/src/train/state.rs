@@ -269,13 +269,19 @@ impl<B: AutodiffBackend, M: TrainModel<B>> TrainState<B, M> {
         self.peer.world_size
     }
 
-    /// Reports a warning (stderr, on the main peer only) and keeps it for
-    /// [`TrainState::warnings`].
+    /// Reports a warning (a `tracing` event with target `memsave`, on the main peer only) and
+    /// keeps it for [`TrainState::warnings`].
     pub fn warn(&mut self, message: impl Into<String>) {
         let message = message.into();
         if self.is_main() {
-            eprintln!("memsave: warning: {message}");
+            tracing::warn!(target: "memsave", "{message}");
         }
+        self.warnings.push(message);
+    }
+
+    /// Keeps a warning already said (as an event, with its own fields) for
+    /// [`TrainState::warnings`].
+    pub(crate) fn keep_warning(&mut self, message: String) {
         self.warnings.push(message);
     }
 

@@ -141,14 +141,19 @@ pub(crate) fn due<B: AutodiffBackend, M: crate::memsave::train::TrainModel<B>>(
     (state.is_main() && by_epoch == at_epoch_end && at % interval == 0).then_some(at)
 }
 
-/// An evaluation's text, to stderr and appended to `train.log` in `work_dir`.
+/// An evaluation's text, as a `tracing` event (target `memsave`, `kind = "log"`: the command
+/// line prints it) and appended to `train.log` in `work_dir`.
 pub(crate) fn log(work_dir: &std::path::Path, text: &str) -> Result<()> {
-    eprintln!("{text}");
+    tracing::info!(target: "memsave", kind = "log", "{text}");
     let path = work_dir.join("train.log");
+    let io = |source| Error::Io {
+        path: path.clone(),
+        source,
+    };
     let mut file = std::fs::OpenOptions::new()
         .create(true)
         .append(true)
         .open(&path)
-        .map_err(|e| Error::Data(format!("{}: {e}", path.display())))?;
-    writeln!(file, "{text}").map_err(|e| Error::Data(format!("{}: {e}", path.display())))
+        .map_err(io)?;
+    writeln!(file, "{text}").map_err(io)
 }

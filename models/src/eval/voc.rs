@@ -53,11 +53,16 @@ pub struct DetectionRecord {
 /// and number; errors name the file and the entry.
 pub fn read_detections(path: &Path) -> Result<Vec<DetectionRecord>> {
     let bad = |message: String| Error::Data(format!("{}: {message}", path.display()));
-    let text = std::fs::read_to_string(path).map_err(|e| bad(e.to_string()))?;
+    let text = std::fs::read_to_string(path).map_err(|source| Error::Io {
+        path: path.to_path_buf(),
+        source,
+    })?;
     let records: Vec<DetectionRecord> = serde_json::from_str(&text).map_err(|e| {
-        bad(format!(
-            "not a detections file ([{{\"image\", \"class\", \"score\", \"box\": [x1, y1, x2, y2]}}, ...]): {e}"
-        ))
+        Error::data_file(
+            path,
+            "not a detections file ([{\"image\", \"class\", \"score\", \"box\": [x1, y1, x2, y2]}, ...])",
+            e,
+        )
     })?;
     for (k, r) in records.iter().enumerate() {
         if class_index(&r.class).is_none() {
@@ -74,11 +79,15 @@ pub fn read_detections(path: &Path) -> Result<Vec<DetectionRecord>> {
 
 /// Writes detections as JSON, whole: into a temporary file renamed into place.
 pub fn write_detections(path: &Path, records: &[DetectionRecord]) -> Result<()> {
-    let bad = |e: &dyn fmt::Display| Error::Data(format!("{}: {e}", path.display()));
-    let text = serde_json::to_string_pretty(records).map_err(|e| bad(&e))?;
+    let text = serde_json::to_string_pretty(records)
+        .map_err(|e| Error::data_file(path, "cannot write the detections", e))?;
     let partial = path.with_extension("json.partial");
-    std::fs::write(&partial, text).map_err(|e| bad(&e))?;
-    std::fs::rename(&partial, path).map_err(|e| bad(&e))
+    let io = |path: &Path| {
+        let path = path.to_path_buf();
+        move |source| Error::Io { path, source }
+    };
+    std::fs::write(&partial, text).map_err(io(&partial))?;
+    std::fs::rename(&partial, path).map_err(io(path))
 }
 
 /// The score of one class.

@@ -16,9 +16,10 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 use memsave::config::Config;
+use memsave::config::{available_host_memory, MemorySection};
 use memsave::memory::human;
 use memsave::planner::advise::{self, Measured, Setting, Staging};
-use memsave::planner::{available_host_memory, Budget, MemorySection};
+use memsave::planner::Budget;
 use memsave::{Error, Result};
 
 use super::Device;
@@ -300,7 +301,8 @@ pub fn plan(args: PlanArgs) -> Result<()> {
     if args.json {
         println!(
             "{}",
-            serde_json::to_string_pretty(&report).map_err(|e| Error::Data(e.to_string()))?
+            serde_json::to_string_pretty(&report)
+                .map_err(|e| Error::state("the plan's report", e))?
         );
     } else {
         print_report(&report, &setting);

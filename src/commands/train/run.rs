@@ -209,60 +209,20 @@ where
     {
         return Ok(());
     }
-    let available = memsave::planner::available_host_memory();
-    if config.memory.host_budget.is_none() && available.is_none() {
+    let Some(budget) = config.memory.host_budget()? else {
         return Ok(());
-    }
-    let budget = config.memory.host_budget_bytes(available)?;
+    };
     // Under accumulation, training alone, the group's fp32 sums are on the host too.
     let accumulates = config
         .optimizer_config
         .groups()
         .is_ok_and(|groups| groups.cumulative_iters() > 1);
-    let held = memsave::train::params::OffloadedOptimizer::of::<B, M>(
+    memsave::train::params::OffloadedOptimizer::of::<B, M>(
         model,
         config.optimizer().state_per_weight(),
         accumulates,
         host,
-    );
-    let (trainable, state, sums, needed) = (held.masters, held.state, held.sums, held.total());
-    if needed <= budget {
-        return Ok(());
-    }
-    let zero_said = if host.world > 1 && !host.sharded {
-        ", shard it across the peers (`optimizer_config.zero_stage = 1`)"
-    } else {
-        ""
-    };
-    let peers_said = match (held.peers, host.sharded) {
-        (1, _) => String::new(),
-        (peers, true) => format!(" for the {peers} peers of this process (each its part)"),
-        (peers, false) => format!(" for the {peers} peers of this process (a set each)"),
-    };
-    let sums_said = if sums > 0 {
-        format!(
-            ", the group's gradient sums ({})",
-            memsave::memory::human(sums)
-        )
-    } else {
-        String::new()
-    };
-    Err(memsave::Error::invalid(
-        "offload.optimizer",
-        format!(
-            "the host must hold the fp32 master weights ({}) and the optimizer's state \
-             ({}){sums_said}{peers_said}, {} in all, and `[memory] host_budget` leaves {}{}: \
-             raise `memory.host_budget`, keep the state in 8 bits (`optimizer.state_dtype = \
-             \"int8\"`, a quarter of it){zero_said}, or turn optimizer offload off",
-            memsave::memory::human(trainable),
-            memsave::memory::human(state),
-            memsave::memory::human(needed),
-            memsave::memory::human(budget),
-            if config.memory.host_budget.is_none() {
-                " (half the machine's available memory)"
-            } else {
-                ""
-            }
-        ),
-    ))
+    )
+    .within(budget)
+    .map(drop)
 }

@@ -235,6 +235,8 @@ fn run() -> Result<(), String> {
         .metrics(memsave.metrics())
         .num_epochs(EPOCHS);
     let _ = training.launch(learner);
+    // What stopped the training, if anything (burn-train's loop has no error of its own).
+    memsave.finish().map_err(|error| error.to_string())?;
 
     if memsave.iterations() != total_iters {
         return Err(format!(

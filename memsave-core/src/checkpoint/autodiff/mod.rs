@@ -69,7 +69,18 @@ pub(super) type Stash<B> = Arc<Mutex<Vec<Option<FloatTensor<B>>>>>;
 
 /// The recomputation, with every type but the backend's erased.
 pub(super) type Run<B> =
-    Box<dyn FnOnce(Vec<Option<FloatTensor<B>>>) -> Result<Grads<B>, String> + Send>;
+    Box<dyn FnOnce(Vec<Option<FloatTensor<B>>>) -> Result<Grads<B>, Ended> + Send>;
+
+/// Why a recomputation gave no gradients.
+pub(super) enum Ended {
+    /// The step failed ([`crate::run`]'s failure: an offloaded input lost, no thread to
+    /// recompute on): the backward goes on without this segment's gradients, and whoever drives
+    /// the step ends it with the error.
+    Failed(crate::Error),
+    /// The segment's code (the user's) panicked on the helper: the panic goes on on the outer
+    /// backward's thread, as it would have without checkpointing.
+    Panicked(String),
+}
 
 /// The gradients a recomputation produced.
 pub(super) struct Grads<B: Backend> {
@@ -185,7 +196,7 @@ impl<B: Backend, C: CheckpointStrategy> CheckpointBackend for Autodiff<B, C> {
         });
         let run: Run<B> = Box::new(move |output_grads| {
             let input = match staged {
-                Some(staged) => staged.restore::<C, I>(input)?,
+                Some(staged) => staged.restore::<C, I>(input).map_err(Ended::Failed)?,
                 None => input,
             };
             recompute::<B, C, M, I, O, F>(module, input, segment, draws, stream, output_grads, id)

@@ -15,7 +15,7 @@ use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::ops::{FloatTensor, FloatTensorOps};
 use burn::tensor::FloatDType;
 
-use super::{lock, ours, take_grad, Ad, Key, Message, Run, Stash, Zeros};
+use super::{lock, ours, take_grad, Ad, Ended, Key, Message, Run, Stash, Zeros};
 // ---------------------------------------------------------------------------------------------
 // Graph nodes.
 
@@ -53,19 +53,25 @@ impl<B: Backend> Backward<B, 1> for Anchor {
         let _ = take_grad::<B, _, 1>(grads, &ops, &ops.state.like);
         let output_grads = std::mem::take(&mut *lock(&ops.state.stash));
         let mut reached = Vec::new();
-        if output_grads.iter().any(Option::is_some) {
-            let run = lock(&ops.state.run)
-                .take()
-                .expect("a checkpoint's backward runs once");
-            let result = match run(output_grads) {
-                Ok(result) => result,
-                // Activation offload's failures are recorded for the runner, which reports
-                // them as errors: unwound without the panic hook's report.
-                Err(message) if super::super::offload::is_recorded(&message) => {
-                    std::panic::resume_unwind(Box::new(message))
+        let run = lock(&ops.state.run)
+            .take()
+            .expect("a checkpoint's backward runs once");
+        // After the step failed, the recomputations left are skipped: their gradients would
+        // not be used.
+        let result = if output_grads.iter().any(Option::is_some) && !crate::run::has_failed() {
+            match run(output_grads) {
+                Ok(result) => Some(result),
+                Err(Ended::Failed(error)) => {
+                    crate::run::fail(error);
+                    None
                 }
-                Err(message) => panic!("{message}"),
-            };
+                // The segment's own panic, as without checkpointing.
+                Err(Ended::Panicked(message)) => panic!("{message}"),
+            }
+        } else {
+            None
+        };
+        if let Some(result) = result {
             for (node, grad) in ops.state.input_nodes.iter().zip(result.inputs) {
                 if let (Some(node), Some(grad)) = (node, grad) {
                     grads.register::<B>(*node, grad);

@@ -14,7 +14,7 @@ use super::super::context::{self, Draws};
 use super::super::segment::{floats, Segment};
 use super::super::threads;
 use super::nodes::{placeholder, tapped_leaf, unary, Barrier, GradValue, Seed};
-use super::{Ad, Grads, Key, Message};
+use super::{Ad, Ended, Grads, Key, Message};
 // ---------------------------------------------------------------------------------------------
 // Recomputation.
 
@@ -27,7 +27,7 @@ pub(super) fn recompute<B, C, M, I, O, F>(
     stream: Option<u64>,
     output_grads: Vec<Option<FloatTensor<B>>>,
     id: Option<crate::checkpoint::SegmentId>,
-) -> Result<Grads<B>, String>
+) -> Result<Grads<B>, Ended>
 where
     B: Backend,
     C: CheckpointStrategy,
@@ -41,6 +41,8 @@ where
     let (sender, receiver) = mpsc::channel::<Message<B>>();
     threads::spawn(move || {
         let report = sender.clone();
+        // A thread boundary: the segment's code is the user's and may panic; the outer backward
+        // resumes the panic with its message.
         let outcome = catch_unwind(AssertUnwindSafe(|| {
             context::replaying(draws, stream.is_some(), || {
                 backprop_segment::<B, C, M, I, O, F>(
@@ -62,11 +64,18 @@ where
             ));
         }
     })
-    .map_err(|error| format!("memsave: could not start a recompute thread: {error}"))?;
+    .map_err(|source| {
+        Ended::Failed(crate::Error::Thread {
+            what: "a recompute thread for a checkpointed segment".to_string(),
+            source,
+        })
+    })?;
 
     let lost = || {
-        "memsave: the recompute thread of a checkpointed segment ended without its gradients"
-            .to_string()
+        Ended::Panicked(
+            "memsave: the recompute thread of a checkpointed segment ended without its gradients"
+                .to_string(),
+        )
     };
     let mut grads = Grads {
         inputs: vec![None; input_count],
@@ -93,7 +102,7 @@ where
                 }
                 return Ok(grads);
             }
-            Message::Panicked(message) => return Err(recompute_panic(&message)),
+            Message::Panicked(message) => return Err(Ended::Panicked(recompute_panic(&message))),
         }
     }
 }

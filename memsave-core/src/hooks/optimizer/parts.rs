@@ -100,8 +100,8 @@ impl<R> Parts<'_, R> {
             Some(mixed) => {
                 let scale = mixed.scaler.loss_scale();
                 let loss = loss.cast(DType::F32).mul_scalar(scale / divisor);
-                let grads = grads::backward::<B, M>(loss, state.forward_model(), None);
-                match summed {
+                let grads = grads::backward::<B, M>(loss, state.forward_model(), None)?;
+                Ok(match summed {
                     // Each half gradient is cast as it is added to its fp32 sum. With peers, one
                     // that no earlier micro-batch gave a sum (a branch they did not reach) is
                     // cast too, as another peer's sum of it is fp32 (one precision to average;
@@ -115,9 +115,9 @@ impl<R> Parts<'_, R> {
                     }
                     // Half: cast at the step, group by group, or below as a group's first sums.
                     None => grads,
-                }
+                })
             }
-        });
+        })?;
         *self.pending += 1;
         Ok(Some(grads))
     }

@@ -12,9 +12,9 @@
 //! `Autodiff<K>`.
 
 use std::any::{type_name, Any, TypeId};
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::marker::PhantomData;
-use std::sync::{Mutex, OnceLock, RwLock};
+use std::sync::{OnceLock, RwLock};
 
 use burn::backend::Autodiff;
 use burn::prelude::Backend;
@@ -408,7 +408,7 @@ pub fn lean_backends() -> Vec<String> {
 }
 
 /// `B`'s lean ops, if registered. A backend that differentiates (`Backend::ad_enabled`) but
-/// has none is named once on stderr, with what falls back.
+/// has none is named once per run (a `tracing` warning), with what falls back.
 pub(super) fn lean<B: Backend>(device: &B::Device) -> Option<&'static dyn Lean> {
     let key = TypeId::of::<FloatTensor<B>>();
     if let Some(lean) = registry()
@@ -418,12 +418,10 @@ pub(super) fn lean<B: Backend>(device: &B::Device) -> Option<&'static dyn Lean> 
     {
         return Some(*lean);
     }
-    if B::ad_enabled(device) {
-        static TOLD: Mutex<Option<HashSet<TypeId>>> = Mutex::new(None);
-        let mut told = TOLD.lock().unwrap_or_else(|e| e.into_inner());
-        if told.get_or_insert_with(HashSet::new).insert(key) {
-            eprintln!("memsave: warning: {}", fallback_message::<B>());
-        }
+    if B::ad_enabled(device)
+        && crate::run::current().first_time(&format!("no lean ops: {}", type_name::<B>()))
+    {
+        tracing::warn!(target: "memsave", backend = type_name::<B>(), "{}", fallback_message::<B>());
     }
     None
 }

@@ -14,22 +14,24 @@ use super::seed::seed_with;
 /// starting values of the parameters' gradients: each new gradient is added to its sum as it is
 /// produced, so that no second full set of gradients ever exists (on Burn's `Autodiff` over any
 /// backend, under any checkpoint strategy; elsewhere the two sets are added after the pass).
+/// The step's failure, where a segment recorded one ([`crate::checkpoint::join_helpers`]), is
+/// the error.
 pub fn backward<B: AutodiffBackend, M: AutodiffModule<B>>(
     loss: Tensor<B, 1>,
     model: &M,
     accumulated: Option<GradientsParams>,
-) -> GradientsParams {
+) -> crate::Result<GradientsParams> {
     let (loss, leftover) = match accumulated {
         Some(sums) => seed_with::<B, M>(loss, model, sums),
         None => (loss, None),
     };
     let mut grads = GradientsParams::from_grads(loss.backward(), model);
-    crate::checkpoint::join_helpers();
+    crate::checkpoint::join_helpers()?;
     if let Some(sums) = leftover {
         let new = std::mem::replace(&mut grads, sums);
         accumulate::<B, M>(model, &mut grads, new);
     }
-    grads
+    Ok(grads)
 }
 
 /// `sum += more`, parameter by parameter (a parameter missing on one side keeps the other's;

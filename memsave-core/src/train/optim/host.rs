@@ -154,27 +154,35 @@ impl<B: AutodiffBackend> ModuleMapper<B> for PutMasters<'_> {
     }
 }
 
-/// Nanoseconds the host's arithmetic ran (every thread) since the last reset.
-static HOST_STEP_NANOS: AtomicU64 = AtomicU64::new(0);
+/// Nanoseconds the host's arithmetic ran in a run (every thread of it) since the last reset:
+/// a part of the run's state.
+#[derive(Default)]
+struct HostStepNanos(AtomicU64);
 
-/// Seconds the host's arithmetic has run under optimizer offload since
+fn host_step_nanos() -> std::sync::Arc<HostStepNanos> {
+    crate::run::current().part::<HostStepNanos>()
+}
+
+/// Seconds the host's arithmetic has run under optimizer offload in the current run since
 /// [`reset_host_step_seconds`]: the optimizer's rule, and the group's sums, the parts of the
 /// norm and the unscaling and clipping computed there (the copies to and from the device
 /// excluded): what the planner prices the host's step at.
 pub fn host_step_seconds() -> f64 {
-    HOST_STEP_NANOS.load(Ordering::Relaxed) as f64 * 1e-9
+    host_step_nanos().0.load(Ordering::Relaxed) as f64 * 1e-9
 }
 
-/// Starts [`host_step_seconds`] again.
+/// Starts [`host_step_seconds`] of the current run again.
 pub fn reset_host_step_seconds() {
-    HOST_STEP_NANOS.store(0, Ordering::Relaxed);
+    host_step_nanos().0.store(0, Ordering::Relaxed);
 }
 
 /// `work` on the host, its time counted in [`host_step_seconds`].
 pub(crate) fn timed<T>(work: impl FnOnce() -> T) -> T {
     let started = Instant::now();
     let out = work();
-    HOST_STEP_NANOS.fetch_add(started.elapsed().as_nanos() as u64, Ordering::Relaxed);
+    host_step_nanos()
+        .0
+        .fetch_add(started.elapsed().as_nanos() as u64, Ordering::Relaxed);
     out
 }
 

@@ -70,6 +70,8 @@ impl<O: SimpleOptimizer<B::InnerBackend>, B: AutodiffBackend> StepsOf<O, B> {
     }
 }
 
+// `ParamSteps::step` dispatches to the `step` of each optimizer's steps with the same
+// signature: the repeated lines are the signature, not logic.
 impl<B: AutodiffBackend> ParamSteps<B> {
     /// Steps the parameter `id` of value `tensor` with its final gradient `grad`.
     pub(crate) fn step<const D: usize>(

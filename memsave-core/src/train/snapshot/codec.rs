@@ -6,9 +6,18 @@ use burn::module::ParamId;
 use burn::record::{BinBytesRecorder, FullPrecisionSettings, Recorder};
 
 /// What is wrong with a record's bytes.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("{0}")]
-pub struct CodecError(pub String);
+#[derive(Debug, thiserror::Error)]
+pub enum CodecError {
+    /// Burn's recorder could not encode a record.
+    #[error("could not encode a record: {0}")]
+    Encode(#[source] burn::record::RecorderError),
+    /// A record's bytes could not be decoded (damaged, or of another type): bincode's error.
+    #[error("could not decode a record: {0}")]
+    Decode(#[source] bincode::error::DecodeError),
+    /// The per-parameter layout around the records is damaged: what is wrong.
+    #[error("{0}")]
+    Layout(&'static str),
+}
 
 /// A record as bytes (full precision, so that a resumed run continues exactly).
 pub fn record_bytes<B: burn::prelude::Backend, R: burn::record::Record<B>>(
@@ -16,17 +25,23 @@ pub fn record_bytes<B: burn::prelude::Backend, R: burn::record::Record<B>>(
 ) -> Result<Vec<u8>, CodecError> {
     BinBytesRecorder::<FullPrecisionSettings>::default()
         .record(record, ())
-        .map_err(|error| CodecError(format!("could not encode a record: {error}")))
+        .map_err(CodecError::Encode)
 }
 
-/// A record from bytes written by [`record_bytes`].
+/// A record from bytes written by [`record_bytes`]. Decoded here as Burn's recorder decodes
+/// them (bincode's standard configuration, Burn's record envelope): Burn 0.21's
+/// `BinBytesRecorder::load` unwraps bincode's error, which would make a damaged snapshot a
+/// panic; here it is the [`CodecError::Decode`] it is.
 pub fn load_bytes<B: burn::prelude::Backend, R: burn::record::Record<B>>(
     bytes: &[u8],
     device: &B::Device,
 ) -> Result<R, CodecError> {
-    BinBytesRecorder::<FullPrecisionSettings>::default()
-        .load(bytes.to_vec(), device)
-        .map_err(|error| CodecError(format!("could not decode a record: {error}")))
+    let (record, _): (
+        burn::record::BurnRecord<R::Item<FullPrecisionSettings>, B>,
+        usize,
+    ) = bincode::serde::decode_from_slice(bytes, bincode::config::standard())
+        .map_err(CodecError::Decode)?;
+    Ok(R::from_item(record.item, device))
 }
 
 /// A per-parameter record as bytes, entries sorted by parameter id: a count (u64), then per
@@ -50,7 +65,7 @@ pub fn encode_by_param<B: burn::prelude::Backend, R: burn::record::Record<B>>(
 /// optimizer state): every entry of every part, sorted by parameter id, the records copied as
 /// they are (not decoded).
 pub fn merge_by_param(parts: &[Vec<u8>]) -> Result<Vec<u8>, CodecError> {
-    let truncated = || CodecError("a part of the optimizer state is truncated".into());
+    let truncated = || CodecError::Layout("a part of the optimizer state is truncated");
     let take = |bytes: &mut &[u8], length: usize| -> Result<Vec<u8>, CodecError> {
         let (field, rest) = bytes.split_at_checked(length).ok_or_else(truncated)?;
         *bytes = rest;
@@ -73,7 +88,7 @@ pub fn merge_by_param(parts: &[Vec<u8>]) -> Result<Vec<u8>, CodecError> {
                 .ok()
                 .and_then(|id| ParamId::try_deserialize(&id))
                 .ok_or_else(|| {
-                    CodecError("a parameter id in the optimizer state is unreadable".into())
+                    CodecError::Layout("a parameter id in the optimizer state is unreadable")
                 })?
                 .val();
             entries.push((value, id, record));
@@ -114,7 +129,7 @@ pub fn rename_by_param(
             .ok()
             .and_then(|id| ParamId::try_deserialize(&id))
             .ok_or_else(|| {
-                CodecError("a parameter id in the optimizer state is unreadable".into())
+                CodecError::Layout("a parameter id in the optimizer state is unreadable")
             })?;
         if let Some(id) = rename(id) {
             parts.push((id, record));
@@ -138,7 +153,7 @@ where
     R: burn::record::Record<B>,
     Map: FromIterator<(ParamId, R)>,
 {
-    let truncated = || CodecError("the optimizer state is truncated".into());
+    let truncated = || CodecError::Layout("the optimizer state is truncated");
     let next = |bytes: &mut &[u8]| -> Result<Vec<u8>, CodecError> {
         let (length, rest) = bytes.split_at_checked(8).ok_or_else(truncated)?;
         let length = u64::from_le_bytes(length.try_into().expect("eight bytes")) as usize;
@@ -155,7 +170,7 @@ where
             .ok()
             .and_then(|id| ParamId::try_deserialize(&id))
             .ok_or_else(|| {
-                CodecError("a parameter id in the optimizer state is unreadable".into())
+                CodecError::Layout("a parameter id in the optimizer state is unreadable")
             })?;
         record.push((id, load_bytes::<B, R>(&next(&mut bytes)?, device)?));
     }

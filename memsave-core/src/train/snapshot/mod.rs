@@ -23,6 +23,67 @@ pub mod codec;
 const MAGIC: &[u8; 8] = b"MEMSAVE\0";
 const FORMAT: u32 = 1;
 
+/// What is wrong with a file in memsave's snapshot format.
+#[derive(Debug, thiserror::Error)]
+pub enum FormatError {
+    /// It does not start with memsave's magic bytes.
+    #[error("not a memsave checkpoint (wrong magic bytes)")]
+    NotASnapshot,
+    /// Its checksum does not match its bytes.
+    #[error(
+        "corrupt or truncated (checksum mismatch: {stored:#010x} stored, {computed:#010x} \
+         computed); resume from an earlier checkpoint"
+    )]
+    Checksum {
+        /// The checksum the file holds.
+        stored: u32,
+        /// The checksum of its bytes.
+        computed: u32,
+    },
+    /// Another version of the format.
+    #[error("format version {found}, this memsave reads version {FORMAT}")]
+    Version {
+        /// The file's version.
+        found: u32,
+    },
+    /// It ends before a section it announces: which.
+    #[error("truncated {0}")]
+    Truncated(&'static str),
+    /// Its JSON header cannot be read or written.
+    #[error("unreadable header: {0}")]
+    Header(#[source] serde_json::Error),
+}
+
+/// The typed cause of an [`Error::Snapshot`].
+#[derive(Debug, thiserror::Error)]
+pub enum SnapshotCause {
+    /// The file's format.
+    #[error("{0}")]
+    Format(#[from] FormatError),
+    /// A record's bytes inside it (the model's, the optimizer's).
+    #[error("{0}")]
+    Codec(#[from] codec::CodecError),
+    /// What it holds, read by another reader: a hook's state, a store of weights.
+    #[error("{0}")]
+    Other(#[source] Box<dyn std::error::Error + Send + Sync>),
+}
+
+impl From<Error> for SnapshotCause {
+    fn from(error: Error) -> Self {
+        SnapshotCause::Other(Box::new(error))
+    }
+}
+
+/// The [`Error::Snapshot`] of `path` caused by `cause`: its message is the cause's.
+pub(crate) fn bad_snapshot(path: &Path, cause: impl Into<SnapshotCause>) -> Error {
+    let cause = cause.into();
+    Error::Snapshot {
+        path: path.to_path_buf(),
+        message: cause.to_string(),
+        source: Some(cause),
+    }
+}
+
 /// The header of a snapshot.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct SnapshotMeta {
@@ -55,10 +116,8 @@ pub struct Snapshot {
 impl Snapshot {
     /// The file's bytes.
     pub fn to_bytes(&self) -> Result<Vec<u8>> {
-        let meta = serde_json::to_vec(&self.meta).map_err(|error| Error::Snapshot {
-            path: PathBuf::new(),
-            message: format!("the header could not be written: {error}"),
-        })?;
+        let meta = serde_json::to_vec(&self.meta)
+            .map_err(|error| bad_snapshot(Path::new(""), FormatError::Header(error)))?;
         let mut out = Vec::with_capacity(32 + meta.len() + self.model.len() + self.optimizer.len());
         out.extend_from_slice(MAGIC);
         out.extend_from_slice(&FORMAT.to_le_bytes());
@@ -73,44 +132,41 @@ impl Snapshot {
 
     /// Parses a file's bytes; `path` names the file in errors.
     pub fn from_bytes(bytes: &[u8], path: &Path) -> Result<Self> {
-        let bad = |why: String| Error::Snapshot {
-            path: path.to_path_buf(),
-            message: why,
-        };
+        let bad = |error: FormatError| bad_snapshot(path, error);
         if bytes.len() < MAGIC.len() + 4 + 4 || &bytes[..MAGIC.len()] != MAGIC {
-            return Err(bad("not a memsave checkpoint (wrong magic bytes)".into()));
+            return Err(bad(FormatError::NotASnapshot));
         }
         let (body, crc) = bytes.split_at(bytes.len() - 4);
         let stored = u32::from_le_bytes(crc.try_into().expect("four bytes"));
-        if crc32fast::hash(body) != stored {
-            return Err(bad(
-                "corrupt or truncated (checksum mismatch); resume from an earlier checkpoint"
-                    .into(),
-            ));
+        let computed = crc32fast::hash(body);
+        if computed != stored {
+            return Err(bad(FormatError::Checksum { stored, computed }));
         }
         let mut rest = &body[MAGIC.len()..];
         let format = u32::from_le_bytes(
             take(&mut rest, 4)
-                .ok_or_else(|| bad("truncated".into()))?
+                .ok_or_else(|| bad(FormatError::Truncated("before its format version")))?
                 .try_into()
                 .expect("four bytes"),
         );
         if format != FORMAT {
-            return Err(bad(format!(
-                "format version {format}, this memsave reads version {FORMAT}"
-            )));
+            return Err(bad(FormatError::Version { found: format }));
         }
         let mut sections = Vec::with_capacity(3);
-        for name in ["header", "model", "optimizer"] {
+        for (before, section) in [
+            ("before the header section", "header section"),
+            ("before the model section", "model section"),
+            ("before the optimizer section", "optimizer section"),
+        ] {
             let length = take(&mut rest, 8)
                 .map(|b| u64::from_le_bytes(b.try_into().expect("eight bytes")) as usize)
-                .ok_or_else(|| bad(format!("truncated before the {name} section")))?;
-            let section =
-                take(&mut rest, length).ok_or_else(|| bad(format!("truncated {name} section")))?;
-            sections.push(section);
+                .ok_or_else(|| bad(FormatError::Truncated(before)))?;
+            let bytes =
+                take(&mut rest, length).ok_or_else(|| bad(FormatError::Truncated(section)))?;
+            sections.push(bytes);
         }
-        let meta: SnapshotMeta = serde_json::from_slice(sections[0])
-            .map_err(|error| bad(format!("unreadable header: {error}")))?;
+        let meta: SnapshotMeta =
+            serde_json::from_slice(sections[0]).map_err(|error| bad(FormatError::Header(error)))?;
         Ok(Snapshot {
             meta,
             model: sections[1].to_vec(),
@@ -121,9 +177,12 @@ impl Snapshot {
     /// Writes the snapshot to `path` atomically (temporary file, sync, rename).
     pub fn save(&self, path: &Path) -> Result<()> {
         let bytes = self.to_bytes().map_err(|error| match error {
-            Error::Snapshot { message, .. } => Error::Snapshot {
+            Error::Snapshot {
+                message, source, ..
+            } => Error::Snapshot {
                 path: path.to_path_buf(),
                 message,
+                source,
             },
             other => other,
         })?;
@@ -158,19 +217,18 @@ where
     let snapshot = Snapshot::load(path)?;
     let mut shapes = Shapes(Vec::new());
     model.visit(&mut shapes);
-    let bad = |message: String| Error::Snapshot {
-        path: path.to_path_buf(),
-        message,
-    };
     if snapshot.meta.param_shapes != shapes.0 {
-        return Err(bad(format!(
-            "it was saved from another model ({} parameters there, {} here, or other shapes)",
-            snapshot.meta.param_shapes.len(),
-            shapes.0.len()
-        )));
+        return Err(Error::snapshot(
+            path,
+            format!(
+                "it was saved from another model ({} parameters there, {} here, or other shapes)",
+                snapshot.meta.param_shapes.len(),
+                shapes.0.len()
+            ),
+        ));
     }
     let record = codec::load_bytes::<B, M::Record>(&snapshot.model, device)
-        .map_err(|error| bad(error.to_string()))?;
+        .map_err(|error| bad_snapshot(path, error))?;
     Ok(model.load_record(record))
 }
 

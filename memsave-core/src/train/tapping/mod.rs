@@ -158,7 +158,7 @@ impl<B: AutodiffBackend> Tapping<B> {
         loss: Tensor<B, 1>,
         host: Option<&mut HostSums>,
         device: &mut Option<GradientsParams>,
-    ) {
+    ) -> Result<()> {
         let (table, ids) = self.pass.take().expect("a pass was tapped");
         let mut host = host;
         {
@@ -169,7 +169,7 @@ impl<B: AutodiffBackend> Tapping<B> {
             }
         }
         drop(loss.backward());
-        crate::checkpoint::join_helpers();
+        let joined = crate::checkpoint::join_helpers();
         let mut inner = lock(&table.inner);
         match host {
             Some(sums) => *sums = inner.host_sums.take().unwrap_or_default(),
@@ -178,6 +178,7 @@ impl<B: AutodiffBackend> Tapping<B> {
         inner.reached.clear();
         drop(inner);
         self.pass = Some((table, ids));
+        joined
     }
 
     /// A norm pass: backward of `loss` (the group's earlier gradients, `summed`, added: seeded
@@ -208,9 +209,9 @@ impl<B: AutodiffBackend> Tapping<B> {
         };
         let loss = self.with_end(loss, &table);
         let grads = loss.backward();
-        crate::checkpoint::join_helpers();
+        let joined = crate::checkpoint::join_helpers();
         let mut inner = lock(&table.inner);
-        let finished = inner.finish_peers(forward);
+        let finished = joined.and(inner.finish_peers(forward));
         inner.finish_sums(forward, grads);
         let norm = finished.and_then(|()| inner.norm(forward, &state.device));
         let reached = std::mem::take(&mut inner.reached);
@@ -247,9 +248,9 @@ impl<B: AutodiffBackend> Tapping<B> {
         };
         let loss = self.with_end(loss, &table);
         drop(loss.backward());
-        crate::checkpoint::join_helpers();
+        let joined = crate::checkpoint::join_helpers();
         let mut inner = lock(&table.inner);
-        let finished = inner.finish_peers(forward);
+        let finished = joined.and(inner.finish_peers(forward));
         let kept = std::mem::take(&mut inner.kept);
         let reached = std::mem::take(&mut inner.reached);
         inner.sums = None;
@@ -307,9 +308,9 @@ impl<B: AutodiffBackend> Tapping<B> {
             }
         }
         let grads = loss.backward();
-        crate::checkpoint::join_helpers();
+        let joined = crate::checkpoint::join_helpers();
         let mut inner = lock(&table.inner);
-        let finished = inner.finish_peers(&state.model);
+        let finished = joined.and(inner.finish_peers(&state.model));
         inner.finish_sums(&state.model, grads);
         inner.host_sums = None;
         match (inner.steps.take(), host) {

@@ -439,8 +439,12 @@ fn skip_bad_images(images: Vec<VocImage>, field: &str) -> Result<Vec<VocImage>> 
         })
         .collect();
     if !bad.is_empty() {
-        eprintln!(
-            "memsave: warning: {field}: skipped {} of {total} images (`skip_bad_images`): {}",
+        tracing::warn!(
+            target: "memsave",
+            key = field,
+            skipped = bad.len(),
+            total,
+            "{field}: skipped {} of {total} images (`skip_bad_images`): {}",
             bad.len(),
             bad.join("; ")
         );

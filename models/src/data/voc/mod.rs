@@ -156,7 +156,7 @@ pub fn parse_annotation(xml_path: &Path, id: &str, image: PathBuf) -> Result<Voc
         ..Default::default()
     };
     let doc = roxmltree::Document::parse_with_options(&text, options)
-        .map_err(|e| data_error(xml_path, format!("malformed XML: {e}")))?;
+        .map_err(|e| Error::data_file(xml_path, "malformed XML", e))?;
     let root = doc.root_element();
     if root.tag_name().name() != "annotation" {
         return Err(data_error(
@@ -293,7 +293,7 @@ impl OneOrMany {
 /// exist.
 pub fn read_split(ann_file: &Path, img_prefix: &Path) -> Result<Vec<VocImage>> {
     let list = std::fs::read_to_string(ann_file)
-        .map_err(|e| data_error(ann_file, format!("cannot read the split list: {e}")))?;
+        .map_err(|e| Error::data_file(ann_file, "cannot read the split list", e))?;
     // A byte-order mark is not part of the first id (Python's `utf-8-sig`).
     let list = list.strip_prefix('\u{feff}').unwrap_or(&list);
     let mut images = Vec::new();

@@ -355,12 +355,9 @@ fn decode(image: &VocImage) -> Result<image::DynamicImage> {
 /// last bytes only (no pixel is decoded): the check `skip_bad_images` runs on every image.
 pub fn check_image(image: &VocImage) -> Result<()> {
     let reader = open_checked(image)?;
-    let (width, height) = reader.into_dimensions().map_err(|e| {
-        Error::Data(format!(
-            "{}: cannot read the image's header: {e}",
-            image.path.display()
-        ))
-    })?;
+    let (width, height) = reader
+        .into_dimensions()
+        .map_err(|e| Error::data_file(&image.path, "cannot read the image's header", e))?;
     if width as usize > image.width || height as usize > image.height {
         return Err(claims_more(image));
     }
@@ -396,10 +393,10 @@ fn open_checked(image: &VocImage) -> Result<image::ImageReader<std::io::BufReade
     let bad = |what: String| Error::Data(format!("{}: {what}", path.display()));
     let reader = image::ImageReader::open(path)
         .and_then(|reader| reader.with_guessed_format())
-        .map_err(|e| bad(format!("cannot read the image: {e}")))?;
+        .map_err(|e| Error::data_file(path, "cannot read the image", e))?;
     if reader.format() == Some(image::ImageFormat::Jpeg) {
         let (tail, size) =
-            file_tail(path).map_err(|e| bad(format!("cannot read the image: {e}")))?;
+            file_tail(path).map_err(|e| Error::data_file(path, "cannot read the image", e))?;
         if !ends_with_eoi(&tail) {
             return Err(bad(format!(
                 "the JPEG is truncated ({size} bytes, no end-of-image marker): the file is damaged"

@@ -112,8 +112,11 @@ fn annotation(id: &str, width: u32, height: u32, objects: &[Object]) -> String {
     xml
 }
 
-fn io_error(path: &Path, e: impl std::fmt::Display) -> Error {
-    Error::Data(format!("{}: {e}", path.display()))
+fn io_error(path: &Path, source: std::io::Error) -> Error {
+    Error::Io {
+        path: path.to_path_buf(),
+        source,
+    }
 }
 
 /// Writes `images` images to `dir/VOC2007` (`Annotations`, `JPEGImages`,
@@ -130,7 +133,11 @@ pub fn write_synthetic_voc(dir: &Path, images: usize, seed: u64) -> Result<PathB
     debug_assert!(SYNTH_CLASSES.iter().all(|c| class_index(c).is_some()));
     let target = dir.join("VOC2007");
     if target.exists() {
-        return Err(io_error(&target, "already exists: memsave does not overwrite a data set; remove it or choose another folder"));
+        return Err(Error::Data(format!(
+            "{}: already exists: memsave does not overwrite a data set; remove it or choose \
+             another folder",
+            target.display()
+        )));
     }
     std::fs::create_dir_all(dir).map_err(|e| io_error(dir, e))?;
     let staging = dir.join(format!(".VOC2007.partial-{}", std::process::id()));
@@ -193,7 +200,7 @@ fn write_into(root: &Path, images: usize, seed: u64) -> Result<()> {
         let mut writer = std::io::BufWriter::new(file);
         JpegEncoder::new_with_quality(&mut writer, 90)
             .encode_image(&image)
-            .map_err(|e| io_error(&jpeg_path, e))?;
+            .map_err(|e| Error::data_file(&jpeg_path, "cannot encode the image", e))?;
         writer.flush().map_err(|e| io_error(&jpeg_path, e))?;
         let xml_path = annotations.join(format!("{id}.xml"));
         std::fs::write(&xml_path, annotation(&id, width, height, &objects))

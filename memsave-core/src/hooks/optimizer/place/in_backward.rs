@@ -137,7 +137,7 @@ impl InBackward {
                 let loss = parts.loss_to_backward(state, loss);
                 let on_device = host_sums.is_none();
                 let summed = &mut *parts.summed;
-                memory::in_phase(memory::phase::BACKWARD, || {
+                let passed = memory::in_phase(memory::phase::BACKWARD, || {
                     tapping.accumulate_pass(loss, host_sums, summed)
                 });
                 if let (true, Some(sums)) = (on_device, summed.as_mut()) {
@@ -147,7 +147,7 @@ impl InBackward {
                     });
                 }
                 *parts.pending += 1;
-                logged
+                logged.and(passed)
             }
             None => Ok(()),
         };

@@ -49,6 +49,8 @@ fn tap<B: AutodiffBackend, M: TrainModel<B>, R: Reducer<B>>(
 /// One place of the step: what it does at each of the hook's moments. A micro-batch that does
 /// not end its group is the same everywhere ([`Parts::accumulate`]) but on the host, which keeps
 /// the group's sums there.
+// The places (in_backward.rs, on_host.rs) repeat the signatures of the methods they override,
+// as Rust's trait impls must: those repeated lines share no logic to factor out.
 pub(super) trait StepPlace {
     /// Before the run: what the place needs of the backend and the peers.
     fn before_run<B: AutodiffBackend, M: TrainModel<B>, R: Reducer<B>>(
@@ -167,10 +169,8 @@ impl Place {
                 return Place::OnHost(OnHost::default());
             }
             // Flex: the host is the device; the step runs where it would without offload.
-            eprintln!(
-                "{}",
-                nothing_to_save::<B::InnerBackend>("offload.optimizer")
-            );
+            let notice = nothing_to_save::<B::InnerBackend>("offload.optimizer");
+            tracing::info!(target: "memsave", key = "offload.optimizer", "{notice}");
         }
         if step_in_backward {
             Place::InBackward(InBackward::default())

@@ -56,7 +56,7 @@ impl StepPlace for OnHost {
     fn held_state(&self) -> Option<Result<Vec<u8>>> {
         self.host.as_ref().map(|host| {
             host.to_bytes()
-                .map_err(|error| Error::invalid("optimizer state", error.to_string()))
+                .map_err(|error| Error::state("optimizer state", error))
         })
     }
 
@@ -82,13 +82,9 @@ impl StepPlace for OnHost {
         let resumed = state
             .optimizer
             .to_bytes()
-            .map_err(|error| Error::invalid("optimizer state", error.to_string()))?;
-        host.load_bytes(&resumed).map_err(|error| {
-            Error::invalid(
-                "optimizer state",
-                format!("could not be moved to the host: {error}"),
-            )
-        })?;
+            .map_err(|error| Error::state("optimizer state", error))?;
+        host.load_bytes(&resumed)
+            .map_err(|error| Error::state("optimizer state, moved to the host", error))?;
         state.optimizer = Optim::new(&spec);
         self.sums_on_host = state.world_size() == 1;
         // Mixed precision: the fp32 weights to the host, the half copy the model on the device.
@@ -110,7 +106,7 @@ impl StepPlace for OnHost {
         let model = self.host.as_ref().expect(MOVED).with_masters(skeleton);
         Some(
             crate::train::snapshot::codec::record_bytes::<B, _>(model.into_record())
-                .map_err(|error| Error::invalid("model", error.to_string())),
+                .map_err(|error| Error::state("model", error)),
         )
     }
 
