@@ -21,6 +21,7 @@ use memsave::with_cp;
 #[global_allocator]
 static ALLOCATOR: CountingAllocator = CountingAllocator;
 
+/// The check's memory figures are the process's counting allocator's: one test at a time.
 static SERIAL: Mutex<()> = Mutex::new(());
 
 #[memsave::model]

@@ -20,6 +20,8 @@ use memsave::checkpoint::{recomputations, set_with_cp, RandomDraws};
 use memsave::nn::{Dropout, DropoutConfig};
 use memsave::with_cp;
 
+/// Burn's random stream (its `Dropout`'s masks) is the backend's, one per process: these tests
+/// seed and draw from it one at a time.
 static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
 
 fn sequence() -> Tensor<AB, 3> {

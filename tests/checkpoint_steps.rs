@@ -21,7 +21,8 @@ use memsave::with_cp;
 #[global_allocator]
 static ALLOCATOR: CountingAllocator = CountingAllocator;
 
-/// The tests of this binary look at process-wide state (threads, bytes): one at a time.
+/// The tests of this binary read the process's counting allocator and count its threads: one
+/// at a time.
 static SERIAL: Mutex<()> = Mutex::new(());
 
 #[memsave::model]

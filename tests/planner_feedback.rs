@@ -29,7 +29,8 @@ static ALLOCATOR: CountingAllocator = CountingAllocator;
 
 type B = Autodiff<Flex>;
 
-/// The profile's recorder is one per process: these tests take turns.
+/// The profiles read the process's counting allocator (each run's recorder is its own, the bytes
+/// are not): these tests take turns.
 static TURN: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
 /// Reports a peak far over any budget.

@@ -55,6 +55,8 @@ pub fn probe<R: Runtime>(device: &R::Device) -> Result<(), String> {
             first.get_or_insert_with(|| text.to_string());
         }
     }));
+    // Where Burn's runtime itself panics (no driver, no adapter): the probe's one question, its
+    // panic turned into the runtime's words.
     let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
         R::client(device).memory_usage().map(|_| ())
     }));

@@ -355,6 +355,9 @@ fn work(plan: &Plan, shared: &Shared) {
                     .unwrap_or_else(|p| p.into_inner());
             }
         };
+        // A thread boundary: a batch's decoding and augmentation run here, and the loader's
+        // caller waits for their result; a panic becomes that batch's error rather than a
+        // batch that never comes.
         let result =
             std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| plan.make(key.0, key.1)))
                 .unwrap_or_else(|_| {
