@@ -7,71 +7,22 @@ mod common;
 
 use std::sync::{Arc, Mutex};
 
-use burn::module::Module;
-use burn::nn::loss::CrossEntropyLossConfig;
-use burn::nn::{Linear, LinearConfig};
-use burn::prelude::*;
-use burn::tensor::backend::AutodiffBackend;
+use common::trap::Net;
 use common::AB;
 use memsave::checkpoint::{set_unused_with_cp, set_with_cp, ActivationOffload, UnusedWithCp};
 use memsave::hooks::{LoggerHook, LrSchedule, LrUpdaterHook, OffloadHook, OptimizerHook};
-use memsave::models::classifier::ClassificationBatch;
 use memsave::models::data::{SyntheticClassification, SyntheticClassificationConfig};
-use memsave::train::{OptimizerKind, RunLength, Runner, TrainModel};
+use memsave::train::{OptimizerKind, RunLength, Runner};
 use memsave::RunContext;
 use tracing::field::{Field, Visit};
 use tracing_subscriber::layer::{Context, Layer, SubscriberExt};
 
-/// A block switched on whose forward is not marked `#[with_cp]`: a warning at the first step
-/// where the run says to warn.
-#[memsave::model]
-#[derive(Module, Debug)]
-pub struct Unmarked<B: Backend> {
-    linear: Linear<B>,
-    with_cp: bool,
-}
-
-impl<B: memsave::Backend> Unmarked<B> {
-    fn forward(&self, x: Tensor<B, 2>) -> Tensor<B, 2> {
-        self.linear.forward(x).tanh()
-    }
-}
-
-#[memsave::model]
-#[derive(Module, Debug)]
-pub struct Net<B: Backend> {
-    stem: Linear<B>,
-    #[with_cp]
-    blocks: Vec<Unmarked<B>>,
-    head: Linear<B>,
-}
-
-impl<B: AutodiffBackend + memsave::Backend> TrainModel<B> for Net<B> {
-    type Batch = ClassificationBatch<B>;
-
-    fn loss(&self, batch: Self::Batch) -> Tensor<B, 1> {
-        let x = self.stem.forward(batch.images.flatten::<2>(1, 3));
-        let x = self.blocks.iter().fold(x, |x, block| block.forward(x));
-        let logits = self.head.forward(x);
-        CrossEntropyLossConfig::new()
-            .init(&logits.device())
-            .forward(logits, batch.labels)
-    }
-}
-
-/// Two iterations of a run that warns (a block switched on without a `#[with_cp]` method, in a
-/// run that says to warn), gives a notice (activation offload on the CPU: nothing to offload
+/// Two iterations of a run that warns (a block switched on without a `#[with_cp]` method:
+/// [`common::trap`], in a run that says to warn), gives a notice (activation offload on the CPU: nothing to offload
 /// to) and logs (the logger hook's lines). Returns the run's warnings.
 fn a_run_that_warns() -> Vec<String> {
     let device = Default::default();
-    let net = Net::<AB> {
-        stem: LinearConfig::new(3 * 8 * 8, 16).init(&device),
-        blocks: vec![Unmarked {
-            linear: LinearConfig::new(16, 16).init(&device),
-            with_cp: false,
-        }],
-        head: LinearConfig::new(16, 4).init(&device),
-    };
+    let net = Net::<AB>::new(&device);
     let dir = std::env::temp_dir().join(format!(
         "memsave-events-{}-{:?}",
         std::process::id(),

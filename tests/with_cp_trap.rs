@@ -8,98 +8,17 @@
 
 mod common;
 
-use burn::module::Module;
 use burn::nn::loss::CrossEntropyLossConfig;
-use burn::nn::{Linear, LinearConfig};
 use burn::prelude::*;
 use burn::tensor::backend::AutodiffBackend;
+use common::trap::Net;
 use common::{watchdog, AB};
 use memsave::check::switched_on_without_segment;
 use memsave::checkpoint::{set_unused_with_cp, set_with_cp, UnusedWithCp};
 use memsave::hooks::{LrSchedule, LrUpdaterHook, OptimizerHook};
 use memsave::models::classifier::ClassificationBatch;
 use memsave::models::data::{SyntheticClassification, SyntheticClassificationConfig};
-use memsave::train::{OptimizerKind, RunLength, Runner, TrainModel};
-use memsave::with_cp;
-
-/// The trap: a flag, and a forward without `#[with_cp]`.
-#[memsave::model]
-#[derive(Module, Debug)]
-pub struct Unmarked<B: Backend> {
-    linear: Linear<B>,
-    with_cp: bool,
-}
-
-impl<B: memsave::Backend> Unmarked<B> {
-    fn forward(&self, x: Tensor<B, 2>) -> Tensor<B, 2> {
-        self.linear.forward(x).tanh()
-    }
-}
-
-/// The same block done right.
-#[memsave::model]
-#[derive(Module, Debug)]
-pub struct Marked<B: Backend> {
-    linear: Linear<B>,
-    with_cp: bool,
-}
-
-impl<B: memsave::Backend> Marked<B> {
-    #[with_cp]
-    fn forward(&self, x: Tensor<B, 2>) -> Tensor<B, 2> {
-        self.linear.forward(x).tanh()
-    }
-}
-
-#[memsave::model]
-#[derive(Module, Debug)]
-pub struct Net<B: Backend> {
-    stem: Linear<B>,
-    #[with_cp]
-    marked: Vec<Marked<B>>,
-    #[with_cp]
-    unmarked: Vec<Unmarked<B>>,
-    head: Linear<B>,
-}
-
-impl<B: memsave::Backend> Net<B> {
-    fn new(device: &B::Device) -> Self {
-        Net {
-            stem: LinearConfig::new(3 * 8 * 8, 32).init(device),
-            marked: vec![Marked {
-                linear: LinearConfig::new(32, 32).init(device),
-                with_cp: false,
-            }],
-            unmarked: vec![Unmarked {
-                linear: LinearConfig::new(32, 32).init(device),
-                with_cp: false,
-            }],
-            head: LinearConfig::new(32, 4).init(device),
-        }
-    }
-
-    fn logits(&self, images: Tensor<B, 4>) -> Tensor<B, 2> {
-        let mut x = self.stem.forward(images.flatten::<2>(1, 3));
-        for block in &self.marked {
-            x = block.forward(x);
-        }
-        for block in &self.unmarked {
-            x = block.forward(x);
-        }
-        self.head.forward(x)
-    }
-}
-
-impl<B: AutodiffBackend + memsave::Backend> TrainModel<B> for Net<B> {
-    type Batch = ClassificationBatch<B>;
-
-    fn loss(&self, batch: Self::Batch) -> Tensor<B, 1> {
-        let logits = self.logits(batch.images);
-        CrossEntropyLossConfig::new()
-            .init(&logits.device())
-            .forward(logits, batch.labels)
-    }
-}
+use memsave::train::{OptimizerKind, RunLength, Runner};
 
 fn data() -> SyntheticClassification<AB> {
     SyntheticClassification::new(

@@ -5,6 +5,7 @@ pub mod dp;
 pub mod mlp;
 pub mod sometimes;
 pub mod tiny;
+pub mod trap;
 
 use std::collections::HashMap;
 use std::sync::mpsc;
