@@ -415,3 +415,84 @@ fn activation_offload_with_two_data_parallel_peers_trains_as_without_it() {
         assert!(stats.prefetched > 0, "{stats:?}");
     });
 }
+
+/// A failure the step recorded before a panic is the run's error, not the panic: past the host
+/// limit the forward goes on with the inputs on the device, and whatever fails after it (here
+/// the user's loss) is not the cause.
+#[test]
+fn a_failure_recorded_before_a_panic_is_the_runs_error() {
+    watchdog(120, || {
+        let run = RunContext::new();
+        let mut runner = run
+            .scope(|| {
+                staging_here();
+                PANIC_AT.with(|cell| cell.set((Some(0), 0)));
+                runner(
+                    "failure-then-panic",
+                    OffloadHook::new(every_input(0)).with_host_budget(Some(1024)),
+                    2,
+                )
+            })
+            .unwrap();
+        let error = runner.run().expect_err("the host limit, as an error");
+        let said = error.to_string();
+        assert!(matches!(error, Error::OutOfMemory { .. }), "{said}");
+        assert!(said.contains("offloaded segment 2"), "{said}");
+    });
+}
+
+/// Data-parallel peers share their run, not their steps: a failure in one peer's step is that
+/// peer's (its own loop's `join_helpers` returns it), and the other's is whole.
+#[test]
+fn a_peers_failure_is_its_own() {
+    use std::sync::mpsc;
+    use std::sync::Mutex;
+    let _turn = common::dp::turn();
+    watchdog(300, || {
+        let run = RunContext::new();
+        let (recorded, wait_recorded) = mpsc::channel::<()>();
+        let (joined, wait_joined) = mpsc::channel::<()>();
+        let signals = Mutex::new((Some(recorded), Some(wait_joined)));
+        let waits = Mutex::new((Some(wait_recorded), Some(joined)));
+        let outcomes = run
+            .scope(|| {
+                staging_here();
+                set_activation_offload(Some(every_input(1)));
+                fail_next_prefetch(Some("the device was lost (injected)".into()));
+                common::dp::peers(2, |peer| {
+                    use memsave::parallel::Collective;
+                    let device = Default::default();
+                    let images = Tensor::<AB, 4>::ones([4, 3, 8, 8], &device);
+                    // Peer 0 checkpoints (and offloads, and meets the lost prefetch); peer 1
+                    // does not.
+                    let model = set_with_cp(Stack::<AB>::new(&device), peer.rank() == 0);
+                    let _ = model.logits(images).sum().backward();
+                    let outcome = if peer.rank() == 0 {
+                        let (recorded, wait_joined) = {
+                            let mut signals = signals.lock().unwrap();
+                            (signals.0.take().unwrap(), signals.1.take().unwrap())
+                        };
+                        // Peer 1 asks for its step's failure while peer 0's is recorded.
+                        recorded.send(()).unwrap();
+                        wait_joined.recv().unwrap();
+                        join_helpers()
+                    } else {
+                        let (wait_recorded, joined) = {
+                            let mut waits = waits.lock().unwrap();
+                            (waits.0.take().unwrap(), waits.1.take().unwrap())
+                        };
+                        wait_recorded.recv().unwrap();
+                        let outcome = join_helpers();
+                        joined.send(()).unwrap();
+                        outcome
+                    };
+                    Ok(outcome.map_err(|error| error.to_string()))
+                })
+            })
+            .unwrap()
+            .unwrap();
+        let said = outcomes[0].clone().expect_err("peer 0's step failed");
+        assert!(said.contains("(injected)"), "{said}");
+        assert_eq!(outcomes[1], Ok(()), "peer 1's step is whole");
+    });
+}

@@ -214,9 +214,7 @@ impl Shared {
 
     /// The run's context.
     pub(crate) fn context(&mut self) -> crate::RunContext {
-        self.context
-            .get_or_insert_with(|| crate::run::installed().unwrap_or_default())
-            .clone()
+        self.context.get_or_insert_with(crate::run::current).clone()
     }
 
     /// The state kept in Burn's optimizer checkpoints, as JSON.
@@ -285,11 +283,12 @@ impl Default for Memsave {
 
 impl Memsave {
     /// fp32, a step every micro-batch, no clipping: Burn's loop as it is, until a strategy
-    /// is switched on. Its run's context ([`crate::run`]) is the one installed on this thread,
-    /// or one of its own: the model's steps run in it.
+    /// is switched on. Its run's context ([`crate::run`]) is the run of this thread (installed,
+    /// or the thread's own, as a [`crate::train::Runner`]'s): the model's steps run in it, with
+    /// the choices made there.
     pub fn new() -> Self {
         let shared = Shared {
-            context: Some(crate::run::installed().unwrap_or_default()),
+            context: Some(crate::run::current()),
             ..Shared::default()
         };
         Memsave {

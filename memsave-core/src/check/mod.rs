@@ -68,7 +68,7 @@ pub fn switched_on_without_segment<M: Fp16Module>(model: &M) -> Vec<String> {
 /// `#[with_cp]` method in the current run. Where one did not (a block whose forward is not
 /// marked), the current run's choice ([`crate::checkpoint::set_unused_with_cp`]) says what
 /// happens: an error naming the types (the default), or a warning (an event with the `types`,
-/// once per run), whose text it returns. The runner, burn-train's adapter and [`ModelCheck`]
+/// said once per run), whose text it returns. The runner, burn-train's adapter and [`ModelCheck`]
 /// call it after the first step; in a user's own loop, call it after the first backward.
 pub fn segments_ran<M: Fp16Module>(model: &M) -> Result<Option<String>> {
     let missing = switched_on_without_segment(model);
@@ -79,10 +79,10 @@ pub fn segments_ran<M: Fp16Module>(model: &M) -> Result<Option<String>> {
     match crate::checkpoint::unused_with_cp() {
         crate::checkpoint::UnusedWithCp::Error => Err(Error::invalid("with_cp", message)),
         crate::checkpoint::UnusedWithCp::Warn => {
-            if !crate::run::current().first_time("unused with_cp") {
-                return Ok(None);
+            // Said once per run; each caller (a data-parallel peer's runner among them) keeps it.
+            if crate::run::current().first_time("unused with_cp") {
+                tracing::warn!(target: "memsave", types = ?missing, "{message}");
             }
-            tracing::warn!(target: "memsave", types = ?missing, "{message}");
             Ok(Some(message))
         }
     }

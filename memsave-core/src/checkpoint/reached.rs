@@ -92,8 +92,9 @@ pub fn no_segment_message(types: &[String]) -> String {
         "checkpointing is switched on in {list}, but no `#[with_cp]` method of {} ran in the \
          first step, so nothing was checkpointed: mark the method that computes the block \
          (its forward) `#[with_cp]`, or switch its `with_cp` off (a run that should go on \
-         without it: `unused_with_cp = \"warn\"`, or \
-         `memsave::checkpoint::set_unused_with_cp(UnusedWithCp::Warn)`)",
+         without it: `unused_with_cp = \"warn\"` in the config, \
+         `memsave::checkpoint::set_unused_with_cp(UnusedWithCp::Warn)` in its run, \
+         `Memsave::unused_with_cp(..)` with burn-train)",
         if types.len() == 1 { "it" } else { "them" }
     )
 }

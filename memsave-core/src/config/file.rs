@@ -84,12 +84,12 @@ pub(super) struct Override {
     pub argument: String,
 }
 
-/// The error of a file at `path` that is not TOML: the parser's words, and its error as the
-/// cause.
+/// The error of a file at `path` that is not TOML: the parser's words with the line, column
+/// and text it stopped at, and its error as the cause.
 pub(super) fn not_toml(path: &Path, error: toml::de::Error) -> Error {
     Error::Config {
         path: path.to_path_buf(),
-        message: format!("not valid TOML: {}", error.message()),
+        message: error.to_string(),
         source: Some(error),
     }
 }

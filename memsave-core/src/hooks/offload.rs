@@ -77,13 +77,7 @@ impl OffloadHook {
     /// The last hook of the run to end restores what was in force before the first.
     fn restore(&mut self) {
         if let Some(run) = self.active.take() {
-            // Dropped outside the run (a runner dropped after its run failed): in it again.
-            match crate::run::installed() {
-                Some(installed) if installed == run => offload::release(),
-                _ => {
-                    let _ = run.scope(offload::release);
-                }
-            }
+            offload::release(&run);
         }
     }
 

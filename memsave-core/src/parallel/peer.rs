@@ -48,27 +48,28 @@ fn network_failure() -> Option<(Instant, String)> {
         .clone()
 }
 
-/// What the peers of one process share: the first failure among them.
+/// What the peers of one process share: the first failure among them (the peer in words, what
+/// happened, and the rank whose own error it was, where it failed in this process).
 #[derive(Default)]
 struct Group {
-    failure: Mutex<Option<(String, String)>>,
+    failure: Mutex<Option<(String, String, Option<usize>)>>,
 }
 
 impl Group {
-    /// Records the failure of peer `name` with `error` (the first failure only: the others
-    /// follow from it) and wakes the peers blocked in burn-collective's local server. Whether it
-    /// was the first.
-    fn fail<B: Backend>(&self, error: &Error, name: &str) -> bool {
-        let (peer, message) = match error {
-            Error::Peer { peer, message, .. } => (peer.clone(), message.clone()),
-            other => (name.to_string(), other.to_string()),
+    /// Records the failure of peer `name` (rank `rank`) with `error` (the first failure only:
+    /// the others follow from it) and wakes the peers blocked in burn-collective's local server.
+    /// Whether it was the first.
+    fn fail<B: Backend>(&self, error: &Error, name: &str, rank: usize) -> bool {
+        let (peer, message, own) = match error {
+            Error::Peer { peer, message, .. } => (peer.clone(), message.clone(), None),
+            other => (name.to_string(), other.to_string(), Some(rank)),
         };
         let first = {
             let mut failure = self.failure.lock().unwrap_or_else(|e| e.into_inner());
             if failure.is_some() {
                 false
             } else {
-                *failure = Some((peer, message));
+                *failure = Some((peer, message, own));
                 true
             }
         };
@@ -78,7 +79,7 @@ impl Group {
         first
     }
 
-    fn failure(&self) -> Option<(String, String)> {
+    fn failure(&self) -> Option<(String, String, Option<usize>)> {
         self.failure
             .lock()
             .unwrap_or_else(|e| e.into_inner())
@@ -178,7 +179,7 @@ impl<B: Backend> BurnPeer<B> {
                         }
                         _ => self.error(what, describe(&error)),
                     };
-                    self.group.fail::<B>(&error, &self.name());
+                    self.group.fail::<B>(&error, &self.name(), self.rank);
                     return Err(error);
                 }
                 Err(RecvTimeoutError::Timeout) => {
@@ -191,7 +192,7 @@ impl<B: Backend> BurnPeer<B> {
                         if let Some((at, detail)) = network_failure() {
                             if at.elapsed() >= NETWORK_GRACE && start.elapsed() >= NETWORK_GRACE {
                                 let error = self.lost_because(what, &detail);
-                                self.group.fail::<B>(&error, &self.name());
+                                self.group.fail::<B>(&error, &self.name(), self.rank);
                                 return Err(error);
                             }
                         }
@@ -214,7 +215,7 @@ impl<B: Backend> BurnPeer<B> {
                             ),
                             source: None,
                         };
-                        self.group.fail::<B>(&error, &self.name());
+                        self.group.fail::<B>(&error, &self.name(), self.rank);
                         return Err(error);
                     }
                 }
@@ -228,7 +229,7 @@ impl<B: Backend> BurnPeer<B> {
                     } else {
                         self.error(what, "burn-collective's server stopped".to_string())
                     };
-                    self.group.fail::<B>(&error, &self.name());
+                    self.group.fail::<B>(&error, &self.name(), self.rank);
                     return Err(error);
                 }
             }
@@ -237,7 +238,7 @@ impl<B: Backend> BurnPeer<B> {
 
     /// The error that stops this peer because another one failed, if one did.
     fn stopped(&self) -> Option<Error> {
-        self.group.failure().map(|(peer, message)| {
+        self.group.failure().map(|(peer, message, _)| {
             let message = if peer == self.name() {
                 message
             } else {
@@ -391,7 +392,7 @@ where
                 std::thread::Builder::new()
                     .name(format!("memsave-peer-{}", topology.rank_of(local)))
                     .spawn_scoped(scope, move || {
-                        let _run = inherited.install();
+                        let _run = inherited.install_as_owner();
                         let peer = Arc::new(BurnPeer::<B>::start(topology, local, device, group));
                         let name = peer.name();
                         // A thread boundary: the peer's body is the user's code and may panic;
@@ -414,7 +415,7 @@ where
                             }),
                         };
                         if let Err(error) = &outcome {
-                            peer.group.fail::<B>(error, &name);
+                            peer.group.fail::<B>(error, &name, peer.rank);
                         }
                         outcome
                     })
@@ -435,13 +436,13 @@ where
             .collect()
     });
     reset::<B>();
-    if let Some((peer, message)) = group.failure() {
+    if let Some((peer, message, own)) = group.failure() {
         // The failing peer's own error, where it failed in this process, as the cause (the
         // others' are only that they stopped).
-        let source = results
-            .into_iter()
-            .filter_map(Result::err)
-            .find(|error| !matches!(error, Error::Peer { .. }))
+        let source = own
+            .and_then(|rank| (0..results.len()).find(|&local| topology.rank_of(local) == rank))
+            .and_then(|local| results.into_iter().nth(local))
+            .and_then(Result::err)
             .map(Box::new);
         return Err(Error::Peer {
             peer,

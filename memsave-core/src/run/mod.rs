@@ -336,6 +336,16 @@ impl Inherited {
         }
     }
 
+    /// Installs the inherited run on this (new) thread as a training thread of its own (a
+    /// data-parallel peer: its steps, helpers and failures are its own, not the spawner's).
+    pub(crate) fn install_as_owner(self) -> InheritedGuard {
+        Inherited {
+            owner: std::thread::current().id(),
+            ..self
+        }
+        .install()
+    }
+
     /// `work`, made to run inside the inherited run on whatever thread calls it.
     pub(crate) fn wrap<R>(self, work: impl FnOnce() -> R) -> impl FnOnce() -> R {
         move || {

@@ -243,6 +243,12 @@ where
             Ok(Err(error)) => error,
             Err(payload) => {
                 self.state.loss = None;
+                // A failure the step recorded before it panicked is the cause (a lost device
+                // fails the next operation on it too; past the host limit, a device may run
+                // out of the memory offload would have saved): it is the error.
+                if let Some(failure) = crate::checkpoint::take_step_failure() {
+                    return Err(failure.in_step(self.state.iter, &self.state.work_dir));
+                }
                 crate::checkpoint::abandon_step();
                 match crate::memory::oom::from_panic(payload) {
                     Ok(needed) => Error::OutOfMemory {

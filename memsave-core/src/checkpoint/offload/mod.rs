@@ -211,17 +211,22 @@ pub(crate) fn hold(setting: ActivationOffload, limit: Option<u64>) {
     held.0 += 1;
 }
 
-/// The end of a [`hold`].
-pub(crate) fn release() {
-    let offload = here();
+/// The end of a [`hold`] in `run` (from any thread: a hook may be dropped where another run is
+/// installed, or after its run ended).
+pub(crate) fn release(run: &RunContext) {
+    let offload = run.part::<RunOffload>();
     let mut held = lock(&offload.held);
     held.0 = held.0.saturating_sub(1);
     if held.0 == 0 {
         if let Some((setting, limit)) = held.1.take() {
-            set_activation_offload(setting);
-            set_host_limit(limit);
+            *offload
+                .setting
+                .write()
+                .unwrap_or_else(|poisoned| poisoned.into_inner()) = setting;
+            *lock(&offload.host_limit) = limit;
         }
-        fail_next_prefetch(None);
+        *lock(&offload.injected) = None;
+        *lock(&offload.copy_delay) = None;
     }
 }
 

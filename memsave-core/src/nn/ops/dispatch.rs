@@ -418,13 +418,24 @@ pub(super) fn lean<B: Backend>(device: &B::Device) -> Option<&'static dyn Lean> 
     {
         return Some(*lean);
     }
-    if B::ad_enabled(device)
-        && crate::run::current().first_time(&format!("no lean ops: {}", type_name::<B>()))
-    {
-        tracing::warn!(target: "memsave", backend = type_name::<B>(), "{}", fallback_message::<B>());
+    if B::ad_enabled(device) {
+        let told = crate::run::current().part::<Told>();
+        let first = told.0.lock().unwrap_or_else(|e| e.into_inner()).insert(key);
+        if first {
+            tracing::warn!(
+                target: "memsave",
+                backend = type_name::<B>(),
+                "{}",
+                fallback_message::<B>()
+            );
+        }
     }
     None
 }
+
+/// The backends a run has told it falls back for (a part of the run's state).
+#[derive(Default)]
+struct Told(std::sync::Mutex<std::collections::HashSet<TypeId>>);
 
 /// What a backend without lean ops is told, once.
 pub(crate) fn fallback_message<B: Backend>() -> String {
