@@ -4,9 +4,14 @@
 //! as an `Error` from `join_helpers`. Activation offload runs here on the CPU through the
 //! host-resident switch (the same copier, prefetch, host limit and failures as on a device,
 //! nothing saved), alone and with two data-parallel peers. No test here takes a lock: each run's
-//! state is its own.
+//! state is its own. Its modules: errors that keep their causes (`errors`), and the library's
+//! events instead of stderr (`events`).
 
 mod common;
+#[path = "run_context/errors.rs"]
+mod errors;
+#[path = "run_context/events.rs"]
+mod events;
 
 use std::sync::{Arc, Barrier};
 

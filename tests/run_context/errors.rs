@@ -1,4 +1,4 @@
-//! memsave's errors keep their causes: each error below is walked down its `source()` chain to
+//! Typed errors: memsave's errors keep their causes: each error below is walked down its `source()` chain to
 //! the typed error that caused it (an io error, a record that does not decode, the TOML parser's
 //! error, the snapshot format's), never a string that stood in for it.
 

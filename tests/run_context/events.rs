@@ -1,12 +1,11 @@
-//! The library crates write nothing to stdout or stderr: their warnings, notices and log lines
+//! Events, not stderr: the library crates write nothing to stdout or stderr: their warnings, notices and log lines
 //! are `tracing` events with target `memsave`. A run that warns, with no subscriber installed,
 //! leaves stderr empty (checked in a process of its own: this test binary run again); with a
 //! subscriber, the events arrive with their fields.
 
-mod common;
-
 use std::sync::{Arc, Mutex};
 
+use super::common;
 use common::trap::Net;
 use common::AB;
 use memsave::checkpoint::{set_unused_with_cp, set_with_cp, ActivationOffload, UnusedWithCp};
@@ -75,7 +74,7 @@ fn a_library_run_that_warns_writes_nothing_to_stderr_without_a_subscriber() {
         std::process::Command::new(std::env::current_exe().expect("this test binary"))
             .args([
                 "--exact",
-                "child_a_run_that_warns",
+                "events::child_a_run_that_warns",
                 "--nocapture",
                 "--test-threads=1",
             ])
