@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use burn::backend::Flex;
 use memsave_models::data::voc::loader::{DatasetType, VocDatasetConfig, VocDetection};
-use memsave_models::data::voc::pipeline::Pipeline;
+use memsave_models::data::voc::pipeline::{Pipeline, Step};
 use memsave_models::data::voc::synth::{write_synthetic_voc, SYNTH_CLASSES};
 use memsave_models::data::voc::{class_index, read_split, OneOrMany, VocImage, VocObject};
 use memsave_models::eval::voc::{read_detections, voc_map, ApMode, DetectionRecord};
@@ -572,4 +572,147 @@ fn detections_files_are_checked() {
             "{error}"
         );
     }
+}
+
+/// MMDetection 2.x's `Resize` with several scales, as a config writes it.
+fn multiscale_steps(resize: serde_json::Value) -> Result<Pipeline, String> {
+    let steps = serde_json::json!([
+        { "type": "LoadImageFromFile" },
+        resize,
+        { "type": "Normalize", "mean": [123.675, 116.28, 103.53], "std": [58.395, 57.12, 57.375] },
+        { "type": "Pad", "size_divisor": 32 },
+    ]);
+    let steps: Vec<Step> = serde_json::from_value(steps).map_err(|e| e.to_string())?;
+    Pipeline::from_steps(&steps, "data.train.pipeline").map_err(|e| e.to_string())
+}
+
+#[test]
+fn multiscale_range_draws_each_edge_between_the_two_scales_and_value_one_of_them() {
+    use rand::{rngs::StdRng, Rng, SeedableRng};
+    let range = multiscale_steps(serde_json::json!({
+        "type": "Resize", "img_scale": [[640, 320], [640, 640]], "multiscale_mode": "range"
+    }))
+    .unwrap();
+    // The largest image it makes: what the memory check and the footprint use.
+    assert_eq!(range.img_scale, [640, 640]);
+    let mut rng = StdRng::seed_from_u64(1);
+    let drawn: Vec<[usize; 2]> = (0..400)
+        .map(|_| range.draw_scale(|n| rng.random_range(0..n)))
+        .collect();
+    assert!(drawn
+        .iter()
+        .all(|s| s[0] == 640 && (320..=640).contains(&s[1])));
+    let shorts: std::collections::HashSet<usize> = drawn.iter().map(|s| s[1]).collect();
+    assert!(
+        shorts.len() > 150,
+        "uniform over 321 values: {}",
+        shorts.len()
+    );
+    assert!(shorts.contains(&320) || shorts.contains(&640) || shorts.len() > 200);
+    // The default mode is "range".
+    let default = multiscale_steps(serde_json::json!({
+        "type": "Resize", "img_scale": [[640, 320], [640, 640]]
+    }))
+    .unwrap();
+    assert_eq!(default.multiscale, range.multiscale);
+
+    let value = multiscale_steps(serde_json::json!({
+        "type": "Resize", "img_scale": [[320, 320], [480, 480], [640, 640]],
+        "multiscale_mode": "value"
+    }))
+    .unwrap();
+    let mut rng = StdRng::seed_from_u64(2);
+    let picked: std::collections::HashSet<[usize; 2]> = (0..60)
+        .map(|_| value.draw_scale(|n| rng.random_range(0..n)))
+        .collect();
+    assert_eq!(picked.len(), 3, "{picked:?}");
+    assert!(picked
+        .iter()
+        .all(|s| [320, 480, 640].contains(&s[0]) && s[0] == s[1]));
+
+    // One scale is one scale, as before.
+    let single =
+        multiscale_steps(serde_json::json!({ "type": "Resize", "img_scale": [320, 240] })).unwrap();
+    assert_eq!(
+        single.draw_scale(|_| unreachable!("nothing to draw")),
+        [320, 240]
+    );
+
+    // Bad input names the key and what is allowed.
+    let error = multiscale_steps(serde_json::json!({
+        "type": "Resize", "img_scale": [[640, 320], [640, 640]], "multiscale_mode": "ranges"
+    }))
+    .unwrap_err();
+    assert!(
+        error.contains("data.train.pipeline[1].multiscale_mode")
+            && error.contains("\"range\" or \"value\""),
+        "{error}"
+    );
+    let error = multiscale_steps(serde_json::json!({
+        "type": "Resize", "img_scale": [[640, 320], [640, 480], [640, 640]]
+    }))
+    .unwrap_err();
+    assert!(
+        error.contains("data.train.pipeline[1].img_scale") && error.contains("two"),
+        "{error}"
+    );
+    let error =
+        multiscale_steps(serde_json::json!({ "type": "Resize", "img_scale": [] })).unwrap_err();
+    assert!(
+        error.contains("img_scale") && error.contains("empty"),
+        "{error}"
+    );
+    let error = multiscale_steps(serde_json::json!({
+        "type": "Resize", "img_scale": [[640, 0], [640, 640]]
+    }))
+    .unwrap_err();
+    assert!(error.contains("has a zero"), "{error}");
+}
+
+#[test]
+fn multiscale_batches_vary_in_size_and_pad_to_their_largest_image() {
+    let dir = tempfile::tempdir().unwrap();
+    let root = synth(dir.path(), 12, 4);
+    let steps: Vec<Step> = serde_json::from_value(serde_json::json!([
+        { "type": "LoadImageFromFile" },
+        { "type": "LoadAnnotations" },
+        { "type": "Resize", "img_scale": [[160, 64], [160, 160]], "keep_ratio": true },
+        { "type": "RandomFlip", "flip_ratio": 0.5 },
+        { "type": "Normalize", "mean": [123.675, 116.28, 103.53], "std": [58.395, 57.12, 57.375] },
+        { "type": "Pad", "size_divisor": 32 },
+    ]))
+    .unwrap();
+    let config = VocDatasetConfig {
+        kind: DatasetType::VOCDataset,
+        ann_file: OneOrMany::One(root.join("ImageSets/Main/trainval.txt")),
+        img_prefix: OneOrMany::One(root.clone()),
+        pipeline: Some(steps),
+        skip_bad_images: false,
+    };
+    watchdog(120, move || {
+        let inline =
+            VocDetection::<Flex>::new(&config, "data.train", true, 2, 0, 11, Default::default())
+                .unwrap();
+        let workers =
+            VocDetection::<Flex>::new(&config, "data.train", true, 2, 2, 11, Default::default())
+                .unwrap();
+        let mut shapes = std::collections::HashSet::new();
+        for (epoch, index) in [(0, 0), (0, 1), (0, 2), (1, 0), (1, 1), (2, 3), (3, 4)] {
+            let a = inline.host(epoch, index).unwrap();
+            let b = workers.host(epoch, index).unwrap();
+            // The draws are the image's and the epoch's: the same whichever worker made it.
+            assert_eq!(a.metas, b.metas, "({epoch}, {index})");
+            // Every image within the largest scale, the batch padded to its largest.
+            for meta in &a.metas {
+                let [h, w] = meta.img_shape;
+                assert!(h.max(w) <= 160 && h.min(w) <= 160, "{meta:?}");
+                assert!(meta.pad_shape[0] <= a.shape[2] && meta.pad_shape[1] <= a.shape[3]);
+            }
+            let largest = a.metas.iter().map(|m| m.pad_shape[0]).max().unwrap();
+            assert_eq!(a.shape[2], largest);
+            assert_eq!(a.shape[2] % 32, 0);
+            shapes.insert([a.shape[2], a.shape[3]]);
+        }
+        assert!(shapes.len() > 1, "batches of one size only: {shapes:?}");
+    });
 }

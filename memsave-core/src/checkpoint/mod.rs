@@ -17,6 +17,7 @@
 
 mod autodiff;
 pub(crate) mod context;
+pub mod dynamic;
 pub(crate) mod id;
 mod module;
 pub mod offload;
@@ -235,7 +236,15 @@ where
         _ => None,
     };
     reached::note(SegmentId::of(module));
-    let checkpointed = with_cp && floats.iter().any(B::is_tracked);
+    // A thread under `with_cp = "dynamic"` chooses per entry (see [`dynamic`]).
+    let checkpointed = with_cp
+        && floats.iter().any(B::is_tracked)
+        && dynamic::choose(SegmentId::of(module), || {
+            floats
+                .first()
+                .map(|f| burn::tensor::TensorMetadata::shape(f).to_vec())
+                .unwrap_or_default()
+        });
     let device = floats.first().map(|first| B::float_device(first));
     let sync = || {
         if let Some(device) = &device {

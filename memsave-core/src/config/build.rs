@@ -47,21 +47,30 @@ impl<M, D> Config<M, D> {
     }
 
     /// The budget the planner works to, for a model whose `with_cp` (at `keys.with_cp`) is
-    /// `with_cp`: `Some` with `"auto"`; an error for `"auto"` without `[memory]
-    /// memory_budget`, or a budget without `"auto"` (which nothing would read).
+    /// `with_cp`: `Some` with `"auto"` or `"dynamic"`; an error for either without `[memory]
+    /// memory_budget`, or a budget without them (which nothing would read).
     pub fn memory_budget(&self, with_cp: &WithCp, keys: &ModelKeys) -> Result<Option<Budget>> {
         match (with_cp, self.memory.memory_budget) {
-            (WithCp::Auto, Some(budget)) => Ok(Some(budget)),
-            (WithCp::Auto, None) => Err(Error::invalid(
+            (WithCp::Auto | WithCp::Dynamic, Some(budget)) => Ok(Some(budget)),
+            (WithCp::Auto | WithCp::Dynamic, None) => Err(Error::invalid(
                 keys.with_cp,
-                "\"auto\" checkpoints what a memory budget needs: set one in `[memory]` \
-                 (`memory_budget = \"3GiB\"`, or `\"60%\"` of the peak without checkpointing)",
+                format!(
+                    "{} checkpoints what a memory budget needs: set one in `[memory]` \
+                     (`memory_budget = \"3GiB\"`, or `\"60%\"` of the peak without \
+                     checkpointing)",
+                    if *with_cp == WithCp::Auto {
+                        "\"auto\""
+                    } else {
+                        "\"dynamic\""
+                    }
+                ),
             )),
             (_, Some(_)) => Err(Error::invalid(
                 "memory.memory_budget",
                 format!(
-                    "is read by the planner only: set `{} = \"auto\"` for it to pick the \
-                     segments to checkpoint",
+                    "is read by the planner only: set `{} = \"auto\"` (a plan made once) or \
+                     `\"dynamic\"` (chosen as each step runs) for it to pick the segments to \
+                     checkpoint",
                     keys.with_cp
                 ),
             )),

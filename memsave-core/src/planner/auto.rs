@@ -92,7 +92,7 @@ impl AutoPlanHook {
 
 /// A notice (a `tracing` event with target `memsave`) and a line in `train.log` in the work
 /// directory.
-fn note<B: AutodiffBackend, M: TrainModel<B>>(state: &TrainState<B, M>, line: &str) {
+pub(super) fn note<B: AutodiffBackend, M: TrainModel<B>>(state: &TrainState<B, M>, line: &str) {
     tracing::info!(target: "memsave", "{line}");
     if std::fs::create_dir_all(&state.work_dir).is_ok() {
         if let Ok(mut file) = std::fs::OpenOptions::new()

@@ -145,15 +145,23 @@ pub enum WithCp {
     On,
     /// Those the planner picks for `[memory] memory_budget`.
     Auto,
+    /// Chosen per step and per segment as each step runs, at its input's size, so that the
+    /// step keeps `[memory] memory_budget` ([`crate::planner::DynamicHook`]).
+    Dynamic,
     /// Exactly these, by module path (a plan pinned by hand, as `memsave plan` prints it).
     Paths(Vec<String>),
 }
 
 impl WithCp {
-    /// Whether the model starts with every segment checkpointed (`true`, and `"auto"`, whose
-    /// first step is the planner's profile).
+    /// Whether segments are chosen against `[memory] memory_budget` (`"auto"`, `"dynamic"`).
+    pub fn is_budgeted(&self) -> bool {
+        matches!(self, WithCp::Auto | WithCp::Dynamic)
+    }
+
+    /// Whether the model starts with every segment checkpointed (`true`, and `"auto"` and
+    /// `"dynamic"`, whose first step is the planner's profile).
     pub fn starts_on(&self) -> bool {
-        matches!(self, WithCp::On | WithCp::Auto)
+        matches!(self, WithCp::On | WithCp::Auto | WithCp::Dynamic)
     }
 }
 
@@ -163,6 +171,7 @@ impl serde::Serialize for WithCp {
             WithCp::Off => s.serialize_bool(false),
             WithCp::On => s.serialize_bool(true),
             WithCp::Auto => s.serialize_str("auto"),
+            WithCp::Dynamic => s.serialize_str("dynamic"),
             WithCp::Paths(paths) => paths.serialize(s),
         }
     }
@@ -178,11 +187,14 @@ impl<'de> Deserialize<'de> for WithCp {
             Paths(Vec<String>),
         }
         let wanted = "`with_cp` is true, false, \"auto\" (the planner picks the segments for \
-                      `[memory] memory_budget`) or a list of module paths ([\"backbone.layer1.0\"])";
+                      `[memory] memory_budget`), \"dynamic\" (chosen per step and segment as \
+                      each step runs, within `[memory] memory_budget`) or a list of module paths \
+                      ([\"backbone.layer1.0\"])";
         match Raw::deserialize(d).map_err(|_| serde::de::Error::custom(wanted))? {
             Raw::Flag(true) => Ok(WithCp::On),
             Raw::Flag(false) => Ok(WithCp::Off),
             Raw::Text(text) if text == "auto" => Ok(WithCp::Auto),
+            Raw::Text(text) if text == "dynamic" => Ok(WithCp::Dynamic),
             Raw::Text(text) => Err(serde::de::Error::custom(format!("`{text}`: {wanted}"))),
             Raw::Paths(paths) => Ok(WithCp::Paths(paths)),
         }

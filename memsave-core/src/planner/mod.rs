@@ -18,11 +18,13 @@ pub mod profile;
 pub mod solve;
 
 mod auto;
+pub mod dynamic;
 mod profile_hook;
 mod step_meter;
 
 pub use auto::AutoPlanHook;
 pub use budget::{Budget, ModelKeys, WithCp};
+pub use dynamic::DynamicHook;
 pub use profile::{GradientEstimate, Profile, SegmentProfile, Window};
 pub use profile_hook::ProfileHook;
 pub use solve::{plan, BelowFloor, Plan};

@@ -100,7 +100,7 @@ impl RetinaNetConfig {
     pub fn check(&self) -> Result<()> {
         self.neck.check().map_err(|e| e.within("neck"))?;
         self.bbox_head.check().map_err(|e| e.within("bbox_head"))?;
-        if self.backbone.with_cp == WithCp::Auto {
+        if self.backbone.with_cp.is_budgeted() {
             for (on, key) in [
                 (self.neck.with_cp, "neck.with_cp"),
                 (self.bbox_head.with_cp, "bbox_head.with_cp"),
@@ -108,9 +108,16 @@ impl RetinaNetConfig {
                 if on {
                     return Err(Error::invalid(
                         key,
-                        "with `backbone.with_cp = \"auto\"` the planner picks the neck's and \
-                         the head's segments too: remove this key, or pin the segments by path \
-                         in `backbone.with_cp` (`memsave plan` prints them)",
+                        format!(
+                            "with `backbone.with_cp = {}` the planner picks the neck's and the \
+                             head's segments too: remove this key, or pin the segments by path \
+                             in `backbone.with_cp` (`memsave plan` prints them)",
+                            if self.backbone.with_cp == WithCp::Auto {
+                                "\"auto\""
+                            } else {
+                                "\"dynamic\""
+                            }
+                        ),
                     ));
                 }
             }

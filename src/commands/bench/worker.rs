@@ -27,7 +27,7 @@ use memsave::hooks::LrUpdaterHook;
 use memsave::memory::{self, phase};
 use memsave::models::config::{DetectionDataSection, RetinaNetSection};
 use memsave::models::data::voc::loader::{DatasetType, VocDatasetConfig, VocDetection};
-use memsave::models::data::voc::pipeline::Step;
+use memsave::models::data::voc::pipeline::{ImgScale, Step};
 use memsave::models::data::voc::OneOrMany;
 use memsave::models::detection::retinanet::RetinaNet;
 use memsave::models::detection::DetectionBatch;
@@ -107,8 +107,9 @@ fn pipeline(width: usize, height: usize) -> Vec<Step> {
         Step::LoadImageFromFile {},
         Step::LoadAnnotations { with_bbox: true },
         Step::Resize {
-            img_scale: [width, height],
+            img_scale: ImgScale::One([width, height]),
             keep_ratio: false,
+            multiscale_mode: None,
         },
         Step::RandomFlip {
             flip_ratio: Some(0.5),

@@ -7,7 +7,7 @@ use memsave::checkpoint::{set_with_cp_paths, CheckpointModule};
 use memsave::config::Config;
 use memsave::models::registry::{Built, ModelJob};
 use memsave::parallel::{Collective, PeerReducer};
-use memsave::planner::{AutoPlanHook, WithCp};
+use memsave::planner::{AutoPlanHook, DynamicHook, WithCp};
 use memsave::train::params::OnThisHost;
 use memsave::train::{DataSource, Hook, Runner, TrainModel};
 
@@ -102,7 +102,7 @@ where
             device,
         );
     }
-    if budget.is_some() && args.dist.devices > 1 {
+    if budget.is_some() && *with_cp == WithCp::Auto && args.dist.devices > 1 {
         return Err(memsave::Error::invalid(
             keys.with_cp,
             "\"auto\" profiles one training process, and --devices runs several peers in \
@@ -110,11 +110,15 @@ where
              (`with_cp = [\"...\"]`), or run one peer per node (--devices 1)",
         ));
     }
-    let planner = match budget {
-        Some(budget) => Some(
+    // "dynamic" keeps the budget in each peer's own steps: a hook per peer.
+    let planner: Option<Box<dyn Hook<B, M>>> = match budget {
+        Some(budget) if *with_cp == WithCp::Dynamic => Some(Box::new(
+            DynamicHook::new(budget, keys, &device)?.with_log_interval(config.log_config.interval),
+        )),
+        Some(budget) => Some(Box::new(
             AutoPlanHook::new(budget, config.planner_setting(batch), keys, &device)?
                 .with_allow_approximate(config.memory.allow_approximate),
-        ),
+        )),
         None => None,
     };
     if let Job::Train = job {
@@ -161,7 +165,7 @@ where
     }
     if let Some(planner) = planner {
         // First after the optimizer hook: the profile starts right before the forward.
-        runner.register_hook(Box::new(planner));
+        runner.register_hook(planner);
     }
     for hook in config.hooks() {
         runner.register_hook(hook);

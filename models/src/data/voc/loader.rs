@@ -112,9 +112,21 @@ pub struct HostBatch {
 
 /// Runs the pipeline on `images` (flips as given) and pads them to one size.
 pub fn host_batch(pipeline: &Pipeline, images: &[&VocImage], flips: &[bool]) -> Result<HostBatch> {
+    let scales = vec![pipeline.img_scale; images.len()];
+    host_batch_at(pipeline, images, flips, &scales)
+}
+
+/// [`host_batch`], each image at its own scale (multi-scale training), padded to the batch's
+/// largest (MMDetection's collate).
+pub fn host_batch_at(
+    pipeline: &Pipeline,
+    images: &[&VocImage],
+    flips: &[bool],
+    scales: &[[usize; 2]],
+) -> Result<HostBatch> {
     let mut items = Vec::with_capacity(images.len());
-    for (image, &flip) in images.iter().zip(flips) {
-        items.push(pipeline.apply(image, flip)?);
+    for ((image, &flip), &scale) in images.iter().zip(flips).zip(scales) {
+        items.push(pipeline.apply_at(image, flip, scale)?);
     }
     let height = items.iter().map(|i| i.1.pad_shape[0]).max().unwrap_or(0);
     let width = items.iter().map(|i| i.1.pad_shape[1]).max().unwrap_or(0);
@@ -172,16 +184,20 @@ impl Plan {
             .filter(|ids| !ids.is_empty())
             .ok_or_else(|| Error::Data(format!("epoch {epoch} has no batch {index}")))?;
         let images: Vec<&VocImage> = ids.iter().map(|&i| &self.images[i]).collect();
-        let flips: Vec<bool> = ids
+        // Each image's flip, then its scale, from a stream of its own (seeded by the run, the
+        // epoch and the image): the same batches whichever worker makes them.
+        let (flips, scales): (Vec<bool>, Vec<[usize; 2]>) = ids
             .iter()
             .map(|&i| {
                 let mut rng = StdRng::seed_from_u64(
                     self.seed.wrapping_mul(31) ^ ((epoch as u64) << 32) ^ i as u64,
                 );
-                rng.random::<f32>() < self.pipeline.flip_ratio
+                let flip = rng.random::<f32>() < self.pipeline.flip_ratio;
+                let scale = self.pipeline.draw_scale(|n| rng.random_range(0..n));
+                (flip, scale)
             })
-            .collect();
-        host_batch(&self.pipeline, &images, &flips)
+            .unzip();
+        host_batch_at(&self.pipeline, &images, &flips, &scales)
     }
 }
 

@@ -26,11 +26,17 @@ pub enum Step {
     },
     /// Rescale.
     Resize {
-        /// `[long, short]` edge limits, e.g. `[1000, 600]`.
-        img_scale: [usize; 2],
+        /// `[long, short]` edge limits, e.g. `[1000, 600]`; or a list of them,
+        /// `[[1333, 640], [1333, 800]]`, for multi-scale training (see `multiscale_mode`).
+        img_scale: ImgScale,
         /// Keep the aspect ratio (scale to fit both limits), else stretch to `img_scale`.
         #[serde(default = "yes")]
         keep_ratio: bool,
+        /// With a list of scales: `"range"` (MMDetection's default: each image's long and short
+        /// edges drawn uniformly between the two scales') or `"value"` (one of the scales,
+        /// drawn per image).
+        #[serde(default)]
+        multiscale_mode: Option<String>,
     },
     /// Horizontal flip with a probability.
     RandomFlip {
@@ -83,11 +89,96 @@ fn yes() -> bool {
     true
 }
 
+/// `Resize`'s `img_scale`: one `[long, short]`, or several.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(untagged)]
+pub enum ImgScale {
+    /// One scale.
+    One([usize; 2]),
+    /// Several (multi-scale training).
+    Many(Vec<[usize; 2]>),
+}
+
+impl ImgScale {
+    fn scales(&self) -> Vec<[usize; 2]> {
+        match self {
+            ImgScale::One(scale) => vec![*scale],
+            ImgScale::Many(scales) => scales.clone(),
+        }
+    }
+}
+
+/// How an image's scale is drawn from several (MMDetection 2.x `Resize`'s `multiscale_mode`).
+#[derive(Clone, Debug, PartialEq)]
+pub enum MultiScale {
+    /// One scale: `img_scale`.
+    Single,
+    /// The long and the short edge each drawn uniformly (integers, both ends included) between
+    /// the two scales' long edges and short edges.
+    Range([[usize; 2]; 2]),
+    /// One of the scales, uniformly.
+    Value(Vec<[usize; 2]>),
+}
+
+/// `Resize`'s scales and mode, checked: the largest scale (long and short edges) and how each
+/// image's is drawn. `at` names the step in errors.
+fn multiscale(
+    img_scale: &ImgScale,
+    mode: Option<&str>,
+    at: &str,
+) -> Result<([usize; 2], MultiScale)> {
+    let scales = img_scale.scales();
+    if scales.is_empty() {
+        return Err(Error::invalid(
+            format!("{at}.img_scale"),
+            "is an empty list: give `[long, short]` or a list of them",
+        ));
+    }
+    if let Some(zero) = scales.iter().find(|s| s.contains(&0)) {
+        return Err(Error::invalid(
+            format!("{at}.img_scale"),
+            format!("{zero:?} has a zero"),
+        ));
+    }
+    let largest = [
+        scales.iter().map(|s| s[0].max(s[1])).max().unwrap_or(0),
+        scales.iter().map(|s| s[0].min(s[1])).max().unwrap_or(0),
+    ];
+    let mode = match mode {
+        None | Some("range") => "range",
+        Some("value") => "value",
+        Some(other) => {
+            return Err(Error::invalid(
+                format!("{at}.multiscale_mode"),
+                format!("`{other}` is not a mode: \"range\" or \"value\""),
+            ))
+        }
+    };
+    let multiscale = match (scales.len(), mode) {
+        (1, _) => return Ok((scales[0], MultiScale::Single)),
+        (2, "range") => MultiScale::Range([scales[0], scales[1]]),
+        (n, "range") => {
+            return Err(Error::invalid(
+                format!("{at}.img_scale"),
+                format!(
+                    "multiscale_mode = \"range\" draws between two scales, and {n} are given: \
+                     give two, or set multiscale_mode = \"value\" to draw one of them"
+                ),
+            ))
+        }
+        _ => MultiScale::Value(scales),
+    };
+    Ok((largest, multiscale))
+}
+
 /// What a pipeline does to an image, in one place.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Pipeline {
-    /// `[long, short]` limits.
+    /// `[long, short]` limits; under multi-scale training, the largest long and short edges
+    /// of the scales (the largest image the pipeline makes).
     pub img_scale: [usize; 2],
+    /// How each image's scale is drawn.
+    pub multiscale: MultiScale,
     /// Keep the ratio.
     pub keep_ratio: bool,
     /// Probability of a horizontal flip.
@@ -106,6 +197,7 @@ impl Pipeline {
     pub fn train(img_scale: [usize; 2]) -> Self {
         Pipeline {
             img_scale,
+            multiscale: MultiScale::Single,
             keep_ratio: true,
             flip_ratio: 0.5,
             mean: [123.675, 116.28, 103.53],
@@ -152,14 +244,12 @@ impl Pipeline {
                     Step::Resize {
                         img_scale,
                         keep_ratio,
+                        multiscale_mode,
                     } => {
-                        if img_scale.contains(&0) {
-                            return Err(Error::invalid(
-                                format!("{at}.img_scale"),
-                                format!("{img_scale:?} has a zero"),
-                            ));
-                        }
-                        p.img_scale = *img_scale;
+                        let (scale, multiscale) =
+                            multiscale(img_scale, multiscale_mode.as_deref(), &at)?;
+                        p.img_scale = scale;
+                        p.multiscale = multiscale;
                         p.keep_ratio = *keep_ratio;
                         *resized = true;
                     }
@@ -220,6 +310,7 @@ impl Pipeline {
                             &format!("{at}.transforms"),
                         )?;
                         p.img_scale = *img_scale;
+                        p.multiscale = MultiScale::Single;
                         *resized = true;
                     }
                 }
@@ -256,15 +347,44 @@ impl Pipeline {
         Ok(pipeline)
     }
 
+    /// The scale of one image: `img_scale`, or under multi-scale training one drawn by
+    /// `uniform(n)` (a uniform integer below `n`) as `multiscale_mode` says.
+    pub fn draw_scale(&self, mut uniform: impl FnMut(usize) -> usize) -> [usize; 2] {
+        match &self.multiscale {
+            MultiScale::Single => self.img_scale,
+            MultiScale::Range([a, b]) => {
+                let edge = |x: usize, y: usize, uniform: &mut dyn FnMut(usize) -> usize| {
+                    let (low, high) = (x.min(y), x.max(y));
+                    low + uniform(high - low + 1)
+                };
+                let (long_a, short_a) = (a[0].max(a[1]), a[0].min(a[1]));
+                let (long_b, short_b) = (b[0].max(b[1]), b[0].min(b[1]));
+                let long = edge(long_a, long_b, &mut uniform);
+                let short = edge(short_a, short_b, &mut uniform);
+                [long, short]
+            }
+            MultiScale::Value(scales) => scales[uniform(scales.len()).min(scales.len() - 1)],
+        }
+    }
+
     /// The size an image of `[height, width]` is resized to, and the scale factors
     /// `[w_scale, h_scale]` (mmcv's `imrescale`: the largest that fits both limits, sides
     /// rounded).
-    pub fn resized_shape(&self, [height, width]: [usize; 2]) -> ([usize; 2], [f32; 2]) {
+    pub fn resized_shape(&self, shape: [usize; 2]) -> ([usize; 2], [f32; 2]) {
+        self.resized_shape_at(shape, self.img_scale)
+    }
+
+    /// [`Pipeline::resized_shape`] at the scale `img_scale`.
+    pub fn resized_shape_at(
+        &self,
+        [height, width]: [usize; 2],
+        img_scale: [usize; 2],
+    ) -> ([usize; 2], [f32; 2]) {
         let (h, w) = (height as f32, width as f32);
         let (new_h, new_w) = if self.keep_ratio {
             let (long, short) = (
-                self.img_scale[0].max(self.img_scale[1]) as f32,
-                self.img_scale[0].min(self.img_scale[1]) as f32,
+                img_scale[0].max(img_scale[1]) as f32,
+                img_scale[0].min(img_scale[1]) as f32,
             );
             let factor = (long / h.max(w)).min(short / h.min(w));
             (
@@ -272,7 +392,7 @@ impl Pipeline {
                 ((w * factor) + 0.5).floor() as usize,
             )
         } else {
-            (self.img_scale[1], self.img_scale[0])
+            (img_scale[1], img_scale[0])
         };
         let (new_h, new_w) = (new_h.max(1), new_w.max(1));
         ([new_h, new_w], [new_w as f32 / w, new_h as f32 / h])
@@ -286,10 +406,21 @@ impl Pipeline {
         image: &VocImage,
         flip: bool,
     ) -> Result<(Vec<f32>, ImageMeta, Vec<BBox>, Vec<usize>)> {
+        self.apply_at(image, flip, self.img_scale)
+    }
+
+    /// [`Pipeline::apply`] at the scale `img_scale` (one [`Pipeline::draw_scale`] drew).
+    pub fn apply_at(
+        &self,
+        image: &VocImage,
+        flip: bool,
+        img_scale: [usize; 2],
+    ) -> Result<(Vec<f32>, ImageMeta, Vec<BBox>, Vec<usize>)> {
         let decoded = decode(image)?.to_rgb8();
         let (width, height) = decoded.dimensions();
         same_size(image, width, height)?;
-        let ([new_h, new_w], [ws, hs]) = self.resized_shape([height as usize, width as usize]);
+        let ([new_h, new_w], [ws, hs]) =
+            self.resized_shape_at([height as usize, width as usize], img_scale);
         let mut resized =
             image::imageops::resize(&decoded, new_w as u32, new_h as u32, FilterType::Triangle);
         if flip {
