@@ -102,15 +102,16 @@ where
             device,
         );
     }
-    if budget.is_some() && *with_cp == WithCp::Auto && args.dist.devices > 1 {
+    // "dynamic" with peers: not yet (each peer would need a meter of its own; on the CPU they
+    // share the process's counting allocator).
+    if budget.is_some() && args.dist.devices > 1 {
         return Err(memsave::Error::invalid(
             keys.with_cp,
-            "\"auto\" profiles one training process, and --devices runs several peers in \
-             one: plan with `memsave plan CONFIG --budget SIZE` and pin the blocks it prints \
-             (`with_cp = [\"...\"]`), or run one peer per node (--devices 1)",
+            "\"auto\" and \"dynamic\" profile one training process, and --devices runs \
+             several peers in one: plan with `memsave plan CONFIG --budget SIZE` and pin the \
+             blocks it prints (`with_cp = [\"...\"]`), or run one peer per node (--devices 1)",
         ));
     }
-    // "dynamic" keeps the budget in each peer's own steps: a hook per peer.
     let planner: Option<Box<dyn Hook<B, M>>> = match budget {
         Some(budget) if *with_cp == WithCp::Dynamic => Some(Box::new(
             DynamicHook::new(budget, keys, &device)?.with_log_interval(config.log_config.interval),
