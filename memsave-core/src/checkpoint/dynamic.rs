@@ -29,6 +29,12 @@ pub trait Chooser: Send {
 /// A chooser as the hook and the run share it.
 pub type SharedChooser = Arc<Mutex<dyn Chooser>>;
 
+thread_local! {
+    /// Whether this thread set a chooser: segments on a thread that never did read nothing more
+    /// than this (no lock of the run's parts on their path).
+    static SET: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
 /// The run's part: each training thread's chooser.
 #[derive(Default)]
 struct Choosers(Mutex<HashMap<ThreadId, SharedChooser>>);
@@ -39,6 +45,9 @@ pub fn set_chooser(chooser: Option<SharedChooser>) {
     let part = crate::run::current().part::<Choosers>();
     let mut choosers = part.0.lock().unwrap_or_else(|p| p.into_inner());
     let owner = crate::run::owner();
+    if chooser.is_some() {
+        SET.with(|set| set.set(true));
+    }
     match chooser {
         Some(chooser) => {
             choosers.insert(owner, chooser);
@@ -53,7 +62,7 @@ pub fn set_chooser(chooser: Option<SharedChooser>) {
 /// training thread's chooser says, where it has one and is not recomputing (a recomputation
 /// repeats the forward as it ran).
 pub(crate) fn choose(id: SegmentId, shape: impl FnOnce() -> Vec<usize>) -> bool {
-    if super::context::is_recomputing_segment() {
+    if !SET.with(|set| set.get()) || super::context::is_recomputing_segment() {
         return true;
     }
     let chooser = {

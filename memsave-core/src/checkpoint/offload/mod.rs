@@ -292,9 +292,9 @@ pub fn stage_on_host_resident_backends(on: bool) -> bool {
     here().host_as_device.swap(on, Ordering::Relaxed)
 }
 
-/// Makes the next prefetch of the current run (a helper thread's copy of an offloaded input
-/// back to the device) fail with `why`, as on a device lost during it; `None` disarms it. For
-/// tests of what a run does then.
+/// Makes the next copy back to the device of the current run (a prefetch thread's, or the
+/// recomputation's own where it comes first) fail with `why`, as on a device lost during it;
+/// `None` disarms it. For tests of what a run does then.
 #[doc(hidden)]
 pub fn fail_next_prefetch(why: Option<String>) {
     *lock(&here().injected) = why;

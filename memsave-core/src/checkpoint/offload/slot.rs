@@ -202,6 +202,13 @@ impl<B: Backend> Slot<B> {
                 State::Host(datas) => {
                     drop(state);
                     counts.on_demand.fetch_add(1, Ordering::Relaxed);
+                    // An injected loss is the next copy back's, whoever makes it: where the
+                    // recomputation comes before its prefetch thread ran, its own.
+                    if let Some(why) = lock(&self.run.injected).take() {
+                        drop(datas);
+                        self.run.host_sub(self.bytes);
+                        return Err(format!("the copy back to the device failed: {why}"));
+                    }
                     return match self.upload(datas) {
                         State::Ready(prims) => Ok(prims),
                         State::Failed(error) => Err(error),
