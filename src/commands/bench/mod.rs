@@ -67,8 +67,9 @@ pub struct BenchArgs {
     /// Override a config key for every configuration, as TOML.
     #[arg(long = "set", value_name = "KEY=VALUE")]
     set: Vec<String>,
-    /// The memory budget of the `planned` configuration (`--only ...,planned`): a share of its
-    /// peak without checkpointing (`80%`) or bytes (`1.5GiB`).
+    /// The memory budget of the `planned` and `dynamic` configurations (`--only
+    /// ...,planned,dynamic`): a share of the peak without checkpointing (`80%`) or bytes
+    /// (`1.5GiB`).
     #[arg(long)]
     planned_budget: Option<String>,
 }
@@ -128,6 +129,11 @@ pub fn strategy_lines(name: &str, batch: usize) -> Result<Vec<String>> {
         "model.backbone.with_cp=\"auto\"".to_string(),
         format!("memory.memory_budget=\"{PLANNED_BUDGET}\""),
     ];
+    // Each step chooses its checkpoint set as it runs, for the same budget.
+    let dynamic = vec![
+        "model.backbone.with_cp=\"dynamic\"".to_string(),
+        format!("memory.memory_budget=\"{PLANNED_BUDGET}\""),
+    ];
     let base = vec![format!("data.samples_per_gpu={batch}")];
     if matches!(name, "accumulation" | "all" | "all_offload") && (batch < 2 || batch % 2 == 1) {
         return Err(Error::invalid(
@@ -144,6 +150,7 @@ pub fn strategy_lines(name: &str, batch: usize) -> Result<Vec<String>> {
         "accumulation" => accumulation,
         "checkpoint" => [base, checkpoint].concat(),
         "planned" => [base, planned].concat(),
+        "dynamic" => [base, dynamic].concat(),
         "all" => [
             amp,
             accumulation,
@@ -175,8 +182,9 @@ pub fn strategy_lines(name: &str, batch: usize) -> Result<Vec<String>> {
             return Err(Error::invalid(
                 "--only",
                 format!(
-                    "`{other}` is not a configuration: {}, {} (CPU staging, on a device), or \
-                     `planned` (the planner's checkpoint set for `--planned-budget`)",
+                    "`{other}` is not a configuration: {}, {} (CPU staging, on a device), \
+                     `planned` (the planner's checkpoint set for `--planned-budget`) or \
+                     `dynamic` (each step's own set for `--planned-budget`)",
                     CONFIGS.join(", "),
                     OFFLOAD_CONFIGS.join(", ")
                 ),
@@ -189,7 +197,7 @@ pub fn strategy_lines(name: &str, batch: usize) -> Result<Vec<String>> {
 fn config_lines(args: &BenchArgs, name: &str) -> Result<Vec<String>> {
     let mut lines: Vec<String> = args.set.clone();
     lines.extend(strategy_lines(name, args.batch)?);
-    if let (Some(budget), "planned") = (&args.planned_budget, name) {
+    if let (Some(budget), "planned" | "dynamic") = (&args.planned_budget, name) {
         memsave::planner::Budget::parse(budget, "--planned-budget")?;
         lines.push(format!("memory.memory_budget=\"{budget}\""));
     }

@@ -307,14 +307,23 @@ where
         host: host_start.is_some(),
     }));
     let keys = memsave::models::registry::entry(&args.config, &args.set)?.keys;
-    if let Some(budget) = config.memory_budget(&config.model.backbone.with_cp, &keys)? {
-        // `planned`: the planner profiles the warm-up step and checkpoints for the budget.
-        runner.register_hook(Box::new(memsave::planner::AutoPlanHook::new(
-            budget,
-            config.planner_setting(config.data.samples_per_gpu),
-            keys,
-            &runner.state().device.clone(),
-        )?));
+    let with_cp = &config.model.backbone.with_cp;
+    if let Some(budget) = config.memory_budget(with_cp, &keys)? {
+        let device = runner.state().device.clone();
+        if *with_cp == memsave::planner::WithCp::Dynamic {
+            // `dynamic`: the warm-up step is the profile, each later step chooses its own set.
+            runner.register_hook(Box::new(memsave::planner::DynamicHook::new(
+                budget, keys, &device,
+            )?));
+        } else {
+            // `planned`: the planner profiles the warm-up step and checkpoints for the budget.
+            runner.register_hook(Box::new(memsave::planner::AutoPlanHook::new(
+                budget,
+                config.planner_setting(config.data.samples_per_gpu),
+                keys,
+                &device,
+            )?));
+        }
     }
     let built = meter.live();
     runner.run()?;
