@@ -4,8 +4,11 @@
 //! The run's first step is profiled with every segment checkpointed ([`ProfileHook`]), at the
 //! input size it has; each segment's first input size is kept with it. From then on each step
 //! is decided as it runs, at its first segment's entry ([`crate::checkpoint::dynamic`]):
-//! - the step's size is that input's over the profiled one (`ratio`); the profile is predicted
-//!   at it (what grows with the input scaled, the weights, state and gradients not);
+//! - the step's size is that input's over the nearest profiled one (`ratio`); the profile is
+//!   predicted at it (what grows with the input scaled, the weights, state and gradients not).
+//!   A step more than [`PROFILE_SPAN`] from every profile is profiled in turn (every segment
+//!   checkpointed, the least memory there is), and later steps near its size plan from it
+//!   (Mimose's per-size plans, online). Every step is recorded, which gives its measured peak;
 //! - the cheapest checkpoint set under the budget is solved for that prediction ([`plan`]),
 //!   from what the meter read at the step's start (the batch's own bytes, the optimizer state)
 //!   and the error it found in earlier predictions (the margin). Among the segments, those
@@ -94,6 +97,11 @@ pub struct IntervalFigures {
 struct StepChoice {
     size: String,
     ratio: f64,
+    /// The profile it was planned from (an index in `Dynamic::profiles`).
+    profile: usize,
+    /// Whether the step is profiled instead (every segment checkpointed): its size is far from
+    /// every profiled one.
+    recording: bool,
     checkpointed: Vec<bool>,
     predicted_peak: u64,
     /// Bytes the meter found live beyond the prediction, the most at any entry.
@@ -104,6 +112,46 @@ struct StepChoice {
     kept_so_far: u64,
     /// The segment entries so far.
     calls: usize,
+}
+
+/// A profile, at the input size it was taken at.
+struct Sized {
+    profile: Profile,
+    /// Per segment: its first call's input elements.
+    elements: Vec<u64>,
+    /// Per call: its segment and the live bytes above the step's start at its entry.
+    entries: Vec<(usize, u64)>,
+}
+
+/// How far (a factor) a step's input may be from a profiled one's before it is profiled in
+/// turn: the prediction scales what grows with the input linearly, which holds near a profile.
+pub const PROFILE_SPAN: f64 = 1.25;
+
+/// The window that holds the most in `at`, in words, with its bytes above the weights, state
+/// and gradients.
+fn holds_most(at: &Profile) -> String {
+    at.windows
+        .iter()
+        .max_by_key(|w| w.peak + at.carried(w))
+        .map(|w| {
+            let held =
+                (w.peak + at.carried(w)).saturating_sub(at.resident + at.carried(w) + w.gradients);
+            let what = match w.label.as_str() {
+                "forward" => "the forward outside every segment (the stem, the input batch, the \
+                              outputs the segments pass on)"
+                    .to_string(),
+                "backward" => "the loss and what backward makes before its first recomputation \
+                               (a head or neck outside every segment)"
+                    .to_string(),
+                "step" => "the optimizer's step".to_string(),
+                label => format!("the {label} (one segment's working set)"),
+            };
+            format!(
+                "{what}: {} above the weights, state and gradients",
+                human(held)
+            )
+        })
+        .unwrap_or_default()
 }
 
 /// The state the hook and the run's chooser share.
@@ -117,11 +165,8 @@ struct Dynamic {
     /// While profiling: per call in order, the segment, its first input's elements and shape,
     /// and the live bytes above the step's start at its entry.
     seen: Vec<(SegmentId, u64, Vec<usize>, u64)>,
-    profile: Option<Profile>,
-    /// Per profiled segment: its first call's input elements.
-    elements: Vec<u64>,
-    /// Per profiled call: its segment and the live bytes above the step's start at its entry.
-    entries: Vec<(usize, u64)>,
+    /// The profiles taken, one per input size far enough from the others.
+    profiles: Vec<Sized>,
     budget: u64,
     margin: u64,
     live_at_start: u64,
@@ -134,8 +179,37 @@ struct Dynamic {
 
 impl Dynamic {
     fn plan_step(&mut self, index: usize, shape: &[usize], elements: u64) -> StepChoice {
-        let profile = self.profile.as_ref().expect("planned after the profile");
-        let ratio = elements as f64 / self.elements[index].max(1) as f64;
+        let size = format!("{shape:?}");
+        // The profile nearest in size.
+        let (k, ratio) = self
+            .profiles
+            .iter()
+            .enumerate()
+            .map(|(k, sized)| (k, elements as f64 / sized.elements[index].max(1) as f64))
+            .min_by(|a, b| a.1.ln().abs().total_cmp(&b.1.ln().abs()))
+            .expect("planned after the first profile");
+        let mut choice = StepChoice {
+            size,
+            ratio,
+            profile: k,
+            recording: false,
+            checkpointed: Vec::new(),
+            predicted_peak: 0,
+            short: 0,
+            covered: 0,
+            kept_so_far: 0,
+            calls: 0,
+        };
+        let sized = &self.profiles[k];
+        let profile = &sized.profile;
+        if ratio.ln().abs() > PROFILE_SPAN.ln() {
+            // Far from every profile: this step is profiled, every segment checkpointed (the
+            // least memory there is), and later steps of its size plan from it.
+            choice.recording = true;
+            choice.checkpointed = vec![true; profile.segments.len()];
+            choice.predicted_peak = scaled(profile, ratio).floor();
+            return choice;
+        }
         let at = scaled(profile, ratio);
         // What the meter read at the step's start beyond the profiled start and the state the
         // first step made (a larger batch's own bytes): in every window.
@@ -143,91 +217,38 @@ impl Dynamic {
             .live_at_start
             .saturating_sub(profile.resident + profile.growth);
         let budget = self.budget.saturating_sub(self.margin + shift);
-        let size = format!("{shape:?}");
         // Under the margin nothing fits, and without it the least does: the least, then.
         let floor = at.floor() + shift;
-        let planned = match plan(&at, budget) {
-            Err(_) if floor <= self.budget => {
-                let all = vec![true; at.segments.len()];
-                Ok(super::Plan {
-                    paths: at.segments.iter().map(|s| s.path.clone()).collect(),
-                    peak: floor - shift,
-                    seconds: at.predict_seconds(&all),
-                    checkpointed: all,
-                    exact: false,
-                })
+        let all = vec![true; at.segments.len()];
+        match plan(&at, budget) {
+            Ok(plan) => {
+                choice.predicted_peak = plan.peak + shift;
+                choice.checkpointed = plan.checkpointed;
             }
-            planned => planned,
-        };
-        match planned {
-            Ok(plan) => StepChoice {
-                size,
-                ratio,
-                predicted_peak: plan.peak + shift,
-                checkpointed: plan.checkpointed,
-                short: 0,
-                covered: 0,
-                kept_so_far: 0,
-                calls: 0,
-            },
-            Err(below) => {
-                let all = vec![true; at.segments.len()];
-                // The window holding the most at the least checkpointing gives.
-                let worst = at
-                    .windows
-                    .iter()
-                    .max_by_key(|w| w.peak + at.carried(w))
-                    .map(|w| {
-                        let held = (w.peak + at.carried(w))
-                            .saturating_sub(at.resident + at.carried(w) + w.gradients);
-                        let what = match w.label.as_str() {
-                            "forward" => "the forward outside every segment (the stem, the \
-                                          input batch, the outputs the segments pass on)"
-                                .to_string(),
-                            "backward" => "the loss and what backward makes before its first \
-                                           recomputation (a head or neck outside every segment)"
-                                .to_string(),
-                            "step" => "the optimizer's step".to_string(),
-                            label => format!("the {label} (one segment's working set)"),
-                        };
-                        format!(
-                            "{what}: {} above the weights, state and gradients",
-                            human(held)
-                        )
-                    })
-                    .unwrap_or_default();
+            Err(_) if floor <= self.budget => {
+                choice.predicted_peak = floor;
+                choice.checkpointed = all;
+            }
+            Err(_) => {
                 self.below = Some(format!(
-                    "at this input size (a first segment input of shape {size}, {ratio:.2}x the \
-                     profiled one), one step with every segment checkpointed is predicted to \
-                     peak at {} (the weights, optimizer state and gradients {} of it), above \
-                     the memory budget of {}{}. What holds the most is {worst}; no choice of \
-                     segments frees it. Lower the largest input (the pipeline's `img_scale`) or \
-                     the batch, put more of the model in segments, or switch on mixed \
-                     precision or 8-bit optimizer state",
-                    human(below.floor + shift),
+                    "at this input size (a first segment input of shape {}, {ratio:.2}x the \
+                     nearest profiled one), one step with every segment checkpointed is \
+                     predicted to peak at {} (the weights, optimizer state and gradients {} of \
+                     it), above the memory budget of {}. What holds the most is {}; no choice \
+                     of segments frees it. Lower the largest input (the pipeline's \
+                     `img_scale`) or the batch, put more of the model in segments, or switch on \
+                     mixed precision or 8-bit optimizer state",
+                    choice.size,
+                    human(floor),
                     human(at.resident + at.growth + at.trainable),
                     human(self.budget),
-                    if self.margin > 0 {
-                        format!(
-                            " less the {} earlier steps ran over their prediction",
-                            human(self.margin)
-                        )
-                    } else {
-                        String::new()
-                    }
+                    holds_most(&at),
                 ));
-                StepChoice {
-                    size,
-                    ratio,
-                    predicted_peak: below.floor + shift,
-                    checkpointed: all,
-                    short: 0,
-                    covered: 0,
-                    kept_so_far: 0,
-                    calls: 0,
-                }
+                choice.predicted_peak = floor;
+                choice.checkpointed = all;
             }
         }
+        choice
     }
 }
 
@@ -240,7 +261,9 @@ impl Chooser for Dynamic {
             return None;
         }
         let index = *self.ids.get(&id)?;
-        self.profile.as_ref()?;
+        if self.profiles.is_empty() {
+            return None;
+        }
         if self.step.is_none() {
             let choice = self.plan_step(index, shape, elements);
             if let Some(message) = self.below.take() {
@@ -254,9 +277,20 @@ impl Chooser for Dynamic {
             }
             self.step = Some(choice);
         }
-        let profile = self.profile.as_ref()?;
         let live = self.meter.live();
         let step = self.step.as_mut()?;
+        if step.recording {
+            // A profiled step: every segment checkpointed, each entry kept for the profile.
+            let above = live.saturating_sub(self.live_at_start);
+            self.seen.push((id, elements, shape.to_vec(), above));
+            for figures in [&mut self.interval, &mut self.all] {
+                figures.recomputed += 1;
+                figures.by_size.entry(step.size.clone()).or_default().2 += 1;
+            }
+            return Some(true);
+        }
+        let sized = &self.profiles[step.profile];
+        let profile = &sized.profile;
         let call = step.calls;
         step.calls += 1;
         let per_call = |i: usize| {
@@ -264,7 +298,7 @@ impl Chooser for Dynamic {
             (segment.kept_bytes as f64 * step.ratio / segment.calls.max(1) as f64) as u64
         };
         // The meter against the prediction at this entry.
-        if let Some(&(profiled, above)) = self.entries.get(call) {
+        if let Some(&(profiled, above)) = sized.entries.get(call) {
             if profiled == index {
                 let predicted =
                     self.live_at_start + (above as f64 * step.ratio) as u64 + step.kept_so_far;
@@ -272,7 +306,12 @@ impl Chooser for Dynamic {
             }
         }
         let mut checkpointed = step.checkpointed.get(index).copied().unwrap_or(true);
-        let turned = !checkpointed && step.short > step.covered;
+        // Turned only where the excess would carry the step's predicted peak over the budget.
+        let room = self
+            .budget
+            .saturating_sub(self.margin)
+            .saturating_sub(step.predicted_peak);
+        let turned = !checkpointed && step.short.saturating_sub(room) > step.covered;
         if turned {
             checkpointed = true;
             step.covered += per_call(index);
@@ -300,7 +339,12 @@ impl Chooser for Dynamic {
 pub struct DynamicHook {
     budget: Budget,
     keys: ModelKeys,
-    profile: ProfileHook,
+    /// The iteration of the first profile.
+    first: usize,
+    /// Each step is recorded (the recording becomes a profile where its size was far from every
+    /// profiled one; elsewhere it gives the step's measured peak).
+    recording: Option<ProfileHook>,
+    make_meter: Box<dyn Fn() -> Option<Box<dyn Meter>>>,
     shared: Arc<Mutex<Dynamic>>,
     interval: usize,
     figures: Rc<RefCell<IntervalFigures>>,
@@ -311,10 +355,25 @@ fn lock(shared: &Mutex<Dynamic>) -> std::sync::MutexGuard<'_, Dynamic> {
     shared.lock().unwrap_or_else(|p| p.into_inner())
 }
 
+/// The highest live bytes a recording's events saw.
+fn events_peak(events: &[crate::checkpoint::profile::Event]) -> u64 {
+    use crate::checkpoint::profile::Event;
+    events
+        .iter()
+        .filter_map(|event| match event {
+            Event::Boundary { window_peak, .. } | Event::Recompute { window_peak, .. } => {
+                Some(*window_peak)
+            }
+            _ => None,
+        })
+        .max()
+        .unwrap_or(0)
+}
+
 impl DynamicHook {
     /// Keeps `budget` on `device`; `keys` name the model's settings in errors.
-    pub fn new<D: 'static>(budget: Budget, keys: ModelKeys, device: &D) -> Result<Self> {
-        let no_meter = || {
+    pub fn new<D: Clone + 'static>(budget: Budget, keys: ModelKeys, device: &D) -> Result<Self> {
+        let meter = meter_for(device).ok_or_else(|| {
             Error::invalid(
                 keys.with_cp,
                 format!(
@@ -325,21 +384,21 @@ impl DynamicHook {
                     std::any::type_name::<D>()
                 ),
             )
-        };
-        let meter = meter_for(device).ok_or_else(no_meter)?;
+        })?;
+        let device = device.clone();
         Ok(DynamicHook {
             budget,
             keys,
-            profile: ProfileHook::new(usize::MAX, meter_for(device).ok_or_else(no_meter)?),
+            first: usize::MAX,
+            recording: None,
+            make_meter: Box::new(move || meter_for(&device)),
             shared: Arc::new(Mutex::new(Dynamic {
                 meter,
                 profiling: false,
                 ids: HashMap::new(),
                 paths: HashMap::new(),
                 seen: Vec::new(),
-                profile: None,
-                elements: Vec::new(),
-                entries: Vec::new(),
+                profiles: Vec::new(),
                 budget: 0,
                 margin: 0,
                 live_at_start: 0,
@@ -359,10 +418,12 @@ impl DynamicHook {
         self
     }
 
-    /// The profile and the budget in bytes, once profiled.
-    pub fn profiled(&self) -> Option<(Profile, u64)> {
+    /// The profiles taken so far (the first, and one per input size far from the others), and
+    /// the budget in bytes.
+    pub fn profiled(&self) -> (Vec<Profile>, u64) {
         let shared = lock(&self.shared);
-        shared.profile.clone().map(|p| (p, shared.budget))
+        let profiles = shared.profiles.iter().map(|s| s.profile.clone()).collect();
+        (profiles, shared.budget)
     }
 
     /// The figures of the whole run so far (shared, for reading after the run).
@@ -376,11 +437,15 @@ impl DynamicHook {
     ) {
         let mut shared = lock(&self.shared);
         let paths = segment_ids(state.forward_model());
-        let ids = match &shared.profile {
-            Some(profile) => paths
+        let ids = match shared.profiles.first() {
+            Some(sized) => paths
                 .iter()
                 .filter_map(|(id, path)| {
-                    let index = profile.segments.iter().position(|s| &s.path == path)?;
+                    let index = sized
+                        .profile
+                        .segments
+                        .iter()
+                        .position(|s| &s.path == path)?;
                     Some((*id, index))
                 })
                 .collect(),
@@ -388,6 +453,94 @@ impl DynamicHook {
         };
         shared.ids = ids;
         shared.paths = paths;
+    }
+
+    /// The profile of a recording that ended: each segment's first input and each call's entry
+    /// from what the chooser saw.
+    fn sized(shared: &Dynamic, profile: Profile) -> Sized {
+        let index_of = |id: &SegmentId| {
+            let path = shared.paths.get(id)?;
+            profile.segments.iter().position(|s| &s.path == path)
+        };
+        let mut elements = vec![0; profile.segments.len()];
+        let mut entries = Vec::new();
+        for (id, count, _, above) in &shared.seen {
+            if let Some(index) = index_of(id) {
+                if elements[index] == 0 {
+                    elements[index] = *count;
+                }
+                entries.push((index, *above));
+            }
+        }
+        Sized {
+            profile,
+            elements,
+            entries,
+        }
+    }
+
+    /// The first step's profile: the budget in bytes, checked against what the least
+    /// checkpointing gives.
+    fn first_profile<B: AutodiffBackend, M: TrainModel<B>>(
+        &mut self,
+        state: &TrainState<B, M>,
+        profile: Profile,
+    ) -> Result<()> {
+        let unplanned = profile.unplanned_peak();
+        let budget = self.budget.bytes(unplanned);
+        let mut shared = lock(&self.shared);
+        shared.profiling = false;
+        let floor = profile.floor();
+        let weights = profile.resident + profile.growth;
+        if weights >= budget || floor > budget {
+            let advice = if weights >= budget {
+                format!(
+                    "the weights, optimizer state and data alone take {}: lower them (mixed \
+                     precision, 8-bit optimizer state, optimizer offload, ZeRO) or raise the \
+                     budget",
+                    human(weights)
+                )
+            } else {
+                format!(
+                    "the least a step takes at the profiled input, every segment checkpointed \
+                     (`{}`), is {} (weights, state and data {}); {}; a larger input takes more. \
+                     Lower the input's size or the batch (`{}`), put more of the model in \
+                     segments, or switch on mixed precision or 8-bit optimizer state",
+                    self.keys.with_cp,
+                    human(floor),
+                    human(weights),
+                    holds_most(&profile),
+                    self.keys.batch
+                )
+            };
+            return Err(Error::OutOfMemory {
+                what: format!(
+                    "one step with every one of the {} segments checkpointed, the least \
+                     \"dynamic\" can give,",
+                    profile.segments.len()
+                ),
+                needed: floor.max(weights),
+                place: format!("the memory budget `{}`", self.budget),
+                available: Some(budget),
+                advice,
+            });
+        }
+        let line = format!(
+            "dynamic: budget {} ({}); profiled at a first input of {:?}: peak {} without \
+             checkpointing, {} with every one of {} segments checkpointed",
+            human(budget),
+            self.budget,
+            shared.seen.first().map(|s| s.2.clone()).unwrap_or_default(),
+            human(unplanned),
+            human(floor),
+            profile.segments.len(),
+        );
+        shared.budget = budget;
+        let sized = Self::sized(&shared, profile);
+        shared.profiles.push(sized);
+        drop(shared);
+        note(state, &line);
+        Ok(())
     }
 }
 
@@ -397,7 +550,7 @@ impl<B: AutodiffBackend, M: TrainModel<B> + CheckpointModule> Hook<B, M> for Dyn
     }
 
     fn before_run(&mut self, state: &mut TrainState<B, M>) -> Result<()> {
-        self.profile.iter = state.iter;
+        self.first = state.iter;
         set_flags(state, &|_| true);
         let chooser: SharedChooser = self.shared.clone();
         set_chooser(Some(chooser));
@@ -406,12 +559,24 @@ impl<B: AutodiffBackend, M: TrainModel<B> + CheckpointModule> Hook<B, M> for Dyn
 
     fn after_run(&mut self, _state: &mut TrainState<B, M>) -> Result<()> {
         set_chooser(None);
+        if self.recording.take().is_some() {
+            crate::checkpoint::profile::stop();
+        }
         Ok(())
     }
 
     fn before_iter(&mut self, state: &mut TrainState<B, M>) -> Result<()> {
-        if state.iter == self.profile.iter {
-            self.profile.begin(state);
+        let Some(meter) = (self.make_meter)() else {
+            return Ok(());
+        };
+        let mut recording = ProfileHook::new(state.iter, meter);
+        let first = lock(&self.shared).profiles.is_empty();
+        // The flags are all on from the run's start: only the first profile sets them.
+        recording.checkpoint_all = first;
+        recording.begin(state);
+        self.recording = Some(recording);
+        if first {
+            self.first = state.iter;
             let mut shared = lock(&self.shared);
             shared.paths = segment_ids(state.forward_model());
             shared.profiling = true;
@@ -422,114 +587,60 @@ impl<B: AutodiffBackend, M: TrainModel<B> + CheckpointModule> Hook<B, M> for Dyn
         self.take_ids(state);
         let mut shared = lock(&self.shared);
         shared.step = None;
+        shared.seen.clear();
         shared.live_at_start = shared.meter.live();
-        shared.meter.window_peak();
         Ok(())
     }
 
     fn after_first_pass(&mut self, state: &mut TrainState<B, M>) -> Result<()> {
-        if state.iter == self.profile.iter {
-            self.profile.first_pass_done(state);
-            let mut shared = lock(&self.shared);
-            shared.seen.clear();
+        if let Some(recording) = self.recording.as_mut() {
+            recording.first_pass_done(state);
+        }
+        let mut shared = lock(&self.shared);
+        shared.seen.clear();
+        if shared.profiling {
             shared.paths = segment_ids(state.forward_model());
-        } else {
-            // The second forward runs on the model the optimizer hook made for it: the same
-            // choices, by segment.
-            self.take_ids(state);
-            if let Some(step) = lock(&self.shared).step.as_mut() {
-                step.calls = 0;
-                step.kept_so_far = 0;
-            }
+            return Ok(());
+        }
+        drop(shared);
+        // The second forward runs on the model the optimizer hook made for it: the same
+        // choices, by segment.
+        self.take_ids(state);
+        if let Some(step) = lock(&self.shared).step.as_mut() {
+            step.calls = 0;
+            step.kept_so_far = 0;
         }
         Ok(())
     }
 
     fn after_iter(&mut self, state: &mut TrainState<B, M>) -> Result<()> {
-        if state.iter == self.profile.iter {
-            if self.profile.skipped(state) {
+        let Some(mut recording) = self.recording.take() else {
+            return Ok(());
+        };
+        // A step skipped on a gradient overflow is no step to profile.
+        let overflow = state.log.overflow;
+        if lock(&self.shared).profiling {
+            if overflow {
+                crate::checkpoint::profile::stop();
                 return Ok(());
             }
-            let profile = self.profile.end(state);
-            let unplanned = profile.unplanned_peak();
-            let budget = self.budget.bytes(unplanned);
-            let mut shared = lock(&self.shared);
-            shared.profiling = false;
-            // Each profiled segment's first input, and each call's entry.
-            let index_of = |shared: &Dynamic, id: &SegmentId| {
-                let path = shared.paths.get(id)?;
-                profile.segments.iter().position(|s| &s.path == path)
-            };
-            let mut elements = vec![0; profile.segments.len()];
-            let mut entries = Vec::new();
-            for (id, count, _, above) in &shared.seen {
-                if let Some(index) = index_of(&shared, id) {
-                    if elements[index] == 0 {
-                        elements[index] = *count;
-                    }
-                    entries.push((index, *above));
-                }
-            }
-            let floor = profile.floor();
-            let weights = profile.resident + profile.growth;
-            if weights >= budget || floor > budget {
-                let advice = if weights >= budget {
-                    format!(
-                        "the weights, optimizer state and data alone take {}: lower them (mixed \
-                         precision, 8-bit optimizer state, optimizer offload, ZeRO) or raise the \
-                         budget",
-                        human(weights)
-                    )
-                } else {
-                    format!(
-                        "the least a step takes at the profiled input, every segment \
-                         checkpointed (`{}`), is {} (weights, state and data {}); a larger input \
-                         takes more. Lower the input's size or the batch (`{}`), put more of the \
-                         model in segments, or switch on mixed precision or 8-bit optimizer \
-                         state",
-                        self.keys.with_cp,
-                        human(floor),
-                        human(weights),
-                        self.keys.batch
-                    )
-                };
-                return Err(Error::OutOfMemory {
-                    what: format!(
-                        "one step with every one of the {} segments checkpointed, the least \
-                         \"dynamic\" can give,",
-                        profile.segments.len()
-                    ),
-                    needed: floor.max(weights),
-                    place: format!("the memory budget `{}`", self.budget),
-                    available: Some(budget),
-                    advice,
-                });
-            }
-            note(
-                state,
-                &format!(
-                    "dynamic: budget {} ({}); profiled at a first input of {:?}: peak {} without \
-                     checkpointing, {} with every one of {} segments checkpointed",
-                    human(budget),
-                    self.budget,
-                    shared.seen.first().map(|s| s.2.clone()).unwrap_or_default(),
-                    human(unplanned),
-                    human(floor),
-                    profile.segments.len(),
-                ),
-            );
-            shared.budget = budget;
-            shared.elements = elements;
-            shared.entries = entries;
-            shared.profile = Some(profile);
-            return Ok(());
+            let profile = recording.end(state);
+            return self.first_profile(state, profile);
         }
+        let recorded = lock(&self.shared)
+            .step
+            .as_ref()
+            .is_some_and(|s| s.recording);
+        let (measured, profile) = if recorded && !overflow {
+            let profile = recording.end(state);
+            let peak = profile.windows.iter().map(|w| w.peak).max().unwrap_or(0);
+            (peak, Some(profile))
+        } else {
+            (events_peak(&crate::checkpoint::profile::stop()), None)
+        };
         let mut shared = lock(&self.shared);
-        if shared.profile.is_none() {
-            return Ok(());
-        }
-        let measured = shared.meter.window_peak();
         let budget = shared.budget;
+        let mut lines = Vec::new();
         if let Some(step) = shared.step.take() {
             let inner = &mut *shared;
             for figures in [&mut inner.interval, &mut inner.all] {
@@ -538,59 +649,100 @@ impl<B: AutodiffBackend, M: TrainModel<B> + CheckpointModule> Hook<B, M> for Dyn
                 figures.budget = budget;
                 figures.by_size.entry(step.size.clone()).or_default().0 += 1;
             }
-            if measured > step.predicted_peak {
-                let error = measured - step.predicted_peak;
-                if error > shared.margin {
-                    shared.margin = error;
-                }
-            }
-            if measured > budget {
-                let margin = shared.margin;
-                drop(shared);
-                note(
-                    state,
-                    &format!(
-                        "dynamic: step {} at {} peaked at {}, over the budget {} (predicted {}); \
-                         the next steps plan {} lower",
-                        state.iter + 1,
+            if let Some(profile) = profile {
+                let same = profile.segments.len() == inner.profiles[0].profile.segments.len()
+                    && profile
+                        .segments
+                        .iter()
+                        .zip(&inner.profiles[0].profile.segments)
+                        .all(|(a, b)| a.path == b.path);
+                if measured > budget {
+                    let message = format!(
+                        "at this input size (a first segment input of shape {}) one step with \
+                         every segment checkpointed peaked at {}, above the memory budget of {}. \
+                         What holds the most is {}; no choice of segments frees it. Lower the \
+                         largest input (the pipeline's `img_scale`) or the batch (`{}`), put \
+                         more of the model in segments, or switch on mixed precision or 8-bit \
+                         optimizer state",
                         step.size,
                         human(measured),
                         human(budget),
-                        human(step.predicted_peak),
-                        human(margin)
-                    ),
-                );
-                shared = lock(&self.shared);
+                        holds_most(&profile),
+                        self.keys.batch
+                    );
+                    return Err(Error::OutOfMemory {
+                        what: "one step at this input size".into(),
+                        needed: measured,
+                        place: format!("the memory budget `{}`", self.budget),
+                        available: Some(budget),
+                        advice: message,
+                    });
+                }
+                if same {
+                    lines.push(format!(
+                        "dynamic: step {} profiled at a first input of {} ({:.2}x the nearest \
+                         profiled one): peak {} with every segment checkpointed; {} profiles",
+                        state.iter + 1,
+                        step.size,
+                        step.ratio,
+                        human(measured),
+                        inner.profiles.len() + 1
+                    ));
+                    let sized = Self::sized(inner, profile);
+                    inner.profiles.push(sized);
+                }
+            } else if measured > step.predicted_peak && !step.recording {
+                let error = measured - step.predicted_peak;
+                if error > inner.margin {
+                    inner.margin = error;
+                }
+            }
+            if measured > budget {
+                lines.push(format!(
+                    "dynamic: step {} at {} peaked at {}, over the budget {} (predicted {}); \
+                     the next steps plan {} lower",
+                    state.iter + 1,
+                    step.size,
+                    human(measured),
+                    human(budget),
+                    human(step.predicted_peak),
+                    human(inner.margin)
+                ));
             }
         }
         *self.figures.borrow_mut() = shared.all.clone();
-        if state.every_n_iters(self.interval) || state.is_last_iter() {
-            let figures = std::mem::take(&mut shared.interval);
-            drop(shared);
-            if figures.steps > 0 {
-                let sizes: Vec<String> = figures
-                    .by_size
-                    .iter()
-                    .map(|(size, (steps, kept, recomputed))| {
-                        format!("{size}: {steps} steps, kept {kept}, recomputed {recomputed}")
-                    })
-                    .collect();
-                note(
-                    state,
-                    &format!(
-                        "dynamic: iters up to {}: segments kept {}, recomputed {} ({} of them \
-                         turned by the meter); highest step peak {} of the budget {}; by input: \
-                         {}",
-                        state.iter + 1,
-                        figures.kept,
-                        figures.recomputed,
-                        figures.turned,
-                        human(figures.highest_peak),
-                        human(budget),
-                        sizes.join("; ")
-                    ),
-                );
-            }
+        let report = state.every_n_iters(self.interval) || state.is_last_iter();
+        let figures = if report {
+            std::mem::take(&mut shared.interval)
+        } else {
+            IntervalFigures::default()
+        };
+        drop(shared);
+        for line in lines {
+            note(state, &line);
+        }
+        if report && figures.steps > 0 {
+            let sizes: Vec<String> = figures
+                .by_size
+                .iter()
+                .map(|(size, (steps, kept, recomputed))| {
+                    format!("{size}: {steps} steps, kept {kept}, recomputed {recomputed}")
+                })
+                .collect();
+            note(
+                state,
+                &format!(
+                    "dynamic: iters up to {}: segments kept {}, recomputed {} ({} of them turned \
+                     by the meter); highest step peak {} of the budget {}; by input: {}",
+                    state.iter + 1,
+                    figures.kept,
+                    figures.recomputed,
+                    figures.turned,
+                    human(figures.highest_peak),
+                    human(budget),
+                    sizes.join("; ")
+                ),
+            );
         }
         Ok(())
     }
