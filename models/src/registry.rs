@@ -180,6 +180,31 @@ where
     }
 }
 
+/// A detector's training pipeline where it draws several scales (multi-scale training);
+/// `None` for a single scale or a model without a pipeline.
+pub fn multiscale_training(
+    config: &Path,
+    sets: &[String],
+) -> Result<Option<crate::data::voc::pipeline::MultiScaleTraining>> {
+    use crate::data::voc::pipeline::{MultiScale, MultiScaleTraining, Pipeline};
+    if entry(config, sets)?.kind != ModelType::RetinaNet {
+        return Ok(None);
+    }
+    let config = Config::<RetinaNetSection, DetectionDataSection>::load(config, sets)?;
+    let Some(steps) = config.data.train.pipeline else {
+        return Ok(None);
+    };
+    let key = "data.train.pipeline".to_string();
+    let pipeline = Pipeline::from_steps(&steps, &key)?;
+    Ok(
+        (pipeline.multiscale != MultiScale::Single).then_some(MultiScaleTraining {
+            pipeline,
+            steps,
+            key,
+        }),
+    )
+}
+
 /// Samples per micro-batch of a config's model.
 pub fn batch_size(config: &Path, sets: &[String]) -> Result<usize> {
     Ok(match entry(config, sets)?.kind {

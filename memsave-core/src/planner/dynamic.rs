@@ -747,3 +747,178 @@ impl<B: AutodiffBackend, M: TrainModel<B> + CheckpointModule> Hook<B, M> for Dyn
         Ok(())
     }
 }
+
+/// A predicted figure over the input sizes of multi-scale training.
+#[derive(Clone, Copy, Debug, PartialEq, serde::Serialize)]
+pub struct OverSizes {
+    /// The mean predicted step time, seconds.
+    pub mean_seconds: f64,
+    /// The highest predicted step peak, bytes.
+    pub max_peak: u64,
+}
+
+/// What `memsave plan` says of a multi-scale config: a static plan made for the largest input
+/// against `"dynamic"` and against checkpointing every segment, each predicted over the input
+/// sizes the training draws.
+#[derive(Clone, Debug, PartialEq, serde::Serialize)]
+pub struct MultiScaleComparison {
+    /// The budget, bytes.
+    pub budget: u64,
+    /// How many sizes were drawn, and the smallest's share of the largest's input.
+    pub draws: usize,
+    /// See `draws`.
+    pub smallest_ratio: f64,
+    /// The checkpoint set planned for the largest input, predicted at every size (`None`: the
+    /// largest does not fit the budget whatever is checkpointed).
+    pub static_plan: Option<OverSizes>,
+    /// Its segments checkpointed, of how many.
+    pub static_checkpointed: (usize, usize),
+    /// Each size's own plan (from the nearer profile).
+    pub dynamic: OverSizes,
+    /// Every segment checkpointed.
+    pub all_checkpointed: OverSizes,
+}
+
+/// Compares, over input sizes `ratios` (each a share of the largest input's elements), a static
+/// plan made for the largest (`largest`, profiled there) with `"dynamic"` (each size planned
+/// from the nearer of `largest` and `smaller`, a profile at the share `smaller.1`) and with
+/// every segment checkpointed, under `budget` bytes.
+pub fn compare_multiscale(
+    largest: &Profile,
+    smaller: Option<(&Profile, f64)>,
+    ratios: &[f64],
+    budget: u64,
+) -> MultiScaleComparison {
+    let nearest = |r: f64| -> Profile {
+        match smaller {
+            Some((profile, at)) if (r / at).ln().abs() < r.ln().abs() => scaled(profile, r / at),
+            _ => scaled(largest, r),
+        }
+    };
+    let n = largest.segments.len();
+    let all = vec![true; n];
+    let fixed = plan(largest, budget).ok().map(|p| p.checkpointed);
+    let (mut dynamic, mut every, mut fixed_over) = (Vec::new(), Vec::new(), Vec::new());
+    for &r in ratios {
+        let at = nearest(r);
+        let chosen = plan(&at, budget)
+            .map(|p| p.checkpointed)
+            .unwrap_or_else(|_| all.clone());
+        dynamic.push((at.predict_seconds(&chosen), at.predict_peak(&chosen)));
+        every.push((at.predict_seconds(&all), at.predict_peak(&all)));
+        if let Some(set) = &fixed {
+            fixed_over.push((at.predict_seconds(set), at.predict_peak(set)));
+        }
+    }
+    let over = |figures: &[(f64, u64)]| OverSizes {
+        mean_seconds: figures.iter().map(|f| f.0).sum::<f64>() / figures.len().max(1) as f64,
+        max_peak: figures.iter().map(|f| f.1).max().unwrap_or(0),
+    };
+    MultiScaleComparison {
+        budget,
+        draws: ratios.len(),
+        smallest_ratio: ratios.iter().copied().fold(f64::INFINITY, f64::min),
+        static_plan: fixed.as_ref().map(|_| over(&fixed_over)),
+        static_checkpointed: (
+            fixed
+                .as_ref()
+                .map_or(n, |f| f.iter().filter(|c| **c).count()),
+            n,
+        ),
+        dynamic: over(&dynamic),
+        all_checkpointed: over(&every),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::planner::{SegmentProfile, Window};
+
+    /// Two segments of 100 bytes kept each, 1 s of recomputation each, over 1000 resident.
+    fn profile() -> Profile {
+        let segment = |path: &str| SegmentProfile {
+            path: path.into(),
+            kind: "Block".into(),
+            kept_bytes: 100,
+            output_bytes: 10,
+            forward_seconds: 1.0,
+            recompute_seconds: 1.0,
+            calls: 1,
+        };
+        let window = |label: &str, peak: u64, alive: Vec<(usize, u64)>| Window {
+            label: label.into(),
+            peak,
+            gradients: 0,
+            batch_scaled: true,
+            alive,
+            recomputed: Vec::new(),
+        };
+        Profile {
+            resident: 1000,
+            trainable: 0,
+            gradients: 0,
+            growth: 0,
+            step_seconds: 10.0,
+            helper_bytes: 0,
+            segments: vec![segment("a"), segment("b")],
+            unplannable: Vec::new(),
+            windows: vec![
+                window("forward", 1050, vec![(0, 100), (1, 100)]),
+                window("backward", 1050, vec![(0, 100), (1, 100)]),
+            ],
+            gradients_estimated: false,
+            forward_seconds: 4.0,
+            backward_seconds: 6.0,
+            passes: 1,
+            first_pass_seconds: 0.0,
+            offloaded_bytes: 0,
+            host_step_seconds: 0.0,
+            link_bytes_per_second: 0.0,
+        }
+    }
+
+    #[test]
+    fn a_profile_scales_what_grows_with_the_input_and_keeps_the_rest() {
+        let at = scaled(&profile(), 0.5);
+        assert_eq!(
+            at.windows[0].peak, 1025,
+            "the resident 1000 kept, the 50 above halved"
+        );
+        assert_eq!(at.windows[0].alive, vec![(0, 50), (1, 50)]);
+        assert_eq!(at.segments[0].kept_bytes, 50);
+        assert_eq!(at.segments[0].recompute_seconds, 0.5);
+        assert_eq!(at.step_seconds, 5.0);
+        assert_eq!(at.unplanned_peak(), 1125);
+    }
+
+    #[test]
+    fn a_static_plan_for_the_largest_input_recomputes_at_every_size_and_dynamic_does_not() {
+        let largest = profile();
+        // Unplanned at the largest: 1250; with one checkpointed: 1150; both: 1050.
+        assert_eq!(largest.unplanned_peak(), 1250);
+        let budget = 1150;
+        // Half the draws at the largest, half at a quarter of it (unplanned 1062: all kept).
+        let ratios = [1.0, 0.25, 1.0, 0.25];
+        let compared = compare_multiscale(&largest, None, &ratios, budget);
+        let fixed = compared.static_plan.unwrap();
+        assert_eq!(compared.static_checkpointed, (1, 2));
+        // The static plan recomputes one segment at every size (10 - 1 s at the largest, 2.5 -
+        // 0.25 at a quarter); dynamic only at the largest (a quarter: 2.5 - 0.5, nothing
+        // recomputed).
+        assert!(
+            (fixed.mean_seconds - (9.0 + 2.25) / 2.0).abs() < 1e-9,
+            "{fixed:?}"
+        );
+        assert!(
+            (compared.dynamic.mean_seconds - (9.0 + 2.0) / 2.0).abs() < 1e-9,
+            "{compared:?}"
+        );
+        assert!(compared.dynamic.mean_seconds < fixed.mean_seconds);
+        assert!(compared.dynamic.max_peak <= budget && fixed.max_peak <= budget);
+        assert!(compared.all_checkpointed.mean_seconds > fixed.mean_seconds);
+        // Below the least at the largest: no static plan.
+        let tight = compare_multiscale(&largest, None, &ratios, 1000);
+        assert_eq!(tight.static_plan, None);
+    }
+}

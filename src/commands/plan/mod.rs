@@ -141,6 +141,7 @@ pub fn plan(args: PlanArgs) -> Result<()> {
         candidates: Vec::new(),
         chosen: None,
         verify: None,
+        multiscale: None,
     };
     if !report.nothing_needed {
         say("memsave plan: profiling with every segment checkpointed ...");
@@ -260,6 +261,9 @@ pub fn plan(args: PlanArgs) -> Result<()> {
         report.advice_ms = started.elapsed().as_secs_f64() * 1e3;
         report.chosen = report.candidates.first().filter(|c| c.fits).cloned();
     }
+    if let Some(multi) = memsave::models::registry::multiscale_training(&args.config, &args.set)? {
+        report.multiscale = Some(multiscale(&args, &multi, budget, &say)?);
+    }
     if args.verify {
         let sets = match &report.chosen {
             Some(chosen) => chosen.sets.clone(),
@@ -347,6 +351,62 @@ pub fn plan(args: PlanArgs) -> Result<()> {
         ));
     }
     Ok(())
+}
+
+/// A multi-scale config: profiles at its smallest and largest scales (every segment
+/// checkpointed), and the comparison over the sizes its pipeline draws of a static plan for the
+/// largest with `"dynamic"`. A share budget is of the largest scale's peak without
+/// checkpointing (the unplanned run above drew its sizes at random).
+fn multiscale(
+    args: &PlanArgs,
+    multi: &memsave::models::data::voc::pipeline::MultiScaleTraining,
+    budget: Budget,
+    say: &dyn Fn(&str),
+) -> Result<memsave::planner::dynamic::MultiScaleComparison> {
+    let (smallest, largest) = multi.extremes();
+    say(&format!(
+        "memsave plan: multi-scale training: profiling at the largest scale {largest:?} ..."
+    ));
+    let large = run_worker(
+        args,
+        (
+            "the config at its largest scale",
+            &[multi.single_scale_set(largest)],
+        ),
+        0,
+        true,
+    )?;
+    say(&format!(
+        "memsave plan: multi-scale training: profiling at the smallest scale {smallest:?} ..."
+    ));
+    let small = run_worker(
+        args,
+        (
+            "the config at its smallest scale",
+            &[multi.single_scale_set(smallest)],
+        ),
+        0,
+        true,
+    )?;
+    // The sizes the training draws, from a seeded stream (splitmix64).
+    let mut seed = 0x9E37_79B9_7F4A_7C15_u64;
+    let mut uniform = |n: usize| {
+        seed = seed.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = seed;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        ((z ^ (z >> 31)) % n.max(1) as u64) as usize
+    };
+    let ratios: Vec<f64> = (0..200)
+        .map(|_| multi.share(multi.pipeline.draw_scale(&mut uniform)))
+        .collect();
+    let budget_bytes = budget.bytes(large.profile.unplanned_peak());
+    Ok(memsave::planner::dynamic::compare_multiscale(
+        &large.profile,
+        Some((&small.profile, multi.share(smallest))),
+        &ratios,
+        budget_bytes,
+    ))
 }
 
 /// On a device: profiles with activation offload, optimizer offload and both (every segment

@@ -39,6 +39,8 @@ pub struct PlanReport {
     pub candidates: Vec<Candidate>,
     pub chosen: Option<Candidate>,
     pub verify: Option<Verified>,
+    /// A multi-scale config: a static plan for its largest input against `"dynamic"`.
+    pub multiscale: Option<memsave::planner::dynamic::MultiScaleComparison>,
 }
 
 fn mib(bytes: u64) -> String {
@@ -240,5 +242,34 @@ pub(super) fn print_report(report: &PlanReport, setting: &Setting) {
             "plan: budget={} predicted={} measured={} memory_ratio={:.3} time_ratio={:.3}",
             report.budget_bytes, predicted, v.measured_peak, v.memory_ratio, v.time_ratio
         );
+    }
+    if let Some(m) = &report.multiscale {
+        println!(
+            "\nmulti-scale training: {} sizes drawn as the pipeline draws them (the smallest {:.2} \
+             of the largest's pixels), predicted from profiles at the smallest and the largest \
+             scale, budget {}:",
+            m.draws,
+            m.smallest_ratio,
+            human(m.budget)
+        );
+        let line = |label: &str, o: &memsave::planner::dynamic::OverSizes| {
+            println!(
+                "  {label:<44} mean step {:.3} s, highest peak {}",
+                o.mean_seconds,
+                human(o.max_peak)
+            );
+        };
+        match &m.static_plan {
+            Some(o) => line(
+                &format!(
+                    "static plan for the largest ({} of {} checkpointed)",
+                    m.static_checkpointed.0, m.static_checkpointed.1
+                ),
+                o,
+            ),
+            None => println!("  static plan for the largest: none fits the budget there"),
+        }
+        line("with_cp = \"dynamic\" (each size its own plan)", &m.dynamic);
+        line("every segment checkpointed", &m.all_checkpointed);
     }
 }
