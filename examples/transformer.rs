@@ -16,7 +16,11 @@
 //!   scale of 1024): the loss and the max relative gradient difference against fp32, dropout
 //!   off so that the three see the same network;
 //! - the peak memory of a plain and of a checkpointed step at `--seq-len`, interleaved, and
-//!   `memory_ratio=<cp/plain> time_ratio=<cp/plain>` (medians of `--steps`).
+//!   `memory_ratio=<cp/plain> time_ratio=<cp/plain>` (medians of `--steps`);
+//! - `with_cp = "dynamic"` in memsave's runner on batches of varying length (`--seq-len`, a
+//!   quarter and a half of it in turn) at `--dynamic-budget` of the first step's peak without
+//!   checkpointing: every step's measured peak against the budget, and the blocks kept and
+//!   recomputed at each length.
 
 use std::collections::HashMap;
 use std::time::Instant;
@@ -62,6 +66,43 @@ struct Args {
     /// Measured steps of each kind (after one warm-up of each).
     #[arg(long, default_value_t = 3)]
     steps: usize,
+    /// The budget of the varying-length run under `with_cp = "dynamic"`: a share of the
+    /// first (longest) step's peak without checkpointing.
+    #[arg(long, default_value = "70%")]
+    dynamic_budget: String,
+    /// Steps of the varying-length run (the first is its profile).
+    #[arg(long, default_value_t = 7)]
+    dynamic_steps: usize,
+}
+
+/// Batches whose sequences are `lengths` long in turn (the first the longest).
+struct Lengths {
+    config: Config,
+    batch: usize,
+    lengths: Vec<usize>,
+}
+
+impl memsave::train::DataSource<AB, (Tensor<AB, 2, Int>, Tensor<AB, 1, Int>)> for Lengths {
+    fn batches_per_epoch(&self) -> usize {
+        self.lengths.len()
+    }
+
+    fn batch(
+        &self,
+        _epoch: usize,
+        index: usize,
+        _device: &burn::backend::flex::FlexDevice,
+    ) -> memsave::Result<(Tensor<AB, 2, Int>, Tensor<AB, 1, Int>)> {
+        Ok(batch(self.config, self.batch, self.lengths[index]))
+    }
+}
+
+impl memsave::train::TrainModel<AB> for Classifier<AB> {
+    type Batch = (Tensor<AB, 2, Int>, Tensor<AB, 1, Int>);
+
+    fn loss(&self, (tokens, labels): Self::Batch) -> Tensor<AB, 1> {
+        Classifier::loss(self, self.forward(tokens), labels)
+    }
 }
 
 /// One pre-norm encoder block: `x + drop(attn(norm1(x)))`, then `x + drop(mlp(norm2(x)))`.
@@ -355,4 +396,74 @@ fn main() {
         cp_mib / plain_mib,
         cp_s / plain_s
     );
+
+    // 4. Batches of varying length under `with_cp = "dynamic"`, in memsave's runner.
+    if let Err(error) = dynamic(&args, config, model) {
+        eprintln!("the varying-length run: {error}");
+        std::process::exit(1);
+    }
+}
+
+/// Trains `model` on batches of `--seq-len`, a quarter and half of it in turn, under
+/// `with_cp = "dynamic"` at `--dynamic-budget`, and prints what each step chose and measured.
+fn dynamic(args: &Args, config: Config, model: Classifier<AB>) -> memsave::Result<()> {
+    use memsave::planner::{Budget, DynamicHook, ModelKeys};
+    use memsave::train::{OptimizerKind, RunLength, Runner};
+    let budget = Budget::parse(&args.dynamic_budget, "--dynamic-budget")?;
+    let lengths = vec![
+        args.seq_len,
+        (args.seq_len / 4).max(8),
+        (args.seq_len / 2).max(8),
+    ];
+    let data = Lengths {
+        config,
+        batch: args.batch,
+        lengths: lengths.clone(),
+    };
+    let work_dir = std::env::temp_dir().join(format!("memsave-transformer-{}", std::process::id()));
+    let mut runner = Runner::new(
+        set_with_cp(model, true),
+        &OptimizerKind::Sgd {
+            momentum: 0.9,
+            weight_decay: 0.0,
+            nesterov: false,
+        },
+        Box::new(memsave::hooks::OptimizerHook::new()),
+        data,
+        RunLength::Iters(args.dynamic_steps),
+        &work_dir,
+        Default::default(),
+    )?;
+    runner.set_lr(1e-3)?;
+    let keys = ModelKeys {
+        with_cp: "with_cp",
+        batch: "--batch",
+        also_with_cp: &[],
+    };
+    let device = burn::backend::flex::FlexDevice;
+    let hook = DynamicHook::new(budget, keys, &device)?.with_log_interval(1);
+    let figures = hook.figures();
+    runner.register_hook(Box::new(hook));
+    runner.run()?;
+    let _ = std::fs::remove_dir_all(&work_dir);
+    let figures = figures.borrow();
+    println!(
+        "dynamic at {} ({:.1} MiB), lengths {lengths:?} in turn: {} steps after the profile, \
+         highest step peak {:.1} MiB ({}); blocks kept {} and recomputed {}",
+        args.dynamic_budget,
+        figures.budget as f64 / (1 << 20) as f64,
+        figures.steps,
+        figures.highest_peak as f64 / (1 << 20) as f64,
+        if figures.highest_peak <= figures.budget {
+            "within the budget"
+        } else {
+            "OVER the budget"
+        },
+        figures.kept,
+        figures.recomputed
+    );
+    for (size, (steps, kept, recomputed)) in &figures.by_size {
+        println!("  input {size}: {steps} steps, kept {kept}, recomputed {recomputed}");
+    }
+    Ok(())
 }

@@ -63,8 +63,22 @@ pub struct PlanArgs {
     devices: usize,
 }
 
-pub fn plan(args: PlanArgs) -> Result<()> {
+pub fn plan(mut args: PlanArgs) -> Result<()> {
     let budget = Budget::parse(&args.budget, "--budget")?;
+    // A multi-scale config is planned at its largest scale (the static plan a run would pin),
+    // and compared with "dynamic" over the sizes it draws.
+    let multi = memsave::models::registry::multiscale_training(&args.config, &args.set)?;
+    if let Some(multi) = &multi {
+        let (_, largest) = multi.extremes();
+        if !args.json {
+            eprintln!(
+                "memsave plan: multi-scale training ({}): planned at its largest scale \
+                 {largest:?}",
+                multi.key
+            );
+        }
+        args.set.push(multi.single_scale_set(largest));
+    }
     if args.iters == 0 {
         return Err(Error::invalid("--iters", "at least one step is measured"));
     }
@@ -261,8 +275,8 @@ pub fn plan(args: PlanArgs) -> Result<()> {
         report.advice_ms = started.elapsed().as_secs_f64() * 1e3;
         report.chosen = report.candidates.first().filter(|c| c.fits).cloned();
     }
-    if let Some(multi) = memsave::models::registry::multiscale_training(&args.config, &args.set)? {
-        report.multiscale = Some(multiscale(&args, &multi, budget, &say)?);
+    if let Some(multi) = &multi {
+        report.multiscale = Some(multiscale(&args, multi, report.budget_bytes, &say)?);
     }
     if args.verify {
         let sets = match &report.chosen {
@@ -355,27 +369,17 @@ pub fn plan(args: PlanArgs) -> Result<()> {
 
 /// A multi-scale config: profiles at its smallest and largest scales (every segment
 /// checkpointed), and the comparison over the sizes its pipeline draws of a static plan for the
-/// largest with `"dynamic"`. A share budget is of the largest scale's peak without
-/// checkpointing (the unplanned run above drew its sizes at random).
+/// largest with `"dynamic"`, under `budget_bytes` (a share budget is of the largest scale's
+/// peak without checkpointing, as the whole plan is).
 fn multiscale(
     args: &PlanArgs,
     multi: &memsave::models::data::voc::pipeline::MultiScaleTraining,
-    budget: Budget,
+    budget_bytes: u64,
     say: &dyn Fn(&str),
 ) -> Result<memsave::planner::dynamic::MultiScaleComparison> {
-    let (smallest, largest) = multi.extremes();
-    say(&format!(
-        "memsave plan: multi-scale training: profiling at the largest scale {largest:?} ..."
-    ));
-    let large = run_worker(
-        args,
-        (
-            "the config at its largest scale",
-            &[multi.single_scale_set(largest)],
-        ),
-        0,
-        true,
-    )?;
+    let (smallest, _) = multi.extremes();
+    // The plan's own runs are at the largest scale already (`args.set` says so).
+    let large = run_worker(args, ("the config at its largest scale", &[]), 0, true)?;
     say(&format!(
         "memsave plan: multi-scale training: profiling at the smallest scale {smallest:?} ..."
     ));
@@ -400,7 +404,6 @@ fn multiscale(
     let ratios: Vec<f64> = (0..200)
         .map(|_| multi.share(multi.pipeline.draw_scale(&mut uniform)))
         .collect();
-    let budget_bytes = budget.bytes(large.profile.unplanned_peak());
     Ok(memsave::planner::dynamic::compare_multiscale(
         &large.profile,
         Some((&small.profile, multi.share(smallest))),
