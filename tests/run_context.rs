@@ -475,7 +475,11 @@ fn a_peers_failure_is_its_own() {
                     // Peer 0 checkpoints (and offloads, and meets the lost prefetch); peer 1
                     // does not.
                     let model = set_with_cp(Stack::<AB>::new(&device), peer.rank() == 0);
-                    let _ = model.logits(images).sum().backward();
+                    let loss = model.logits(images).sum();
+                    // Its copies to the host done: one not yet made is cancelled by its
+                    // recomputation, and no copy back would be made to lose.
+                    memsave::checkpoint::wait_for_copies();
+                    let _ = loss.backward();
                     let outcome = if peer.rank() == 0 {
                         let (recorded, wait_joined) = {
                             let mut signals = signals.lock().unwrap();

@@ -205,6 +205,18 @@ pub fn multiscale_training(
     )
 }
 
+/// [`multiscale_training`] of a detector whose backbone has `with_cp = "dynamic"`.
+pub fn dynamic_multiscale(
+    config: &Path,
+    sets: &[String],
+) -> Result<Option<crate::data::voc::pipeline::MultiScaleTraining>> {
+    let Some(multi) = multiscale_training(config, sets)? else {
+        return Ok(None);
+    };
+    let detector = Config::<RetinaNetSection, DetectionDataSection>::load(config, sets)?;
+    Ok((detector.model.backbone.with_cp == WithCp::Dynamic).then_some(multi))
+}
+
 /// Samples per micro-batch of a config's model.
 pub fn batch_size(config: &Path, sets: &[String]) -> Result<usize> {
     Ok(match entry(config, sets)?.kind {

@@ -129,7 +129,7 @@ pub const PROFILE_SPAN: f64 = 1.25;
 
 /// The window that holds the most in `at`, in words, with its bytes above the weights, state
 /// and gradients.
-fn holds_most(at: &Profile) -> String {
+pub fn holds_most(at: &Profile) -> String {
     at.windows
         .iter()
         .max_by_key(|w| w.peak + at.carried(w))

@@ -367,6 +367,76 @@ pub fn plan(mut args: PlanArgs) -> Result<()> {
     Ok(())
 }
 
+/// `memsave train` of a multi-scale config under `with_cp = "dynamic"`: before training, one
+/// step at the largest scale with every segment checkpointed, measured in a worker. The least
+/// there over the budget is an error now, naming it and what holds it; a share budget becomes
+/// the share of that scale's peak without checkpointing, in bytes (the `--set` line returned),
+/// so that it does not hang on the size the first batch draws.
+pub fn dynamic_budget_at_largest(
+    train: &crate::commands::train::TrainArgs,
+) -> Result<Option<String>> {
+    let Some(multi) = memsave::models::registry::dynamic_multiscale(&train.config, &train.set)?
+    else {
+        return Ok(None);
+    };
+    let config =
+        Config::<memsave::models::config::ModelKind, memsave::models::config::AnyData>::load(
+            &train.config,
+            &train.set,
+        )?;
+    let Some(budget) = config.memory.memory_budget else {
+        // The run's own check names the missing key.
+        return Ok(None);
+    };
+    let (_, largest) = multi.extremes();
+    eprintln!(
+        "memsave: with_cp = \"dynamic\" on multi-scale training: one step at the largest scale \
+         {largest:?}, every segment checkpointed, measured first ..."
+    );
+    let args = PlanArgs {
+        config: train.config.clone(),
+        budget: budget.to_string(),
+        set: [train.set.clone(), vec![multi.single_scale_set(largest)]].concat(),
+        verify: false,
+        json: true,
+        allow_approximate: false,
+        iters: 1,
+        device: train.device,
+        devices: 1,
+    };
+    let measured = run_worker(&args, ("the config at its largest scale", &[]), 0, true)?;
+    let profile = measured.profile;
+    let (floor, unplanned) = (profile.floor(), profile.unplanned_peak());
+    let bytes = budget.bytes(unplanned);
+    if floor > bytes {
+        return Err(Error::OutOfMemory {
+            what: format!(
+                "one step at the largest scale {largest:?} with every one of the {} segments \
+                 checkpointed, the least \"dynamic\" can give,",
+                profile.segments.len()
+            ),
+            needed: floor,
+            place: format!("the memory budget `memory.memory_budget = {budget}`"),
+            available: Some(bytes),
+            advice: format!(
+                "what holds the most there is {}. Lower the largest scale ({}'s Resize \
+                 `img_scale`) or the batch, put more of the model in segments, or switch on \
+                 mixed precision or 8-bit optimizer state",
+                memsave::planner::dynamic::holds_most(&profile),
+                multi.key
+            ),
+        });
+    }
+    eprintln!(
+        "memsave: at the largest scale: {} without checkpointing, {} with every segment \
+         checkpointed; the budget {budget} is {}",
+        human(unplanned),
+        human(floor),
+        human(bytes)
+    );
+    Ok(Some(format!("memory.memory_budget={bytes}")))
+}
+
 /// A multi-scale config: profiles at its smallest and largest scales (every segment
 /// checkpointed), and the comparison over the sizes its pipeline draws of a static plan for the
 /// largest with `"dynamic"`, under `budget_bytes` (a share budget is of the largest scale's
