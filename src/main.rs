@@ -76,7 +76,7 @@ fn main() -> ExitCode {
     terminal::install();
     let cli = Cli::parse();
     let result = match cli.command {
-        Command::Train(args) => commands::train::train(args),
+        Command::Train(args) => train(args),
         Command::Test(args) => commands::test::test(args),
         Command::Bench(args) => commands::bench::bench(args),
         Command::BenchWorker(args) => commands::bench::worker::worker(args),
@@ -92,4 +92,16 @@ fn main() -> ExitCode {
             ExitCode::FAILURE
         }
     }
+}
+
+/// `memsave train`. Under `with_cp = "dynamic"` on multi-scale training, the largest scale's
+/// least is checked first, and a share budget is made the share of that scale's peak (one step
+/// in a worker, as `memsave plan` measures it).
+fn train(mut args: commands::train::TrainArgs) -> memsave::Result<()> {
+    if !args.dist.is_parallel() {
+        if let Some(line) = commands::plan::dynamic_budget_at_largest(&args)? {
+            args.set.push(line);
+        }
+    }
+    commands::train::train(args)
 }

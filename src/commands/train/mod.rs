@@ -43,14 +43,7 @@ pub struct TrainArgs {
     pub dist: DistArgs,
 }
 
-pub fn train(mut args: TrainArgs) -> memsave::Result<()> {
-    // "dynamic" on multi-scale training: the largest scale's least is checked before training,
-    // and a share budget is made the share of that scale's peak (one worker step).
-    if !args.dist.is_parallel() {
-        if let Some(line) = crate::commands::plan::dynamic_budget_at_largest(&args)? {
-            args.set.push(line);
-        }
-    }
+pub fn train(args: TrainArgs) -> memsave::Result<()> {
     run_job(&args, &Job::Train)
 }
 
