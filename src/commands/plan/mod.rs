@@ -157,6 +157,8 @@ pub fn plan(mut args: PlanArgs) -> Result<()> {
         verify: None,
         multiscale: None,
     };
+    // The profile with every segment checkpointed (at a multi-scale config's largest scale).
+    let mut checkpointed_profile = None;
     if !report.nothing_needed {
         say("memsave plan: profiling with every segment checkpointed ...");
         let base = run_worker(
@@ -165,6 +167,7 @@ pub fn plan(mut args: PlanArgs) -> Result<()> {
             0,
             true,
         )?;
+        checkpointed_profile = Some(base.profile.clone());
         let mut measured = vec![Measured {
             setting,
             profile: base.profile.clone(),
@@ -276,7 +279,13 @@ pub fn plan(mut args: PlanArgs) -> Result<()> {
         report.chosen = report.candidates.first().filter(|c| c.fits).cloned();
     }
     if let Some(multi) = &multi {
-        report.multiscale = Some(multiscale(&args, multi, report.budget_bytes, &say)?);
+        report.multiscale = Some(multiscale(
+            &args,
+            multi,
+            checkpointed_profile,
+            report.budget_bytes,
+            &say,
+        )?);
     }
     if args.verify {
         let sets = match &report.chosen {
@@ -444,12 +453,17 @@ pub fn dynamic_budget_at_largest(
 fn multiscale(
     args: &PlanArgs,
     multi: &memsave::models::data::voc::pipeline::MultiScaleTraining,
+    largest: Option<memsave::planner::Profile>,
     budget_bytes: u64,
     say: &dyn Fn(&str),
 ) -> Result<memsave::planner::dynamic::MultiScaleComparison> {
     let (smallest, _) = multi.extremes();
-    // The plan's own runs are at the largest scale already (`args.set` says so).
-    let large = run_worker(args, ("the config at its largest scale", &[]), 0, true)?;
+    // The plan's own runs are at the largest scale already (`args.set` says so): its profile
+    // with every segment checkpointed is the largest's, where it took one.
+    let large = match largest {
+        Some(profile) => profile,
+        None => run_worker(args, ("the config at its largest scale", &[]), 0, true)?.profile,
+    };
     say(&format!(
         "memsave plan: multi-scale training: profiling at the smallest scale {smallest:?} ..."
     ));
@@ -475,7 +489,7 @@ fn multiscale(
         .map(|_| multi.share(multi.pipeline.draw_scale(&mut uniform)))
         .collect();
     Ok(memsave::planner::dynamic::compare_multiscale(
-        &large.profile,
+        &large,
         Some((&small.profile, multi.share(smallest))),
         &ratios,
         budget_bytes,
