@@ -853,6 +853,7 @@ mod tests {
             batch_scaled: true,
             alive,
             recomputed: Vec::new(),
+            state_made: 0,
         };
         Profile {
             resident: 1000,

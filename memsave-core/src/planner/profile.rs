@@ -59,6 +59,12 @@ pub struct Window {
     /// holds until backward ends: (segment index, bytes). Unchecked, they hold nothing.
     #[serde(default)]
     pub recomputed: Vec<(usize, u64)>,
+    /// Of the profile's `growth` (the state a first step makes), the bytes already made when the
+    /// window starts: under the optimizer's step in backward, each parameter's state is made as
+    /// its gradient arrives, and a later step's window holds only the rest beyond the profiled
+    /// one's.
+    #[serde(default)]
+    pub state_made: u64,
 }
 
 /// One profiled step.
@@ -247,6 +253,9 @@ impl Profile {
         let mut alive: Vec<(usize, u64)> = recomputed.clone();
         let mut batch_scaled = true;
         let mut window_gradients = 0;
+        // Parameter bytes whose gradients backward made before the window (the estimate's order).
+        let (mut stepped, mut window_stepped) = (Vec::new(), 0);
+        let mut backward_live = None;
         let mut next_recompute = 0;
         let mut done: Vec<(usize, u64)> = Vec::new();
         let mut helper_bytes = 0;
@@ -257,6 +266,7 @@ impl Profile {
         for event in events {
             // The recomputations held in the window this event closes.
             let mut held = done.clone();
+            let mut next_stepped = None;
             let (peak, next_label, gradients) = match event {
                 Event::Forward { .. } => continue,
                 Event::Joined {
@@ -297,6 +307,7 @@ impl Profile {
                         }
                         Boundary::BackwardEnd => {
                             backward_end.get_or_insert(*seconds);
+                            backward_live.get_or_insert(*live);
                             let gradients = gradients.unwrap_or_else(|| estimate.total());
                             backward_gradients = gradients;
                             (*window_peak, "step".to_string(), Some(gradients))
@@ -319,6 +330,7 @@ impl Profile {
                     }
                     held = done[..done.len().saturating_sub(1)].to_vec();
                     let path = name(id);
+                    next_stepped = estimate.before_recompute(&path);
                     let gradients = gradients
                         .or_else(|| estimate.before_recompute(&path))
                         .or(Some(window_gradients));
@@ -332,7 +344,14 @@ impl Profile {
                 batch_scaled,
                 alive: alive.clone(),
                 recomputed: std::mem::take(&mut held),
+                state_made: 0,
             });
+            stepped.push(window_stepped);
+            if next_label == "step" {
+                window_stepped = estimate.total();
+            } else if let Some(made) = next_stepped {
+                window_stepped = made;
+            }
             window_gradients = gradients.unwrap_or(0);
             if next_label == "step" {
                 alive.clear();
@@ -348,6 +367,24 @@ impl Profile {
         }
         let resident = resident.unwrap_or(0);
         let growth = end_live.map_or(0, |end| end.saturating_sub(resident));
+        // The state made in backward (the optimizer's step in backward): what was live when it
+        // ended beyond the start and the gradients then live; each window has made the share of
+        // it of the parameters whose gradients came before it. A step after backward leaves
+        // only a few MiB of the forward's leftovers there (ResNet-50: 4.3 of 96.3): below half
+        // the growth, none is taken as made.
+        let in_backward = backward_live
+            .map_or(0, |live| live.saturating_sub(resident + backward_gradients))
+            .min(growth);
+        let in_backward = if in_backward * 2 >= growth {
+            in_backward
+        } else {
+            0
+        };
+        let total = estimate.total().max(1);
+        for (window, stepped) in windows.iter_mut().zip(stepped) {
+            window.state_made =
+                (in_backward as u128 * stepped.min(total) as u128 / total as u128) as u64;
+        }
         Profile {
             resident,
             trainable,
@@ -403,7 +440,7 @@ impl Profile {
     /// a first step makes).
     pub(crate) fn carried(&self, window: &Window) -> u64 {
         if window.batch_scaled {
-            self.growth
+            self.growth.saturating_sub(window.state_made)
         } else {
             0
         }
@@ -544,5 +581,51 @@ mod tests {
         let gradients: Vec<u64> = profile.windows.iter().map(|w| w.gradients).collect();
         assert_eq!(gradients, [0, 0, 7, 27, 61]);
         assert_eq!(profile.gradients, 61);
+    }
+
+    /// The fixture's step with its state (66 bytes) made in backward, as the optimizer's step
+    /// in backward does, or after it.
+    fn with_state(in_backward: bool) -> (Vec<Event>, HashMap<SegmentId, String>) {
+        let (mut events, paths) = events(true);
+        for event in &mut events {
+            if let Event::Boundary {
+                at,
+                live,
+                gradients,
+                ..
+            } = event
+            {
+                match at {
+                    Boundary::Start => *live = 100,
+                    Boundary::BackwardEnd if in_backward => (*live, *gradients) = (166, Some(0)),
+                    Boundary::BackwardEnd => (*live, *gradients) = (161, Some(61)),
+                    Boundary::End => *live = 166,
+                    _ => {}
+                }
+            }
+        }
+        (events, paths)
+    }
+
+    #[test]
+    fn state_made_in_backward_is_carried_only_by_the_windows_before_it() {
+        let (events, paths) = with_state(true);
+        let made = Profile::from_events(&events, &paths, 33, &estimate());
+        assert_eq!(made.growth, 66);
+        let state: Vec<u64> = made.windows.iter().map(|w| w.state_made).collect();
+        // b's recomputation comes after the head's 8 of 33 bytes of parameters, a's after 28.
+        assert_eq!(state, [0, 0, 16, 56, 66]);
+        let carried: Vec<u64> = made.windows.iter().map(|w| made.carried(w)).collect();
+        assert_eq!(carried, [66, 66, 50, 10, 0]);
+
+        let (events, paths) = with_state(false);
+        let after = Profile::from_events(&events, &paths, 33, &estimate());
+        assert_eq!(after.growth, 66);
+        let carried: Vec<u64> = after.windows.iter().map(|w| after.carried(w)).collect();
+        assert_eq!(
+            carried,
+            [66, 66, 66, 66, 0],
+            "made in the step: every window before it"
+        );
     }
 }

@@ -423,6 +423,7 @@ pub(crate) mod tests {
                 batch_scaled: true,
                 alive: order.clone(),
                 recomputed: Vec::new(),
+                state_made: 0,
             },
             Window {
                 label: "backward".into(),
@@ -431,6 +432,7 @@ pub(crate) mod tests {
                 batch_scaled: true,
                 alive: order.clone(),
                 recomputed: Vec::new(),
+                state_made: 0,
             },
         ];
         for (k, &(i, _)) in order.iter().enumerate() {
@@ -441,6 +443,7 @@ pub(crate) mod tests {
                 batch_scaled: true,
                 alive: order[k + 1..].to_vec(),
                 recomputed: Vec::new(),
+                state_made: 0,
             });
         }
         windows.push(Window {
@@ -450,6 +453,7 @@ pub(crate) mod tests {
             batch_scaled: false,
             alive: Vec::new(),
             recomputed: Vec::new(),
+            state_made: 0,
         });
         Profile {
             resident: 0,
