@@ -43,7 +43,7 @@ pub struct Block<B: Backend> {
 }
 
 impl<B: Backend> Block<B> {
-    fn new(channels: usize, device: &B::Device) -> Self {
+    fn new(channels: usize, dropout: f64, device: &B::Device) -> Self {
         let conv = || {
             Conv2dConfig::new([channels, channels], [3, 3])
                 .with_padding(PaddingConfig2d::Same)
@@ -53,7 +53,7 @@ impl<B: Backend> Block<B> {
             a: conv(),
             bn: BatchNormConfig::new(channels).init(device),
             b: conv(),
-            dropout: DropoutConfig::new(0.1).init(),
+            dropout: DropoutConfig::new(dropout).init(),
             with_cp: false,
         }
     }
@@ -80,12 +80,16 @@ pub struct Net<B: Backend> {
 
 impl<B: Backend> Net<B> {
     fn new(device: &B::Device) -> Self {
+        Self::with_dropout(0.1, device)
+    }
+
+    fn with_dropout(dropout: f64, device: &B::Device) -> Self {
         Net {
             stem: Conv2dConfig::new([3, 16], [3, 3])
                 .with_stride([2, 2])
                 .with_padding(PaddingConfig2d::Explicit(1, 1, 1, 1))
                 .init(device),
-            blocks: (0..6).map(|_| Block::new(16, device)).collect(),
+            blocks: (0..6).map(|_| Block::new(16, dropout, device)).collect(),
             head: LinearConfig::new(16, 4).init(device),
         }
     }
@@ -237,5 +241,129 @@ fn dynamic_keeps_the_budget_at_every_input_size_and_trains_as_the_plain_step() {
             .filter(|(x, y)| x.to_bits() != y.to_bits())
             .count();
         assert_eq!(differing, 0, "{differing} of {} values differ", a.len());
+    })
+}
+
+/// A model of its own holding `values` (as [`everything`] lists them): a clone would share
+/// its BatchNorm statistics with the original.
+fn copy_of(values: &[f32], device: &burn::backend::flex::FlexDevice) -> Net<B> {
+    struct Load<'a>(&'a [f32], usize);
+    impl burn::module::ModuleMapper<B> for Load<'_> {
+        fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
+            let values = self.0;
+            let offset = &mut self.1;
+            param.map(|tensor| {
+                let shape = tensor.shape();
+                let n = shape.num_elements();
+                let data =
+                    burn::tensor::TensorData::new(values[*offset..*offset + n].to_vec(), shape);
+                *offset += n;
+                let copy = Tensor::<B, D>::from_data(data, &tensor.device());
+                if tensor.is_require_grad() {
+                    copy.require_grad()
+                } else {
+                    copy
+                }
+            })
+        }
+    }
+    let mut load = Load(values, 0);
+    let model = Net::<B>::with_dropout(0.0, device).map(&mut load);
+    assert_eq!(load.1, values.len());
+    model
+}
+
+/// Two data-parallel peers in this process, each from `start` on its half of the batches,
+/// plainly or under "dynamic" at `budget` each: per peer, its final model, the peak its own
+/// meter read, and the hook's figures.
+fn two_peers(
+    start: &[f32],
+    budget: Option<Budget>,
+    name: &str,
+) -> Vec<(Vec<f32>, u64, Option<IntervalFigures>)> {
+    use memsave::parallel::{Collective, ZeroStage};
+    let dir = common::fresh_dir("dynamic", name);
+    common::dp::peers(2, |peer| {
+        let device: burn::backend::flex::FlexDevice = Default::default();
+        let mut config = SyntheticClassificationConfig::new(4, 32, 96);
+        config.seed = 5;
+        let data = SyntheticClassification::<B>::new(config, 4, device)?.with_shard(peer.shard());
+        let model = copy_of(start, &device);
+        let model = memsave::checkpoint::set_with_cp(model, budget.is_some());
+        let mut runner = common::dp::peer_runner_with(
+            model,
+            &common::dp::sgd(),
+            ZeroStage::Off,
+            OptimizerHook::new(),
+            data,
+            RunLength::Iters(5),
+            &dir.join(format!("{}", peer.rank())),
+            peer,
+        );
+        let figures = budget.map(|budget| {
+            let hook = DynamicHook::new(budget, BACKBONE_KEYS, &device).unwrap();
+            let figures = hook.figures();
+            runner.register_hook(Box::new(hook));
+            figures
+        });
+        // This peer's bytes: its training thread's and its helpers'.
+        let meter = memsave::memory::peer_meter_for(&device).unwrap();
+        meter.reset_peak();
+        runner.run()?;
+        let peak = meter.peak();
+        let figures = figures.map(|f| f.borrow().clone());
+        Ok((everything(&runner.into_model()), peak, figures))
+    })
+    .unwrap()
+}
+
+#[test]
+fn data_parallel_peers_in_one_process_keep_a_budget_each_and_train_as_plain_peers() {
+    let _turn = TURN.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+    let _peers = common::dp::turn();
+    common::watchdog(600, || {
+        let device = Default::default();
+        <B as Backend>::seed(&device, 7);
+        // No dropout: the peers' threads would draw from one stream in no fixed order.
+        let start = everything(&Net::<B>::with_dropout(0.0, &device));
+        let process = memsave::memory::reset_peak();
+        let plain = two_peers(&start, None, "peers-plain");
+        let process = memsave::memory::peak_bytes() - process;
+        let peaks: Vec<u64> = plain.iter().map(|(_, peak, _)| *peak).collect();
+        eprintln!("plain peers' own peaks {peaks:?}, the process's rise {process}");
+        // Each peer's meter reads its own bytes, not the process's: both peers' together are
+        // more than either's.
+        assert!(peaks
+            .iter()
+            .all(|&peak| peak > 0 && (peak as usize) < process));
+        // A budget in bytes under each peer's plain peak, above its half: a meter that read
+        // both peers' bytes would find the weights and the batch of two over it.
+        let budget = peaks.iter().min().unwrap() * 4 / 5;
+        let dynamic = two_peers(&start, Some(Budget::Bytes(budget)), "peers-dynamic");
+        for (rank, ((plain, _, _), (dynamic, _, figures))) in plain.iter().zip(&dynamic).enumerate()
+        {
+            let figures = figures.as_ref().unwrap();
+            eprintln!("peer {rank}: {figures:?}");
+            assert_eq!(figures.budget, budget);
+            assert_eq!(figures.steps, 4, "every step after the profile");
+            assert!(
+                figures.highest_peak <= budget,
+                "peer {rank} peaked at {} over its budget {budget}",
+                figures.highest_peak
+            );
+            assert!(figures.recomputed > 0, "{figures:?}");
+            // Exact: each peer's weights and statistics bit-identical to the plain peer's.
+            let differing = plain
+                .iter()
+                .zip(dynamic)
+                .filter(|(x, y)| x.to_bits() != y.to_bits())
+                .count();
+            assert_eq!(
+                differing,
+                0,
+                "peer {rank}: {differing} of {} differ",
+                plain.len()
+            );
+        }
     })
 }

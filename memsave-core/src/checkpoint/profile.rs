@@ -4,16 +4,20 @@
 //! previous boundary. Off unless [`start`] was called: then each segment and recomputation costs
 //! two reads of the live bytes and a device sync.
 //!
-//! One recording at a time per run: the recorder is the run's ([`crate::run`]), read by the
-//! run's threads and the helpers they start. (On the CPU the bytes it reads are the process's
-//! counting allocator's: two runs measured at once would read each other's bytes.)
+//! One recording at a time per training thread of a run: the recorders are the run's
+//! ([`crate::run`]), one per training thread (data-parallel peers in one process record each
+//! their own), read by that thread and the helpers it starts. (On the CPU the bytes an
+//! [`crate::memory::AllocatorMeter`] reads are the process's: two runs measured at once read
+//! each other's bytes; a peer's [`crate::memory::SlotMeter`] reads its own.)
 //!
 //! The events are read by `crate::planner::Profile::from_events`. Bytes come from the one
 //! [`Meter`]: the counting allocator on the CPU, the device's pools elsewhere.
 
 use std::cell::Cell;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
+use std::thread::ThreadId;
 use std::time::Instant;
 
 use super::SegmentId;
@@ -102,11 +106,27 @@ struct Recorder {
     started: Instant,
 }
 
-/// The run's part: whether a recording is on, and the recorder.
+/// The run's part: how many recordings are on, and each training thread's recorder.
 #[derive(Default)]
 struct Profiling {
-    active: AtomicBool,
-    recorder: Mutex<Option<Recorder>>,
+    active: AtomicUsize,
+    recorders: Mutex<HashMap<ThreadId, Recorder>>,
+}
+
+/// The calling training thread's recorder, if it records.
+struct Mine<'a>(
+    std::sync::MutexGuard<'a, HashMap<ThreadId, Recorder>>,
+    ThreadId,
+);
+
+impl Mine<'_> {
+    fn as_ref(&self) -> Option<&Recorder> {
+        self.0.get(&self.1)
+    }
+
+    fn as_mut(&mut self) -> Option<&mut Recorder> {
+        self.0.get_mut(&self.1)
+    }
 }
 
 fn profiling() -> Arc<Profiling> {
@@ -118,23 +138,35 @@ thread_local! {
     static PENDING: Cell<Option<SegmentId>> = const { Cell::new(None) };
 }
 
-fn recorder(profiling: &Profiling) -> std::sync::MutexGuard<'_, Option<Recorder>> {
+fn recorders(profiling: &Profiling) -> std::sync::MutexGuard<'_, HashMap<ThreadId, Recorder>> {
     profiling
-        .recorder
+        .recorders
         .lock()
         .unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+fn recorder(profiling: &Profiling) -> Mine<'_> {
+    Mine(recorders(profiling), crate::run::owner())
 }
 
 /// Starts recording, with `probe` reading the memory; drops what an earlier recording left.
 pub fn start(probe: Box<dyn Meter>) {
     probe.window_peak();
     let profiling = profiling();
-    *recorder(&profiling) = Some(Recorder {
-        probe,
-        events: Vec::new(),
-        started: Instant::now(),
-    });
-    profiling.active.store(true, Ordering::SeqCst);
+    let mut recorders = recorders(&profiling);
+    let earlier = recorders.insert(
+        crate::run::owner(),
+        Recorder {
+            probe,
+            events: Vec::new(),
+            started: Instant::now(),
+        },
+    );
+    profiling.active.store(recorders.len(), Ordering::SeqCst);
+    drop(recorders);
+    if earlier.is_some() {
+        return;
+    }
     // The step's phases mark their own ends (`memory::in_phase`): the loop knows nothing of
     // the recording.
     crate::memory::on_phase_end(Some(Box::new(|phase| match phase {
@@ -168,16 +200,20 @@ pub fn restart() -> f64 {
 
 /// Stops recording; returns the events.
 pub fn stop() -> Vec<Event> {
-    crate::memory::on_phase_end(None);
     let profiling = profiling();
-    profiling.active.store(false, Ordering::SeqCst);
-    let events = recorder(&profiling).take().map(|r| r.events);
+    let mut recorders = recorders(&profiling);
+    let events = recorders.remove(&crate::run::owner()).map(|r| r.events);
+    profiling.active.store(recorders.len(), Ordering::SeqCst);
+    if recorders.is_empty() {
+        crate::memory::on_phase_end(None);
+    }
     events.unwrap_or_default()
 }
 
-/// Whether a recording is on in the current run.
+/// Whether the calling training thread records, in the current run.
 pub fn is_recording() -> bool {
-    profiling().active.load(Ordering::Relaxed)
+    let profiling = profiling();
+    profiling.active.load(Ordering::Relaxed) > 0 && recorder(&profiling).as_ref().is_some()
 }
 
 /// Marks a phase boundary (the step's start and end: the profiling hook; the ends of forward

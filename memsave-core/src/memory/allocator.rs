@@ -31,8 +31,72 @@ pub(super) static TAG_LIVE: [AtomicIsize; TAGS] = [ZERO; TAGS];
 /// The tag new blocks get.
 pub(super) static CURRENT_TAG: AtomicU32 = AtomicU32::new(0);
 
-/// The header in front of each block: its tag.
+/// The header in front of each block: its tag (at 8 bytes before the user's pointer) and its
+/// slot (at 4).
 const HEADER: usize = 16;
+
+/// Slots: blocks allocated by the threads of one in-process data-parallel peer (its training
+/// thread and the helpers it starts) are charged to its slot, whichever thread frees them, so
+/// that each peer has a meter of its own ([`SlotMeter`]) though all share the process's heap.
+/// Slot 0: no peer.
+pub const SLOTS: usize = 64;
+#[allow(clippy::declare_interior_mutable_const)]
+const UZERO: AtomicUsize = AtomicUsize::new(0);
+static SLOT_LIVE: [AtomicUsize; SLOTS] = [UZERO; SLOTS];
+static SLOT_PEAK: [AtomicUsize; SLOTS] = [UZERO; SLOTS];
+static SLOT_WINDOW: [AtomicUsize; SLOTS] = [UZERO; SLOTS];
+
+thread_local! {
+    /// The slot this thread's blocks are charged to (a const initialiser, no destructor: read
+    /// by the allocator itself).
+    static SLOT: std::cell::Cell<u32> = const { std::cell::Cell::new(0) };
+}
+
+/// A slot no thread took lately (they are handed out in turn, 1 to `SLOTS - 1`), for a new
+/// peer: bytes a peer of an earlier group left live are not counted as the new one's.
+pub fn fresh_slot() -> u32 {
+    static NEXT: AtomicU32 = AtomicU32::new(0);
+    NEXT.fetch_add(1, Ordering::Relaxed) % (SLOTS as u32 - 1) + 1
+}
+
+/// The calling thread's slot (0: none).
+pub fn thread_slot() -> u32 {
+    SLOT.try_with(|slot| slot.get()).unwrap_or(0)
+}
+
+/// Charges the blocks the calling thread allocates from now on to `slot` (below [`SLOTS`]; 0:
+/// none); returns the slot it had.
+pub fn set_thread_slot(slot: u32) -> u32 {
+    let slot = if (slot as usize) < SLOTS { slot } else { 0 };
+    SLOT.try_with(|current| current.replace(slot)).unwrap_or(0)
+}
+
+/// The live bytes charged to `slot`, and their peak since [`SlotMeter::reset_peak`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SlotMeter(pub u32);
+
+impl super::Meter for SlotMeter {
+    fn live(&self) -> u64 {
+        SLOT_LIVE[self.0 as usize % SLOTS].load(Ordering::Relaxed) as u64
+    }
+
+    fn reset_peak(&self) -> u64 {
+        let slot = self.0 as usize % SLOTS;
+        let now = SLOT_LIVE[slot].load(Ordering::Relaxed);
+        SLOT_PEAK[slot].store(now, Ordering::Relaxed);
+        now as u64
+    }
+
+    fn peak(&self) -> u64 {
+        SLOT_PEAK[self.0 as usize % SLOTS].load(Ordering::Relaxed) as u64
+    }
+
+    fn window_peak(&self) -> u64 {
+        let slot = self.0 as usize % SLOTS;
+        let now = SLOT_LIVE[slot].load(Ordering::Relaxed);
+        SLOT_WINDOW[slot].swap(now, Ordering::Relaxed).max(now) as u64
+    }
+}
 
 /// The system allocator, counting live bytes, their peak, and live bytes per tag.
 pub struct CountingAllocator;
@@ -45,7 +109,13 @@ pub(super) static SNAPSHOT: AtomicBool = AtomicBool::new(false);
 static SNAPSHOTTING: AtomicBool = AtomicBool::new(false);
 
 impl CountingAllocator {
-    fn grew(size: usize, tag: u32) {
+    fn grew(size: usize, tag: u32, slot: u32) {
+        if slot != 0 {
+            let slot = slot as usize % SLOTS;
+            let now = SLOT_LIVE[slot].fetch_add(size, Ordering::Relaxed) + size;
+            SLOT_PEAK[slot].fetch_max(now, Ordering::Relaxed);
+            SLOT_WINDOW[slot].fetch_max(now, Ordering::Relaxed);
+        }
         TAG_LIVE[tag as usize].fetch_add(size as isize, Ordering::Relaxed);
         let now = CURRENT.fetch_add(size, Ordering::Relaxed) + size;
         WINDOW_PEAK.fetch_max(now, Ordering::Relaxed);
@@ -62,7 +132,10 @@ impl CountingAllocator {
         }
     }
 
-    fn shrank(size: usize, tag: u32) {
+    fn shrank(size: usize, tag: u32, slot: u32) {
+        if slot != 0 {
+            SLOT_LIVE[slot as usize % SLOTS].fetch_sub(size, Ordering::Relaxed);
+        }
         CURRENT.fetch_sub(size, Ordering::Relaxed);
         TAG_LIVE[tag as usize].fetch_sub(size as isize, Ordering::Relaxed);
     }
@@ -129,7 +202,8 @@ fn report_failed_allocation(size: usize) {
 }
 
 // SAFETY: every block is the system allocator's, `offset` bytes further in than the system's
-// pointer, with the tag written in the `HEADER` bytes just before the user's pointer; `outer`
+// pointer, with the tag and the slot written in the `HEADER` bytes just before the user's
+// pointer; `outer`
 // gives the same layout for the same user layout on allocation and deallocation. Counters are
 // updated around the calls; nothing here allocates (the failure report writes from the stack).
 unsafe impl GlobalAlloc for CountingAllocator {
@@ -144,8 +218,9 @@ unsafe impl GlobalAlloc for CountingAllocator {
     unsafe fn dealloc(&self, pointer: *mut u8, layout: Layout) {
         let (offset, outer) = Self::outer(layout).expect("the layout was allocated");
         let tag = unsafe { (pointer.sub(8) as *const u32).read() };
+        let slot = unsafe { (pointer.sub(4) as *const u32).read() };
         unsafe { System.dealloc(pointer.sub(offset), outer) };
-        Self::shrank(layout.size(), tag);
+        Self::shrank(layout.size(), tag, slot);
     }
 
     unsafe fn realloc(&self, pointer: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
@@ -155,6 +230,7 @@ unsafe impl GlobalAlloc for CountingAllocator {
             return std::ptr::null_mut();
         };
         let tag = unsafe { (pointer.sub(8) as *const u32).read() };
+        let slot = unsafe { (pointer.sub(4) as *const u32).read() };
         let base = unsafe { System.realloc(pointer.sub(offset), outer, new_outer_size) };
         if base.is_null() {
             report_failed_allocation(new_size);
@@ -162,9 +238,9 @@ unsafe impl GlobalAlloc for CountingAllocator {
         }
         // The header moved with the block.
         if new_size >= layout.size() {
-            Self::grew(new_size - layout.size(), tag);
+            Self::grew(new_size - layout.size(), tag, slot);
         } else {
-            Self::shrank(layout.size() - new_size, tag);
+            Self::shrank(layout.size() - new_size, tag, slot);
         }
         unsafe { base.add(offset) }
     }
@@ -191,8 +267,10 @@ impl CountingAllocator {
         INSTALLED.store(true, Ordering::Relaxed);
         let tag = CURRENT_TAG.load(Ordering::Relaxed);
         let pointer = unsafe { base.add(offset) };
+        let slot = thread_slot();
         unsafe { (pointer.sub(8) as *mut u32).write(tag) };
-        Self::grew(layout.size(), tag);
+        unsafe { (pointer.sub(4) as *mut u32).write(slot) };
+        Self::grew(layout.size(), tag, slot);
         pointer
     }
 }

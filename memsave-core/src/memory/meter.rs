@@ -233,6 +233,21 @@ pub fn meter_for<D: 'static>(device: &D) -> Option<Box<dyn Meter>> {
     super::is_counting().then(|| Box::new(AllocatorMeter) as Box<dyn Meter>)
 }
 
+/// [`meter_for`] as the calling thread's data-parallel peer sees it: on the CPU, where the
+/// peers of one process share its heap, the bytes charged to the peer's slot
+/// ([`super::SlotMeter`]: its training thread's and its helpers' blocks); elsewhere, and on a
+/// thread of no peer, the device's meter.
+pub fn peer_meter_for<D: 'static>(device: &D) -> Option<Box<dyn Meter>> {
+    let meter = meter_for(device)?;
+    let slot = super::thread_slot();
+    let on_heap = meter.tags();
+    Some(if slot != 0 && on_heap {
+        Box::new(super::SlotMeter(slot))
+    } else {
+        meter
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

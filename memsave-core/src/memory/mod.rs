@@ -30,9 +30,10 @@ mod tags;
 mod timeline;
 
 pub use allocator::{
-    current_bytes, is_counting, peak_bytes, reset_peak, take_window_peak, CountingAllocator,
+    current_bytes, fresh_slot, is_counting, peak_bytes, reset_peak, set_thread_slot,
+    take_window_peak, thread_slot, CountingAllocator, SlotMeter, SLOTS,
 };
-pub use meter::{meter_for, AllocatorMeter, Meter, PoolReadings};
+pub use meter::{meter_for, peer_meter_for, AllocatorMeter, Meter, PoolReadings};
 pub use tags::{live_by_tag, peak_by_tag, scope, scope_path, snapshot_peaks, TagBytes};
 pub use timeline::{Sample, Timeline};
 

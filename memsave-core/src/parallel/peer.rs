@@ -392,7 +392,9 @@ where
                 std::thread::Builder::new()
                     .name(format!("memsave-peer-{}", topology.rank_of(local)))
                     .spawn_scoped(scope, move || {
-                        let _run = inherited.install_as_owner();
+                        // Its own memory slot: its bytes are counted apart from the other
+                        // peers' (`memory::peer_meter_for`).
+                        let _run = inherited.install_as_owner(crate::memory::fresh_slot());
                         let peer = Arc::new(BurnPeer::<B>::start(topology, local, device, group));
                         let name = peer.name();
                         // A thread boundary: the peer's body is the user's code and may panic;

@@ -311,6 +311,8 @@ pub fn take_failure() -> Option<Error> {
 pub(crate) struct Inherited {
     context: RunContext,
     owner: ThreadId,
+    /// The memory slot of the training thread's peer (see [`crate::memory::SlotMeter`]).
+    slot: u32,
 }
 
 /// The run and training thread of the calling thread, for a thread it starts
@@ -319,12 +321,14 @@ pub(crate) fn inherit() -> Inherited {
     Inherited {
         context: current(),
         owner: owner(),
+        slot: crate::memory::thread_slot(),
     }
 }
 
 impl Inherited {
     /// Installs the inherited run on this (new) thread for the life of the guard.
     pub(crate) fn install(self) -> InheritedGuard {
+        let slot = crate::memory::set_thread_slot(self.slot);
         HERE.with(|here| {
             here.borrow_mut().stack.push(Installed {
                 context: self.context,
@@ -332,15 +336,19 @@ impl Inherited {
             })
         });
         InheritedGuard {
+            slot,
             _not_send: PhantomData,
         }
     }
 
     /// Installs the inherited run on this (new) thread as a training thread of its own (a
-    /// data-parallel peer: its steps, helpers and failures are its own, not the spawner's).
-    pub(crate) fn install_as_owner(self) -> InheritedGuard {
+    /// data-parallel peer: its steps, helpers and failures are its own, not the spawner's),
+    /// its blocks charged to the memory slot `slot` (0: the spawner's).
+    pub(crate) fn install_as_owner(self, slot: u32) -> InheritedGuard {
+        let slot = if slot == 0 { self.slot } else { slot };
         Inherited {
             owner: std::thread::current().id(),
+            slot,
             ..self
         }
         .install()
@@ -362,11 +370,14 @@ impl Inherited {
 
 /// The guard of [`Inherited::install`].
 pub(crate) struct InheritedGuard {
+    /// The slot the thread had before.
+    slot: u32,
     _not_send: PhantomData<*const ()>,
 }
 
 impl Drop for InheritedGuard {
     fn drop(&mut self) {
+        crate::memory::set_thread_slot(self.slot);
         HERE.with(|here| here.borrow_mut().stack.pop());
     }
 }

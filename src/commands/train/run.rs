@@ -102,14 +102,15 @@ where
             device,
         );
     }
-    // "dynamic" with peers: not yet (each peer would need a meter of its own; on the CPU they
-    // share the process's counting allocator).
-    if budget.is_some() && args.dist.devices > 1 {
+    // "auto" with peers: not yet ("dynamic" keeps a budget per peer: each reads its own
+    // meter, the bytes of its slot on the CPU, its device's elsewhere).
+    if budget.is_some() && *with_cp == WithCp::Auto && args.dist.devices > 1 {
         return Err(memsave::Error::invalid(
             keys.with_cp,
-            "\"auto\" and \"dynamic\" profile one training process, and --devices runs \
-             several peers in one: plan with `memsave plan CONFIG --budget SIZE` and pin the \
-             blocks it prints (`with_cp = [\"...\"]`), or run one peer per node (--devices 1)",
+            "\"auto\" profiles one training process, and --devices runs several peers in one: \
+             plan with `memsave plan CONFIG --budget SIZE` and pin the blocks it prints \
+             (`with_cp = [\"...\"]`), use \"dynamic\" (a budget per peer), or run one peer per \
+             node (--devices 1)",
         ));
     }
     let planner: Option<Box<dyn Hook<B, M>>> = match budget {
