@@ -409,3 +409,49 @@ fn zero_stages_over_two_local_peers_end_on_plain_data_parallelisms_weights() {
         let _ = std::fs::remove_dir_all(&root);
     });
 }
+
+#[test]
+fn dynamic_runs_with_local_peers_each_keeping_its_budget_and_auto_is_refused_naming_dynamic() {
+    let root = dir("dynamic");
+    let config = config(&root, 1);
+    let output = train(
+        &config,
+        &root.join("dynamic"),
+        &[
+            "--devices",
+            "2",
+            "--set",
+            "model.backbone.with_cp=\"dynamic\"",
+            "--set",
+            "memory.memory_budget=\"4GiB\"",
+        ],
+    );
+    let stderr = text(&output.stderr);
+    assert!(output.status.success(), "{stderr}");
+    // Each peer profiles its own first step and states its own budget.
+    assert_eq!(
+        stderr.matches("dynamic: budget 4.0 GiB").count(),
+        2,
+        "{stderr}"
+    );
+
+    let output = train(
+        &config,
+        &root.join("auto"),
+        &[
+            "--devices",
+            "2",
+            "--set",
+            "model.backbone.with_cp=\"auto\"",
+            "--set",
+            "memory.memory_budget=\"4GiB\"",
+        ],
+    );
+    let stderr = text(&output.stderr);
+    assert!(!output.status.success(), "{stderr}");
+    assert!(
+        stderr.contains("model.backbone.with_cp") && stderr.contains("\"dynamic\""),
+        "{stderr}"
+    );
+    let _ = std::fs::remove_dir_all(&root);
+}
