@@ -946,3 +946,123 @@ fn optimizer_offload_past_the_host_budget_stops_before_the_run_naming_what_it_ne
         assert!(!dir.exists(), "{} was written", dir.display());
     });
 }
+
+impl memsave::train::TrainModel<D> for Deep<D> {
+    type Batch = Tensor<D, 2>;
+
+    fn loss(&self, x: Tensor<D, 2>) -> Tensor<D, 1> {
+        let y = self.layers.iter().fold(x, |h, l| l.forward(h));
+        y.square().mean()
+    }
+}
+
+/// The same batch every step.
+struct Fixed(Tensor<D, 2>);
+
+impl memsave::train::DataSource<D, Tensor<D, 2>> for Fixed {
+    fn batches_per_epoch(&self) -> usize {
+        4
+    }
+
+    fn batch(
+        &self,
+        _epoch: usize,
+        _index: usize,
+        _device: &burn::tensor::Device<D>,
+    ) -> memsave::Result<Tensor<D, 2>> {
+        Ok(self.0.clone())
+    }
+}
+
+#[test]
+fn dynamic_offloads_inputs_where_recomputing_alone_cannot_keep_the_budget() {
+    use memsave::planner::{Budget, DynamicHook};
+    on_device(|| {
+        let device: burn::tensor::Device<D> = Default::default();
+        let saves = staging_active();
+        D::seed(&device, 9);
+        // Twelve segments whose kept inputs (1 MiB each) outweigh their weights.
+        let start = deep(64, &device);
+        let x = Tensor::<D, 2>::random([4096, 64], Distribution::Normal(0.0, 1.0), &device);
+        let run = |budget: Budget, name: &str| {
+            let dir = std::env::temp_dir().join(format!(
+                "memsave-device-dynamic-{name}-{}",
+                std::process::id()
+            ));
+            let mut runner = Runner::new(
+                start.clone(),
+                &OptimizerKind::Sgd {
+                    momentum: 0.9,
+                    weight_decay: 0.0,
+                    nesterov: false,
+                },
+                Box::new(OptimizerHook::new()),
+                Fixed(x.clone()),
+                RunLength::Iters(5),
+                &dir,
+                device.clone(),
+            )
+            .unwrap();
+            runner.register_hook(Box::new(LrUpdaterHook {
+                schedule: LrSchedule::constant(0.01),
+            }));
+            let hook = DynamicHook::new(budget, memsave::models::registry::BACKBONE_KEYS, &device)
+                .unwrap()
+                .with_log_interval(10);
+            let figures = hook.figures();
+            runner.register_hook(Box::new(hook));
+            reset_offload_stats();
+            runner.run().unwrap();
+            wait_for_copies();
+            let stats = offload_stats();
+            let figures = figures.borrow().clone();
+            let _ = std::fs::remove_dir_all(&dir);
+            (all_weights(&runner.into_model()), figures, stats)
+        };
+        // Everything fits: every segment kept, nothing offloaded. (A first run's profile holds
+        // what the process makes once: the second's floors are those the third one sees.)
+        run(Budget::Bytes(u64::MAX / 4), "first");
+        let (kept, all, _) = run(Budget::Bytes(u64::MAX / 4), "all");
+        assert_eq!(all.recomputed, 0, "{all:?}");
+        assert_eq!(all.offloaded, 0, "{all:?}");
+        let offloaded_floor = all.floor_offloaded.expect("staging is active");
+        assert!(offloaded_floor < all.floor, "{all:?}");
+        // Between the two floors: recomputing alone cannot keep it, offloading some inputs can.
+        let budget = offloaded_floor + (all.floor - offloaded_floor) / 4;
+        let (staged, figures, stats) = run(Budget::Bytes(budget), "between");
+        let mib = |b: u64| b as f64 / (1024.0 * 1024.0);
+        println!(
+            "device suite: {}: dynamic, 12 segments of 4096 x 64: floor {:.2} MiB recomputed, \
+             {:.2} MiB with inputs in host memory; at {:.2} MiB: {figures:?}; {stats:?}",
+            device_name(),
+            mib(all.floor),
+            mib(offloaded_floor),
+            mib(budget),
+        );
+        assert!(figures.offloaded > 0, "{figures:?}");
+        assert!(
+            stats.segments > 0,
+            "the chosen segments' inputs were copied: {stats:?}"
+        );
+        // Exact: the weights are the all-kept run's, bit for bit.
+        assert_eq!(kept.len(), staged.len());
+        assert!(
+            kept.iter()
+                .zip(&staged)
+                .all(|(a, b)| a.to_bits() == b.to_bits()),
+            "offloading changed the weights"
+        );
+        // On the CPU the host copies are heap bytes too: nothing is saved, and the steps after
+        // the first plan with that error as their margin (every input offloaded).
+        if saves {
+            assert!(
+                figures.highest_peak <= budget,
+                "every step within {budget}: {figures:?}"
+            );
+            assert!(
+                figures.offloaded < figures.recomputed,
+                "only what the budget needs: {figures:?}"
+            );
+        }
+    });
+}

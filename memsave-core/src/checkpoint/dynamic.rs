@@ -19,11 +19,23 @@ use std::thread::ThreadId;
 
 use super::SegmentId;
 
-/// Decides, at a segment's entry, whether it is checkpointed.
+/// What a segment does with its activations.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Choice {
+    /// Keeps them for backward (no recomputation).
+    Keep,
+    /// Keeps only its inputs, on the device, and recomputes the rest in backward.
+    Recompute,
+    /// Recomputes, its inputs waiting in host memory meanwhile (CPU staging: copied down in
+    /// the forward, brought back before the recomputation; see [`super::offload`]).
+    Offload,
+}
+
+/// Decides, at a segment's entry, what it keeps.
 pub trait Chooser: Send {
-    /// Whether the segment `id`, entered with a first float input of shape `shape`, is
-    /// checkpointed (`false`: it keeps its activations for backward). `None`: as its flag says.
-    fn choose(&mut self, id: SegmentId, shape: &[usize]) -> Option<bool>;
+    /// What the segment `id` does, entered with a first float input of shape `shape` and
+    /// `bytes` of float inputs in all. `None`: as its flag says (recomputed).
+    fn choose(&mut self, id: SegmentId, shape: &[usize], bytes: u64) -> Option<Choice>;
 }
 
 /// A chooser as the hook and the run share it.
@@ -33,6 +45,29 @@ thread_local! {
     /// Whether this thread set a chooser: segments on a thread that never did read nothing more
     /// than this (no lock of the run's parts on their path).
     static SET: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+    /// While a chosen segment's checkpoint runs on this thread: whether its inputs are staged
+    /// in host memory, whatever the run's activation offload setting says.
+    static STAGE: std::cell::Cell<Option<bool>> = const { std::cell::Cell::new(None) };
+}
+
+/// Runs `f` (a segment's checkpoint) with its inputs staged or not as `stage` says (`None`: as
+/// the run's activation offload setting says).
+pub(crate) fn staging<R>(stage: Option<bool>, f: impl FnOnce() -> R) -> R {
+    let before = STAGE.with(|s| s.replace(stage));
+    struct Restore(Option<bool>);
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            STAGE.with(|s| s.set(self.0));
+        }
+    }
+    let _restore = Restore(before);
+    f()
+}
+
+/// Whether the segment being checkpointed on this thread was chosen to stage its inputs
+/// (`Some(true)`) or not to (`Some(false)`); `None`: nothing chose.
+pub(crate) fn forced_staging() -> Option<bool> {
+    STAGE.with(|s| s.get())
 }
 
 /// The run's part: each training thread's chooser.
@@ -58,22 +93,22 @@ pub fn set_chooser(chooser: Option<SharedChooser>) {
     }
 }
 
-/// Whether the segment `id` (its flag on, its input tracked) is checkpointed: the calling
-/// training thread's chooser says, where it has one and is not recomputing (a recomputation
-/// repeats the forward as it ran).
-pub(crate) fn choose(id: SegmentId, shape: impl FnOnce() -> Vec<usize>) -> bool {
+/// What the segment `id` (its flag on, its input tracked) does: the calling training thread's
+/// chooser says, where it has one and is not recomputing (a recomputation repeats the forward
+/// as it ran); `None` where nothing chose (it is checkpointed as its flag says).
+pub(crate) fn choose(id: SegmentId, input: impl FnOnce() -> (Vec<usize>, u64)) -> Option<Choice> {
     if !SET.with(|set| set.get()) || super::context::is_recomputing_segment() {
-        return true;
+        return None;
     }
     let chooser = {
         let part = crate::run::current().part::<Choosers>();
         let choosers = part.0.lock().unwrap_or_else(|p| p.into_inner());
         match choosers.get(&crate::run::owner()) {
             Some(chooser) => chooser.clone(),
-            None => return true,
+            None => return None,
         }
     };
-    let shape = shape();
+    let (shape, bytes) = input();
     let mut chooser = chooser.lock().unwrap_or_else(|p| p.into_inner());
-    chooser.choose(id, &shape).unwrap_or(true)
+    chooser.choose(id, &shape, bytes)
 }

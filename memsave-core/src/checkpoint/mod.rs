@@ -237,14 +237,31 @@ where
     };
     reached::note(SegmentId::of(module));
     // A thread under `with_cp = "dynamic"` chooses per entry (see [`dynamic`]).
-    let checkpointed = with_cp
-        && floats.iter().any(B::is_tracked)
-        && dynamic::choose(SegmentId::of(module), || {
-            floats
+    let choice = if with_cp && floats.iter().any(B::is_tracked) {
+        let chosen = dynamic::choose(SegmentId::of(module), || {
+            let shape = floats
                 .first()
                 .map(|f| burn::tensor::TensorMetadata::shape(f).to_vec())
-                .unwrap_or_default()
+                .unwrap_or_default();
+            let bytes = floats
+                .iter()
+                .map(|f| {
+                    (burn::tensor::TensorMetadata::shape(f).num_elements()
+                        * burn::tensor::TensorMetadata::dtype(f).size()) as u64
+                })
+                .sum();
+            (shape, bytes)
         });
+        Some(chosen.unwrap_or(dynamic::Choice::Recompute))
+    } else {
+        None
+    };
+    let checkpointed = choice.is_some_and(|c| c != dynamic::Choice::Keep);
+    // Staged where chosen; elsewhere as the run's activation offload setting says.
+    let stage = match choice {
+        Some(dynamic::Choice::Offload) => Some(true),
+        _ => None,
+    };
     let device = floats.first().map(|first| B::float_device(first));
     let sync = || {
         if let Some(device) = &device {
@@ -253,7 +270,9 @@ where
     };
     profile::forward(SegmentId::of(module), checkpointed, sync, || {
         if checkpointed {
-            B::checkpoint_segment(method, module, input, segment, stream)
+            dynamic::staging(stage, || {
+                B::checkpoint_segment(method, module, input, segment, stream)
+            })
         } else {
             segment(module, input)
         }

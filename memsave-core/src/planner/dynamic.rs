@@ -33,7 +33,7 @@ use burn::tensor::backend::AutodiffBackend;
 use super::auto::note;
 use super::profile_hook::{segment_ids, set_flags, ProfileHook};
 use super::{plan, Budget, ModelKeys, Profile};
-use crate::checkpoint::dynamic::{set_chooser, Chooser, SharedChooser};
+use crate::checkpoint::dynamic::{set_chooser, Choice, Chooser, SharedChooser};
 use crate::checkpoint::{CheckpointModule, SegmentId};
 use crate::memory::{human, peer_meter_for, Meter};
 use crate::train::{Hook, TrainModel, TrainState};
@@ -84,10 +84,18 @@ pub struct IntervalFigures {
     pub recomputed: usize,
     /// Of those, the ones the plan would have kept and the meter's reading turned.
     pub turned: usize,
+    /// Of the recomputed, those whose inputs waited in host memory (CPU staging): chosen only
+    /// where recomputing alone cannot keep the budget.
+    pub offloaded: usize,
     /// The highest measured step peak.
     pub highest_peak: u64,
     /// The budget, in bytes.
     pub budget: u64,
+    /// The least a step takes at the first profile's input with every segment recomputed; and
+    /// with their inputs in host memory too, where CPU staging can save something.
+    pub floor: u64,
+    /// See `floor`.
+    pub floor_offloaded: Option<u64>,
     /// Per input size (the first segment's input shape): steps, kept, recomputed.
     pub by_size: BTreeMap<String, (usize, usize, usize)>,
 }
@@ -103,6 +111,8 @@ struct StepChoice {
     /// every profiled one.
     recording: bool,
     checkpointed: Vec<bool>,
+    /// Per segment: whether its inputs wait in host memory (it is recomputed too).
+    offloaded: Vec<bool>,
     predicted_peak: u64,
     /// Bytes the meter found live beyond the prediction, the most at any entry.
     short: u64,
@@ -121,6 +131,9 @@ struct Sized {
     elements: Vec<u64>,
     /// Per call: its segment and the live bytes above the step's start at its entry.
     entries: Vec<(usize, u64)>,
+    /// Per segment: the float input bytes of its calls (what offloading it takes off the
+    /// device).
+    inputs: Vec<u64>,
 }
 
 /// How far (a factor) a step's input may be from a profiled one's before it is profiled in
@@ -154,6 +167,62 @@ pub fn holds_most(at: &Profile) -> String {
         .unwrap_or_default()
 }
 
+/// How many segments backward brings back from host memory ahead of the one it recomputes
+/// (activation offload's default prefetch): their inputs are counted on the device from then.
+const PREFETCH: usize = 2;
+
+/// The peak predicted at `at` with every segment checkpointed and those `offloaded` keeping
+/// their inputs (`inputs`, bytes per segment) in host memory: off the device at the forward's
+/// end but for the last `PREFETCH` segments' (their copies may be under way), in backward
+/// until their recomputation is `PREFETCH` segments away.
+pub fn floor_offloaded(at: &Profile, inputs: &[u64], offloaded: &[bool]) -> u64 {
+    let all = vec![true; at.segments.len()];
+    let peaks = at.window_peaks(&all);
+    let on_host = |before: usize| -> u64 {
+        (0..before)
+            .filter(|&i| offloaded.get(i).copied().unwrap_or(false))
+            .map(|i| inputs.get(i).copied().unwrap_or(0))
+            .sum()
+    };
+    at.windows
+        .iter()
+        .zip(peaks)
+        .map(|(window, peak)| {
+            let off = if window.label == "forward" {
+                on_host(at.segments.len().saturating_sub(PREFETCH))
+            } else if window.label == "backward" {
+                on_host(at.segments.len())
+            } else if let Some(path) = window.label.strip_prefix("recompute ") {
+                match at.segments.iter().position(|s| s.path == path) {
+                    Some(j) => on_host(j.saturating_sub(PREFETCH)),
+                    None => 0,
+                }
+            } else {
+                0
+            };
+            peak.saturating_sub(off)
+        })
+        .max()
+        .unwrap_or(at.resident)
+}
+
+/// The segments to offload so that the floor at `at` fits `budget`: the largest inputs first
+/// (the fewest copies for the bytes), until it fits; `None` where even all do not.
+pub fn choose_offloaded(at: &Profile, inputs: &[u64], budget: u64) -> Option<(Vec<bool>, u64)> {
+    let mut offloaded = vec![false; at.segments.len()];
+    let mut order: Vec<usize> = (0..at.segments.len()).collect();
+    order.sort_by_key(|&i| std::cmp::Reverse(inputs.get(i).copied().unwrap_or(0)));
+    let mut peak = floor_offloaded(at, inputs, &offloaded);
+    for i in order {
+        if peak <= budget {
+            break;
+        }
+        offloaded[i] = true;
+        peak = floor_offloaded(at, inputs, &offloaded);
+    }
+    (peak <= budget).then_some((offloaded, peak))
+}
+
 /// The state the hook and the run's chooser share.
 struct Dynamic {
     meter: Box<dyn Meter>,
@@ -164,7 +233,8 @@ struct Dynamic {
     paths: HashMap<SegmentId, String>,
     /// While profiling: per call in order, the segment, its first input's elements and shape,
     /// and the live bytes above the step's start at its entry.
-    seen: Vec<(SegmentId, u64, Vec<usize>, u64)>,
+    /// ... and its float input bytes.
+    seen: Vec<(SegmentId, u64, Vec<usize>, u64, u64)>,
     /// The profiles taken, one per input size far enough from the others.
     profiles: Vec<Sized>,
     budget: u64,
@@ -177,6 +247,9 @@ struct Dynamic {
     step: Option<StepChoice>,
     /// A step whose least is over the budget: the error, recorded once.
     below: Option<String>,
+    /// Where CPU staging can save something on the run's device: the link's bytes a second
+    /// (0: not measured), which prices an offloaded segment's copies.
+    staging: Option<f64>,
     interval: IntervalFigures,
     all: IntervalFigures,
 }
@@ -198,6 +271,7 @@ impl Dynamic {
             profile: k,
             recording: false,
             checkpointed: Vec::new(),
+            offloaded: Vec::new(),
             predicted_peak: 0,
             short: 0,
             covered: 0,
@@ -224,7 +298,29 @@ impl Dynamic {
         // Under the margin nothing fits, and without it the least does: the least, then.
         let floor = at.floor() + shift;
         let all = vec![true; at.segments.len()];
-        match plan(&at, budget) {
+        // Where recomputing alone cannot keep the budget and CPU staging can save something,
+        // the largest inputs wait in host memory too.
+        let inputs: Vec<u64> = sized
+            .inputs
+            .iter()
+            .map(|&bytes| (bytes as f64 * ratio) as u64)
+            .collect();
+        let planned = plan(&at, budget);
+        let offloaded = match (&planned, self.staging) {
+            (Err(_), Some(_)) => choose_offloaded(&at, &inputs, budget),
+            _ => None,
+        };
+        if let Some((offloaded, peak)) = offloaded {
+            choice.predicted_peak = peak + shift;
+            choice.checkpointed = all;
+            choice.offloaded = offloaded;
+            return choice;
+        }
+        let floor = match self.staging {
+            Some(_) => floor_offloaded(&at, &inputs, &vec![true; at.segments.len()]) + shift,
+            None => floor,
+        };
+        match planned {
             Ok(plan) => {
                 choice.predicted_peak = plan.peak + shift;
                 choice.checkpointed = plan.checkpointed;
@@ -232,6 +328,9 @@ impl Dynamic {
             Err(_) if floor <= self.budget => {
                 choice.predicted_peak = floor;
                 choice.checkpointed = all;
+                if self.staging.is_some() {
+                    choice.offloaded = vec![true; at.segments.len()];
+                }
             }
             Err(_) => {
                 self.below = Some(format!(
@@ -250,6 +349,9 @@ impl Dynamic {
                 ));
                 choice.predicted_peak = floor;
                 choice.checkpointed = all;
+                if self.staging.is_some() {
+                    choice.offloaded = vec![true; at.segments.len()];
+                }
             }
         }
         choice
@@ -257,11 +359,11 @@ impl Dynamic {
 }
 
 impl Chooser for Dynamic {
-    fn choose(&mut self, id: SegmentId, shape: &[usize]) -> Option<bool> {
+    fn choose(&mut self, id: SegmentId, shape: &[usize], bytes: u64) -> Option<Choice> {
         let elements: u64 = shape.iter().map(|&d| d as u64).product();
         if self.profiling {
             let above = self.meter.live().saturating_sub(self.live_at_start);
-            self.seen.push((id, elements, shape.to_vec(), above));
+            self.seen.push((id, elements, shape.to_vec(), above, bytes));
             return None;
         }
         let index = *self.ids.get(&id)?;
@@ -286,12 +388,12 @@ impl Chooser for Dynamic {
         if step.recording {
             // A profiled step: every segment checkpointed, each entry kept for the profile.
             let above = live.saturating_sub(self.live_at_start);
-            self.seen.push((id, elements, shape.to_vec(), above));
+            self.seen.push((id, elements, shape.to_vec(), above, bytes));
             for figures in [&mut self.interval, &mut self.all] {
                 figures.recomputed += 1;
                 figures.by_size.entry(step.size.clone()).or_default().2 += 1;
             }
-            return Some(true);
+            return Some(Choice::Recompute);
         }
         let sized = &self.profiles[step.profile];
         let profile = &sized.profile;
@@ -323,6 +425,7 @@ impl Chooser for Dynamic {
         if !checkpointed {
             step.kept_so_far += per_call(index);
         }
+        let offloaded = checkpointed && step.offloaded.get(index).copied().unwrap_or(false);
         for figures in [&mut self.interval, &mut self.all] {
             let by_size = figures.by_size.entry(step.size.clone()).or_default();
             if checkpointed {
@@ -333,8 +436,15 @@ impl Chooser for Dynamic {
                 by_size.1 += 1;
             }
             figures.turned += turned as usize;
+            figures.offloaded += offloaded as usize;
         }
-        Some(checkpointed)
+        Some(if offloaded {
+            Choice::Offload
+        } else if checkpointed {
+            Choice::Recompute
+        } else {
+            Choice::Keep
+        })
     }
 }
 
@@ -409,6 +519,7 @@ impl DynamicHook {
                 live_at_start: 0,
                 step: None,
                 below: None,
+                staging: None,
                 interval: IntervalFigures::default(),
                 all: IntervalFigures::default(),
             })),
@@ -468,12 +579,14 @@ impl DynamicHook {
             profile.segments.iter().position(|s| &s.path == path)
         };
         let mut elements = vec![0; profile.segments.len()];
+        let mut inputs = vec![0; profile.segments.len()];
         let mut entries = Vec::new();
-        for (id, count, _, above) in &shared.seen {
+        for (id, count, _, above, bytes) in &shared.seen {
             if let Some(index) = index_of(id) {
                 if elements[index] == 0 {
                     elements[index] = *count;
                 }
+                inputs[index] += *bytes;
                 entries.push((index, *above));
             }
         }
@@ -481,6 +594,7 @@ impl DynamicHook {
             profile,
             elements,
             entries,
+            inputs,
         }
     }
 
@@ -495,7 +609,14 @@ impl DynamicHook {
         let budget = self.budget.bytes(unplanned);
         let mut shared = lock(&self.shared);
         shared.profiling = false;
-        let floor = profile.floor();
+        // With CPU staging, the least is every segment recomputed and its inputs in host memory.
+        let sized = Self::sized(&shared, profile);
+        let profile = sized.profile.clone();
+        let recomputed_floor = profile.floor();
+        let floor = match shared.staging {
+            Some(_) => floor_offloaded(&profile, &sized.inputs, &vec![true; sized.inputs.len()]),
+            None => recomputed_floor,
+        };
         let weights = profile.resident + profile.growth;
         if weights >= budget || floor > budget {
             let advice = if weights >= budget {
@@ -530,14 +651,23 @@ impl DynamicHook {
                 advice,
             });
         }
+        let staged = match shared.staging {
+            Some(link) if link > 0.0 => format!(
+                "; {} with their inputs in host memory too (the link {:.2} GB/s)",
+                human(floor),
+                link / 1e9
+            ),
+            Some(_) => format!("; {} with their inputs in host memory too", human(floor)),
+            None => String::new(),
+        };
         let line = format!(
             "dynamic: budget {} ({}); profiled at a first input of {:?}: peak {} without \
-             checkpointing, {} with every one of {} segments checkpointed",
+             checkpointing, {} with every one of {} segments checkpointed{staged}",
             human(budget),
             self.budget,
             shared.seen.first().map(|s| s.2.clone()).unwrap_or_default(),
             human(unplanned),
-            human(floor),
+            human(recomputed_floor),
             profile.segments.len(),
         );
         shared.budget = budget;
@@ -554,7 +684,12 @@ impl DynamicHook {
             .max()
             .unwrap_or(0);
         shared.calibrated = false;
-        let sized = Self::sized(&shared, profile);
+        let staged_floor = shared.staging.map(|_| floor);
+        let inner = &mut *shared;
+        for figures in [&mut inner.interval, &mut inner.all] {
+            figures.floor = recomputed_floor;
+            figures.floor_offloaded = staged_floor;
+        }
         shared.profiles.push(sized);
         drop(shared);
         note(state, &line);
@@ -570,6 +705,14 @@ impl<B: AutodiffBackend, M: TrainModel<B> + CheckpointModule> Hook<B, M> for Dyn
     fn before_run(&mut self, state: &mut TrainState<B, M>) -> Result<()> {
         self.first = state.iter;
         set_flags(state, &|_| true);
+        // CPU staging is the third choice where it can save something: priced by the link.
+        let staging = crate::checkpoint::offload::can_offload::<B::InnerBackend>()
+            .ok()
+            .map(|()| {
+                crate::checkpoint::measure_link::<B::InnerBackend>(&state.device, 16 << 20)
+                    .map_or(0.0, |link| link.slower())
+            });
+        lock(&self.shared).staging = staging;
         let chooser: SharedChooser = self.shared.clone();
         set_chooser(Some(chooser));
         Ok(())
@@ -754,11 +897,13 @@ impl<B: AutodiffBackend, M: TrainModel<B> + CheckpointModule> Hook<B, M> for Dyn
                 state,
                 &format!(
                     "dynamic: iters up to {}: segments kept {}, recomputed {} ({} of them turned \
-                     by the meter); highest step peak {} of the budget {}; by input: {}",
+                     by the meter, {} with their inputs in host memory); highest step peak {} \
+                     of the budget {}; by input: {}",
                     state.iter + 1,
                     figures.kept,
                     figures.recomputed,
                     figures.turned,
+                    figures.offloaded,
                     human(figures.highest_peak),
                     human(budget),
                     sizes.join("; ")
@@ -898,6 +1043,57 @@ mod tests {
             host_step_seconds: 0.0,
             link_bytes_per_second: 0.0,
         }
+    }
+
+    #[test]
+    fn offloading_takes_the_inputs_off_where_they_wait_and_the_largest_first() {
+        // Four segments in forward order, inputs of 40, 10, 30, 20 bytes; with every one
+        // recomputed the backward window peaks at 1300 and each recomputation lower.
+        let mut at = profile();
+        let segment = at.segments[0].clone();
+        at.segments = ["a", "b", "c", "d"]
+            .iter()
+            .map(|path| SegmentProfile {
+                path: path.to_string(),
+                ..segment.clone()
+            })
+            .collect();
+        let window = |label: &str, peak: u64| Window {
+            label: label.into(),
+            peak,
+            gradients: 0,
+            batch_scaled: true,
+            alive: Vec::new(),
+            recomputed: Vec::new(),
+            state_made: 0,
+        };
+        at.windows = vec![
+            window("forward", 1200),
+            window("backward", 1300),
+            window("recompute d", 1250),
+            window("recompute c", 1200),
+            window("recompute b", 1150),
+            window("recompute a", 1100),
+            window("step", 1050),
+        ];
+        let inputs = [40, 10, 30, 20];
+        let none = [false; 4];
+        assert_eq!(floor_offloaded(&at, &inputs, &none), 1300);
+        // All offloaded: the forward without all but the last two (1200 - 50), backward
+        // without all four (1200); recomputing d, a is still away (b comes back before:
+        // 1250 - 40), recomputing c, nothing (1200).
+        let all = [true; 4];
+        assert_eq!(floor_offloaded(&at, &inputs, &all), 1210);
+        // To fit 1260: a (the largest input) is enough: 1300 - 40.
+        let (chosen, peak) = choose_offloaded(&at, &inputs, 1260).unwrap();
+        assert_eq!(chosen, [true, false, false, false]);
+        assert_eq!(peak, 1260);
+        // To fit 1230: a, then c: the backward at 1230, the recomputation of d at 1210.
+        let (chosen, peak) = choose_offloaded(&at, &inputs, 1230).unwrap();
+        assert_eq!(chosen, [true, false, true, false]);
+        assert_eq!(peak, 1230);
+        // Below what every input in host memory gives: none.
+        assert!(choose_offloaded(&at, &inputs, 1209).is_none());
     }
 
     #[test]

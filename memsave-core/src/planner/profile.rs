@@ -413,6 +413,14 @@ impl Profile {
     /// The peak predicted with the segments `checkpointed` (one flag per segment) and the rest
     /// keeping their activations.
     pub(crate) fn predict_peak(&self, checkpointed: &[bool]) -> u64 {
+        self.window_peaks(checkpointed)
+            .into_iter()
+            .max()
+            .unwrap_or(self.resident)
+    }
+
+    /// [`Profile::predict_peak`] window by window.
+    pub(crate) fn window_peaks(&self, checkpointed: &[bool]) -> Vec<u64> {
         self.windows
             .iter()
             .map(|window| {
@@ -432,8 +440,7 @@ impl Profile {
                     .sum();
                 (window.peak + kept + self.carried(window)).saturating_sub(held)
             })
-            .max()
-            .unwrap_or(self.resident)
+            .collect()
     }
 
     /// What a later step holds in `window` that the profiled one did not (the optimizer state

@@ -36,7 +36,12 @@ where
     C: CheckpointStrategy,
     I: Segment<Autodiff<B, C>>,
 {
-    let Some(setting) = activation_offload() else {
+    // A segment `"dynamic"` chose to offload stages with the defaults where the run has no
+    // setting of its own.
+    let forced = crate::checkpoint::dynamic::forced_staging();
+    let Some(setting) =
+        activation_offload().or(forced.filter(|on| *on).map(|_| Default::default()))
+    else {
         return (input, None);
     };
     if crate::checkpoint::context::is_recomputing() || run::has_failed() {
