@@ -414,20 +414,28 @@ fn zero_stages_over_two_local_peers_end_on_plain_data_parallelisms_weights() {
 fn dynamic_runs_with_local_peers_each_keeping_its_budget_and_auto_is_refused_naming_dynamic() {
     let root = dir("dynamic");
     let config = config(&root, 1);
-    let output = train(
-        &config,
-        &root.join("dynamic"),
-        &[
+    // Two peers under a deadline: `with_cp` as given, a budget of 4 GiB each.
+    let run = |with_cp: &str, name: &str| {
+        let work = root.join(name);
+        let log = root.join(format!("{name}.log"));
+        let args = strings(&[
+            "train",
+            config.to_str().unwrap(),
+            "--work-dir",
+            work.to_str().unwrap(),
             "--devices",
             "2",
             "--set",
-            "model.backbone.with_cp=\"dynamic\"",
+            &format!("model.backbone.with_cp=\"{with_cp}\""),
             "--set",
             "memory.memory_budget=\"4GiB\"",
-        ],
-    );
-    let stderr = text(&output.stderr);
-    assert!(output.status.success(), "{stderr}");
+        ]);
+        let mut children = Reaper(vec![spawn(&args, &log)]);
+        let status = wait(&mut children, 0, 300, name);
+        (status, std::fs::read_to_string(&log).unwrap())
+    };
+    let (status, stderr) = run("dynamic", "dynamic");
+    assert!(status.success(), "{stderr}");
     // Each peer profiles its own first step and states its own budget.
     assert_eq!(
         stderr.matches("dynamic: budget 4.0 GiB").count(),
@@ -435,20 +443,8 @@ fn dynamic_runs_with_local_peers_each_keeping_its_budget_and_auto_is_refused_nam
         "{stderr}"
     );
 
-    let output = train(
-        &config,
-        &root.join("auto"),
-        &[
-            "--devices",
-            "2",
-            "--set",
-            "model.backbone.with_cp=\"auto\"",
-            "--set",
-            "memory.memory_budget=\"4GiB\"",
-        ],
-    );
-    let stderr = text(&output.stderr);
-    assert!(!output.status.success(), "{stderr}");
+    let (status, stderr) = run("auto", "auto");
+    assert!(!status.success(), "{stderr}");
     assert!(
         stderr.contains("model.backbone.with_cp") && stderr.contains("\"dynamic\""),
         "{stderr}"

@@ -344,7 +344,6 @@ fn data_parallel_peers_in_one_process_keep_a_budget_each_and_train_as_plain_peer
         {
             let figures = figures.as_ref().unwrap();
             eprintln!("peer {rank}: {figures:?}");
-            assert_eq!(figures.budget, budget);
             assert_eq!(figures.steps, 4, "every step after the profile");
             assert!(
                 figures.highest_peak <= budget,

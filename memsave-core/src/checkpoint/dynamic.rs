@@ -45,29 +45,6 @@ thread_local! {
     /// Whether this thread set a chooser: segments on a thread that never did read nothing more
     /// than this (no lock of the run's parts on their path).
     static SET: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
-    /// While a chosen segment's checkpoint runs on this thread: whether its inputs are staged
-    /// in host memory, whatever the run's activation offload setting says.
-    static STAGE: std::cell::Cell<Option<bool>> = const { std::cell::Cell::new(None) };
-}
-
-/// Runs `f` (a segment's checkpoint) with its inputs staged or not as `stage` says (`None`: as
-/// the run's activation offload setting says).
-pub(crate) fn staging<R>(stage: Option<bool>, f: impl FnOnce() -> R) -> R {
-    let before = STAGE.with(|s| s.replace(stage));
-    struct Restore(Option<bool>);
-    impl Drop for Restore {
-        fn drop(&mut self) {
-            STAGE.with(|s| s.set(self.0));
-        }
-    }
-    let _restore = Restore(before);
-    f()
-}
-
-/// Whether the segment being checkpointed on this thread was chosen to stage its inputs
-/// (`Some(true)`) or not to (`Some(false)`); `None`: nothing chose.
-pub(crate) fn forced_staging() -> Option<bool> {
-    STAGE.with(|s| s.get())
 }
 
 /// The run's part: each training thread's chooser.

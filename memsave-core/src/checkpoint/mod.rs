@@ -113,13 +113,16 @@ pub trait CheckpointBackend: Backend {
     /// Runs `segment(module, input)`; on an autodiff backend, keeps only `input` and recomputes
     /// the segment in backward. `method` names the segment in warnings. `stream`: the seed the
     /// backend's random stream was given before this call, to give it again before the
-    /// recomputation (see [`RandomDraws`]). Use [`checkpoint`], which also applies MMCV's guard.
+    /// recomputation (see [`RandomDraws`]). `stage`: its inputs wait in host memory whatever the
+    /// run's activation offload setting says (`with_cp = "dynamic"` chose it). Use
+    /// [`checkpoint`], which also applies MMCV's guard.
     fn checkpoint_segment<M, I, O, F>(
         method: &'static str,
         module: &M,
         input: I,
         segment: F,
         stream: Option<u64>,
+        stage: bool,
     ) -> O
     where
         M: Module<Self> + 'static,
@@ -258,10 +261,7 @@ where
     };
     let checkpointed = choice.is_some_and(|c| c != dynamic::Choice::Keep);
     // Staged where chosen; elsewhere as the run's activation offload setting says.
-    let stage = match choice {
-        Some(dynamic::Choice::Offload) => Some(true),
-        _ => None,
-    };
+    let stage = choice == Some(dynamic::Choice::Offload);
     let device = floats.first().map(|first| B::float_device(first));
     let sync = || {
         if let Some(device) = &device {
@@ -270,9 +270,7 @@ where
     };
     profile::forward(SegmentId::of(module), checkpointed, sync, || {
         if checkpointed {
-            dynamic::staging(stage, || {
-                B::checkpoint_segment(method, module, input, segment, stream)
-            })
+            B::checkpoint_segment(method, module, input, segment, stream, stage)
         } else {
             segment(module, input)
         }
@@ -330,6 +328,7 @@ macro_rules! plain_backend {
                 input: I,
                 segment: F,
                 _stream: Option<u64>,
+                _stage: bool,
             ) -> O
             where
                 M: Module<Self> + 'static,

@@ -40,11 +40,23 @@ const HEADER: usize = 16;
 /// that each peer has a meter of its own ([`SlotMeter`]) though all share the process's heap.
 /// Slot 0: no peer.
 pub const SLOTS: usize = 64;
+/// Per slot: live bytes, their peak since [`SlotMeter::reset_peak`] and since the last window;
+/// and the next slot [`fresh_slot`] hands out.
+struct Slots {
+    live: [AtomicUsize; SLOTS],
+    peak: [AtomicUsize; SLOTS],
+    window: [AtomicUsize; SLOTS],
+    next: AtomicU32,
+}
+
 #[allow(clippy::declare_interior_mutable_const)]
 const UZERO: AtomicUsize = AtomicUsize::new(0);
-static SLOT_LIVE: [AtomicUsize; SLOTS] = [UZERO; SLOTS];
-static SLOT_PEAK: [AtomicUsize; SLOTS] = [UZERO; SLOTS];
-static SLOT_WINDOW: [AtomicUsize; SLOTS] = [UZERO; SLOTS];
+static SLOTS_OF: Slots = Slots {
+    live: [UZERO; SLOTS],
+    peak: [UZERO; SLOTS],
+    window: [UZERO; SLOTS],
+    next: AtomicU32::new(0),
+};
 
 thread_local! {
     /// The slot this thread's blocks are charged to (a const initialiser, no destructor: read
@@ -55,8 +67,7 @@ thread_local! {
 /// A slot no thread took lately (they are handed out in turn, 1 to `SLOTS - 1`), for a new
 /// peer: bytes a peer of an earlier group left live are not counted as the new one's.
 pub fn fresh_slot() -> u32 {
-    static NEXT: AtomicU32 = AtomicU32::new(0);
-    NEXT.fetch_add(1, Ordering::Relaxed) % (SLOTS as u32 - 1) + 1
+    SLOTS_OF.next.fetch_add(1, Ordering::Relaxed) % (SLOTS as u32 - 1) + 1
 }
 
 /// The calling thread's slot (0: none).
@@ -77,24 +88,24 @@ pub struct SlotMeter(pub u32);
 
 impl super::Meter for SlotMeter {
     fn live(&self) -> u64 {
-        SLOT_LIVE[self.0 as usize % SLOTS].load(Ordering::Relaxed) as u64
+        SLOTS_OF.live[self.0 as usize % SLOTS].load(Ordering::Relaxed) as u64
     }
 
     fn reset_peak(&self) -> u64 {
         let slot = self.0 as usize % SLOTS;
-        let now = SLOT_LIVE[slot].load(Ordering::Relaxed);
-        SLOT_PEAK[slot].store(now, Ordering::Relaxed);
+        let now = SLOTS_OF.live[slot].load(Ordering::Relaxed);
+        SLOTS_OF.peak[slot].store(now, Ordering::Relaxed);
         now as u64
     }
 
     fn peak(&self) -> u64 {
-        SLOT_PEAK[self.0 as usize % SLOTS].load(Ordering::Relaxed) as u64
+        SLOTS_OF.peak[self.0 as usize % SLOTS].load(Ordering::Relaxed) as u64
     }
 
     fn window_peak(&self) -> u64 {
         let slot = self.0 as usize % SLOTS;
-        let now = SLOT_LIVE[slot].load(Ordering::Relaxed);
-        SLOT_WINDOW[slot].swap(now, Ordering::Relaxed).max(now) as u64
+        let now = SLOTS_OF.live[slot].load(Ordering::Relaxed);
+        SLOTS_OF.window[slot].swap(now, Ordering::Relaxed).max(now) as u64
     }
 }
 
@@ -112,9 +123,9 @@ impl CountingAllocator {
     fn grew(size: usize, tag: u32, slot: u32) {
         if slot != 0 {
             let slot = slot as usize % SLOTS;
-            let now = SLOT_LIVE[slot].fetch_add(size, Ordering::Relaxed) + size;
-            SLOT_PEAK[slot].fetch_max(now, Ordering::Relaxed);
-            SLOT_WINDOW[slot].fetch_max(now, Ordering::Relaxed);
+            let now = SLOTS_OF.live[slot].fetch_add(size, Ordering::Relaxed) + size;
+            SLOTS_OF.peak[slot].fetch_max(now, Ordering::Relaxed);
+            SLOTS_OF.window[slot].fetch_max(now, Ordering::Relaxed);
         }
         TAG_LIVE[tag as usize].fetch_add(size as isize, Ordering::Relaxed);
         let now = CURRENT.fetch_add(size, Ordering::Relaxed) + size;
@@ -134,7 +145,7 @@ impl CountingAllocator {
 
     fn shrank(size: usize, tag: u32, slot: u32) {
         if slot != 0 {
-            SLOT_LIVE[slot as usize % SLOTS].fetch_sub(size, Ordering::Relaxed);
+            SLOTS_OF.live[slot as usize % SLOTS].fetch_sub(size, Ordering::Relaxed);
         }
         CURRENT.fetch_sub(size, Ordering::Relaxed);
         TAG_LIVE[tag as usize].fetch_sub(size as isize, Ordering::Relaxed);

@@ -223,6 +223,16 @@ pub fn choose_offloaded(at: &Profile, inputs: &[u64], budget: u64) -> Option<(Ve
     (peak <= budget).then_some((offloaded, peak))
 }
 
+/// The least a step takes at `at`: every segment recomputed, and, `staged`, their inputs in
+/// host memory too.
+fn least(at: &Profile, inputs: &[u64], staged: bool) -> u64 {
+    if staged {
+        floor_offloaded(at, inputs, &vec![true; at.segments.len()])
+    } else {
+        at.floor()
+    }
+}
+
 /// The state the hook and the run's chooser share.
 struct Dynamic {
     meter: Box<dyn Meter>,
@@ -295,8 +305,6 @@ impl Dynamic {
             .live_at_start
             .saturating_sub(profile.resident + profile.growth);
         let budget = self.budget.saturating_sub(self.margin + shift);
-        // Under the margin nothing fits, and without it the least does: the least, then.
-        let floor = at.floor() + shift;
         let all = vec![true; at.segments.len()];
         // Where recomputing alone cannot keep the budget and CPU staging can save something,
         // the largest inputs wait in host memory too.
@@ -316,23 +324,14 @@ impl Dynamic {
             choice.offloaded = offloaded;
             return choice;
         }
-        let floor = match self.staging {
-            Some(_) => floor_offloaded(&at, &inputs, &vec![true; at.segments.len()]) + shift,
-            None => floor,
-        };
+        let floor = least(&at, &inputs, self.staging.is_some()) + shift;
         match planned {
             Ok(plan) => {
                 choice.predicted_peak = plan.peak + shift;
                 choice.checkpointed = plan.checkpointed;
+                return choice;
             }
-            Err(_) if floor <= self.budget => {
-                choice.predicted_peak = floor;
-                choice.checkpointed = all;
-                if self.staging.is_some() {
-                    choice.offloaded = vec![true; at.segments.len()];
-                }
-            }
-            Err(_) => {
+            Err(_) if floor > self.budget => {
                 self.below = Some(format!(
                     "at this input size (a first segment input of shape {}, {ratio:.2}x the \
                      nearest profiled one), one step with every segment checkpointed is \
@@ -347,13 +346,15 @@ impl Dynamic {
                     human(self.budget),
                     holds_most(&at),
                 ));
-                choice.predicted_peak = floor;
-                choice.checkpointed = all;
-                if self.staging.is_some() {
-                    choice.offloaded = vec![true; at.segments.len()];
-                }
             }
+            // Under the margin nothing fits, and without it the least does: the least, then.
+            Err(_) => {}
         }
+        choice.predicted_peak = floor;
+        if self.staging.is_some() {
+            choice.offloaded = vec![true; all.len()];
+        }
+        choice.checkpointed = all;
         choice
     }
 }
@@ -611,12 +612,9 @@ impl DynamicHook {
         shared.profiling = false;
         // With CPU staging, the least is every segment recomputed and its inputs in host memory.
         let sized = Self::sized(&shared, profile);
-        let profile = sized.profile.clone();
+        let profile = &sized.profile;
         let recomputed_floor = profile.floor();
-        let floor = match shared.staging {
-            Some(_) => floor_offloaded(&profile, &sized.inputs, &vec![true; sized.inputs.len()]),
-            None => recomputed_floor,
-        };
+        let floor = least(profile, &sized.inputs, shared.staging.is_some());
         let weights = profile.resident + profile.growth;
         if weights >= budget || floor > budget {
             let advice = if weights >= budget {
@@ -635,7 +633,7 @@ impl DynamicHook {
                     self.keys.with_cp,
                     human(floor),
                     human(weights),
-                    holds_most(&profile),
+                    holds_most(profile),
                     self.keys.batch
                 )
             };

@@ -116,6 +116,7 @@ impl<B: Backend, C: CheckpointStrategy> CheckpointBackend for Autodiff<B, C> {
         input: I,
         segment: F,
         stream: Option<u64>,
+        stage: bool,
     ) -> O
     where
         M: Module<Self> + 'static,
@@ -191,7 +192,7 @@ impl<B: Backend, C: CheckpointStrategy> CheckpointBackend for Autodiff<B, C> {
         let module = module.clone();
         let id = super::profile::pending();
         // With activation offload, the kept input waits in host memory (`super::offload`).
-        let (input, staged) = super::offload::stage::<B, C, I>(input, || {
+        let (input, staged) = super::offload::stage::<B, C, I>(input, stage, || {
             super::id::segment_name(std::any::type_name::<M>(), method)
         });
         let run: Run<B> = Box::new(move |output_grads| {

@@ -29,6 +29,7 @@ pub(in crate::checkpoint) struct Staged<B: Backend> {
 /// ([`crate::run`]): the forward goes on, and whoever drives the step ends it with the error.
 pub(in crate::checkpoint) fn stage<B, C, I>(
     input: I,
+    forced: bool,
     name: impl FnOnce() -> String,
 ) -> (I, Option<Staged<B>>)
 where
@@ -36,12 +37,9 @@ where
     C: CheckpointStrategy,
     I: Segment<Autodiff<B, C>>,
 {
-    // A segment `"dynamic"` chose to offload stages with the defaults where the run has no
-    // setting of its own.
-    let forced = crate::checkpoint::dynamic::forced_staging();
-    let Some(setting) =
-        activation_offload().or(forced.filter(|on| *on).map(|_| Default::default()))
-    else {
+    // A segment `"dynamic"` chose to offload (`forced`) stages with the defaults where the run
+    // has no setting of its own.
+    let Some(setting) = activation_offload().or(forced.then(Default::default)) else {
         return (input, None);
     };
     if crate::checkpoint::context::is_recomputing() || run::has_failed() {
