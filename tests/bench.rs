@@ -84,7 +84,9 @@ fn every_configuration_measured_reported_and_drawn() {
             "all",
             "step_in_backward",
             "int8_state",
-            "lean"
+            "lean",
+            "bf16_weights",
+            "lean_bf16"
         ]
     );
     for config in configs {
@@ -186,6 +188,20 @@ fn every_configuration_measured_reported_and_drawn() {
         whole("lean"),
         whole("base")
     );
+    // bf16 weights: half the parameters' bytes (BatchNorm's stay fp32: a little more), and
+    // less again with lean.
+    let bf16 = bytes(config("bf16_weights"), "parameters");
+    assert!(
+        bf16 * 2 >= weights && bf16 * 2 < weights + weights / 20,
+        "{bf16} vs {weights}"
+    );
+    assert!(
+        whole("lean_bf16") < whole("lean"),
+        "{} vs {}",
+        whole("lean_bf16"),
+        whole("lean")
+    );
+    assert!(loss("bf16_weights").is_finite());
 
     // The table on stdout, the pictures on disk.
     assert!(

@@ -292,6 +292,7 @@ fn the_shipped_configs_load() {
         ),
         ("resnet18_synthetic_int8_state.toml", "optimizer", false),
         ("resnet18_synthetic_offload.toml", "optimizer", true),
+        ("resnet18_synthetic_bf16_weights.toml", "optimizer", false),
     ];
     for (file, hook, with_cp) in expected {
         let config = Cfg::load(&root.join(file), &[]).unwrap();
@@ -305,6 +306,15 @@ fn the_shipped_configs_load() {
         assert_eq!(
             config.optimizer().state_dtype == memsave::train::StateDtype::Int8,
             file.contains("int8"),
+            "{file}"
+        );
+        assert_eq!(
+            config.optimizer().weights.dtype,
+            if file.contains("bf16_weights") {
+                memsave::train::WeightDtype::Bf16
+            } else {
+                memsave::train::WeightDtype::F32
+            },
             "{file}"
         );
         let offload = file.contains("offload");
@@ -399,6 +409,50 @@ fn unknown_optimizer_parameters_suggest_the_closest_one() {
     .unwrap_err()
     .to_string();
     assert!(message.contains("did you mean `momentum`"), "{message}");
+}
+
+/// `weight_dtype` and `weight_rounding`: read (the run's seed seeds the draws), and a value
+/// that is not one of theirs names the key and the choices.
+#[test]
+fn weight_compression_keys_are_read_and_bad_values_name_the_choices() {
+    use memsave::train::{WeightDtype, WeightRounding};
+    let with = |values: &str| BASE.replace("momentum = 0.9", &format!("momentum = 0.9\n{values}"));
+    let config = Cfg::parse(
+        &with("weight_dtype = \"f16\"\nweight_rounding = \"kahan\""),
+        Path::new("test.toml"),
+        &[],
+    )
+    .unwrap();
+    let weights = config.optimizer().weights;
+    assert_eq!(
+        (weights.dtype, weights.rounding, weights.seed),
+        (WeightDtype::F16, WeightRounding::Kahan, config.seed)
+    );
+    let defaults = parse("").unwrap().optimizer().weights;
+    assert_eq!(
+        (defaults.dtype, defaults.rounding),
+        (WeightDtype::F32, WeightRounding::Stochastic)
+    );
+    for (values, key, choices) in [
+        (
+            "weight_dtype = \"bf17\"",
+            "weight_dtype",
+            ["fp32", "bf16", "f16"],
+        ),
+        (
+            "weight_rounding = \"up\"",
+            "weight_rounding",
+            ["stochastic", "nearest", "kahan"],
+        ),
+    ] {
+        let message = Cfg::parse(&with(values), Path::new("test.toml"), &[])
+            .unwrap_err()
+            .to_string();
+        assert!(message.contains(key), "{message}");
+        for choice in choices {
+            assert!(message.contains(choice), "{message}");
+        }
+    }
 }
 
 #[test]

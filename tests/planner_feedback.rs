@@ -92,6 +92,7 @@ fn a_step_over_the_budget_adds_segments_and_says_so() {
             clips: false,
             offload_activations: false,
             offload_optimizer: false,
+            weight_dtype: Default::default(),
         };
         // The whole unplanned peak: nothing needs checkpointing at first.
         let planner = AutoPlanHook::new(Budget::Fraction(1.0), setting, BACKBONE_KEYS, &device)
@@ -173,6 +174,7 @@ fn a_device_out_of_memory_after_the_plan_ends_with_what_would_fit() {
             clips: false,
             offload_activations: false,
             offload_optimizer: false,
+            weight_dtype: Default::default(),
         };
         let planner =
             AutoPlanHook::new(Budget::Fraction(1.0), setting, BACKBONE_KEYS, &device).unwrap();
@@ -238,6 +240,7 @@ fn a_step_skipped_on_an_overflow_is_not_profiled_the_next_one_is() {
             clips: false,
             offload_activations: false,
             offload_optimizer: false,
+            weight_dtype: Default::default(),
         };
         let planner =
             AutoPlanHook::new(Budget::Fraction(1.0), setting, BACKBONE_KEYS, &device).unwrap();

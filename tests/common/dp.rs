@@ -20,7 +20,8 @@ use memsave::parallel::{
     ZeroStage,
 };
 use memsave::train::{
-    DataSource, Hook, IterLog, OptimizerKind, RunLength, Runner, TrainModel, TrainState,
+    DataSource, Hook, IterLog, OptimizerKind, OptimizerSpec, RunLength, Runner, TrainModel,
+    TrainState,
 };
 
 use super::tiny::TinyNet;
@@ -83,7 +84,7 @@ pub fn sgd() -> OptimizerKind {
 /// [`runner`] with `optimizer` (any model).
 pub fn runner_with<M: TrainModel<AB>, D: DataSource<AB, M::Batch>>(
     model: M,
-    optimizer: &OptimizerKind,
+    optimizer: impl Into<OptimizerSpec>,
     hook: Box<dyn Hook<AB, M>>,
     data: D,
     length: RunLength,
@@ -131,7 +132,7 @@ pub fn peer_runner<D: DataSource<AB, ClassificationBatch<AB>>>(
 #[allow(clippy::too_many_arguments)]
 pub fn peer_runner_with<M: TrainModel<AB>, D: DataSource<AB, M::Batch>>(
     model: M,
-    optimizer: &OptimizerKind,
+    optimizer: impl Into<OptimizerSpec>,
     stage: ZeroStage,
     hook: OptimizerHook,
     data: D,
@@ -235,7 +236,7 @@ pub fn two_peers_of<M: TrainModel<AB>, D: DataSource<AB, M::Batch>>(
     name: &str,
     model: impl Fn() -> M + Sync,
     data: impl Fn(usize, Shard) -> D + Sync,
-    optimizer: &OptimizerKind,
+    optimizer: impl Into<OptimizerSpec> + Copy + Sync,
     stage: ZeroStage,
     hook: impl Fn() -> OptimizerHook + Sync,
     length: RunLength,

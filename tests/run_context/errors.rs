@@ -111,10 +111,12 @@ fn a_file_that_is_not_a_snapshot_keeps_the_format_error() {
             epoch: 0,
             param_shapes: vec![],
             precision: None,
+            weights: None,
             hooks: BTreeMap::new(),
         },
         model: vec![1, 2, 3],
         optimizer: vec![4, 5, 6],
+        weights: None,
     };
     let mut bytes = snapshot.to_bytes().unwrap();
     let middle = bytes.len() / 2;
@@ -141,10 +143,12 @@ fn a_snapshot_whose_model_record_is_damaged_keeps_the_codecs_error() {
             epoch: 0,
             param_shapes: vec![vec![3, 2], vec![2]],
             precision: None,
+            weights: None,
             hooks: BTreeMap::new(),
         },
         model: vec![0xff; 17],
         optimizer: vec![],
+        weights: None,
     };
     let path = dir("codec").join("damaged.ckpt");
     snapshot.save(&path).unwrap();

@@ -97,6 +97,7 @@ impl<M, D> Config<M, D> {
             clips: self.optimizer_config.grad_clip.is_some(),
             offload_activations: self.offload.activations,
             offload_optimizer: self.offload.optimizer,
+            weight_dtype: self.optimizer.weight_dtype,
         }
     }
 
@@ -105,12 +106,19 @@ impl<M, D> Config<M, D> {
         self.optimizer.kind.clone()
     }
 
-    /// The optimizer and how it keeps its state.
+    /// The optimizer, how it keeps its state, and how the trainable weights are kept (the
+    /// stochastic rounding's draws seeded by the run's `seed`).
     pub fn optimizer(&self) -> OptimizerSpec {
+        let weights = crate::train::WeightSpec::new(
+            self.optimizer.weight_dtype,
+            self.optimizer.weight_rounding,
+        )
+        .with_seed(self.seed);
         self.optimizer
             .kind
             .clone()
             .with_state_dtype(self.optimizer.state_dtype)
+            .with_weights(weights)
     }
 
     /// How long the run is.

@@ -10,7 +10,7 @@ use smart_default::SmartDefault;
 use crate::fp16::Precision;
 use crate::hooks::GradClip;
 use crate::scaler::{LossScaler, ScaleMode};
-use crate::train::{OptimizerKind, StateDtype};
+use crate::train::{OptimizerKind, StateDtype, WeightDtype, WeightRounding};
 use crate::Result;
 
 /// `[optimizer]`: `type`, `lr`, how the state is kept, and the optimizer's parameters.
@@ -22,6 +22,14 @@ pub struct OptimizerSection {
     /// 8-bit optimizers; approximate).
     #[serde(default)]
     pub state_dtype: StateDtype,
+    /// `"fp32"` (default), `"bf16"` or `"f16"`: the trainable weights in 16 bits as their only
+    /// copy (parameter compression), the forward running on them.
+    #[serde(default)]
+    pub weight_dtype: WeightDtype,
+    /// `"stochastic"` (default), `"nearest"` or `"kahan"`: how each fp32 update is rounded
+    /// back to the 16-bit weights.
+    #[serde(default)]
+    pub weight_rounding: WeightRounding,
     /// The optimizer and its parameters.
     #[serde(flatten)]
     pub kind: OptimizerKind,

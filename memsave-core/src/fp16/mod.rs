@@ -269,6 +269,12 @@ pub fn cast_params<B: Backend, M: Module<B>>(module: M, precision: Precision) ->
     })
 }
 
+/// Casts every float parameter of `module` in `from` to `to` (bf16 weights to an f16 forward
+/// copy), keeping ids and `require_grad`.
+pub(crate) fn recast_params<B: Backend, M: Module<B>>(module: M, from: DType, to: DType) -> M {
+    module.map(&mut ParamCaster { from, to })
+}
+
 /// The [`ModuleMapper`] behind [`cast_params`].
 struct ParamCaster {
     from: DType,

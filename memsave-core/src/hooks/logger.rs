@@ -32,6 +32,9 @@ pub struct LoggerHook {
     grad_norms: Vec<f64>,
     /// Sums and counts of the loss's named parts since the last line, in first-seen order.
     parts: Vec<(&'static str, f64, usize)>,
+    /// With 16-bit weights: the shares of updates that left their weight unchanged, per step
+    /// since the last line.
+    unchanged: Vec<f64>,
     file: Option<File>,
     started: Option<Instant>,
     meter: Option<Box<dyn memory::Meter>>,
@@ -45,6 +48,7 @@ impl LoggerHook {
             losses: Vec::new(),
             grad_norms: Vec::new(),
             parts: Vec::new(),
+            unchanged: Vec::new(),
             file: None,
             started: None,
             meter: None,
@@ -109,6 +113,9 @@ impl<B: AutodiffBackend, M: TrainModel<B>> Hook<B, M> for LoggerHook {
         if let Some(norm) = state.log.grad_norm {
             self.grad_norms.push(norm);
         }
+        if let Some(share) = state.log.weights_unchanged {
+            self.unchanged.push(share);
+        }
         for &(name, value) in &state.log.parts {
             match self.parts.iter_mut().find(|(n, _, _)| *n == name) {
                 Some((_, sum, count)) => {
@@ -158,6 +165,12 @@ impl<B: AutodiffBackend, M: TrainModel<B>> Hook<B, M> for LoggerHook {
         }
         if let Some(scale) = state.log.loss_scale {
             line.push_str(&format!("  loss_scale: {scale}"));
+        }
+        if !self.unchanged.is_empty() {
+            // 16-bit weights: the share of non-zero updates their rounding left unchanged.
+            let mean = self.unchanged.iter().sum::<f64>() / self.unchanged.len() as f64;
+            line.push_str(&format!("  unchanged: {:.2}%", 100.0 * mean));
+            self.unchanged.clear();
         }
         if let Some(meter) = &self.meter {
             let bytes = meter.peak();

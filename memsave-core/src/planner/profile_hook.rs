@@ -10,7 +10,7 @@ use super::{GradientEstimate, Profile};
 use crate::checkpoint::profile::{self as recorder, Boundary};
 use crate::checkpoint::{CheckpointModule, SegmentId};
 use crate::memory::Meter;
-use crate::train::params::{param_bytes, trainable_layout};
+use crate::train::params::trainable_layout;
 use crate::train::{Hook, TrainModel, TrainState};
 use crate::Result;
 
@@ -130,12 +130,10 @@ impl ProfileHook {
     ) -> Profile {
         recorder::boundary(Boundary::End);
         let events = recorder::stop();
-        // The trainable bytes in fp32 (the masters', on the host under mixed precision with
-        // optimizer offload, where the model is the half copy).
-        let trainable = match &state.masters_on_host {
-            Some(_) => crate::train::params::trainable_elements::<B, M>(&state.model) * 4,
-            None => param_bytes::<B, M>(&state.model).1,
-        };
+        // The trainable bytes in fp32 (the optimizer state's and the sums' unit): the masters',
+        // on the host under mixed precision with optimizer offload, where the model is the half
+        // copy; four bytes a weight where the weights are in 16 bits.
+        let trainable = crate::train::params::trainable_elements::<B, M>(&state.model) * 4;
         // The gradients are the forward model's (half under mixed precision).
         let estimate = GradientEstimate::new(trainable_layout::<B, M>(state.forward_model()));
         let mut profile = Profile::from_events(&events, &self.ids, trainable, &estimate);

@@ -13,6 +13,7 @@ pub mod snapshot;
 mod state;
 pub(crate) mod tapping;
 pub(crate) mod taps;
+pub mod weights;
 
 pub use hook::{Hook, Priority};
 pub use length::RunLength;
@@ -24,3 +25,4 @@ pub use snapshot::{load_weights, Snapshot, SnapshotMeta};
 pub use state::{
     BatchFootprint, DataSource, IterLog, PeerPlace, TrainModel, TrainState, STEP_GROUP_BYTES,
 };
+pub use weights::{StepRounding, WeightDtype, WeightRounding, WeightSpec, WeightStore};

@@ -65,6 +65,9 @@ where
         let mut state = TrainState::new(model, Optim::new(&optimizer), device, work_dir.into());
         state.optimizer_state_per_weight = optimizer.state_per_weight();
         state.optimizer_spec = Some(optimizer.clone());
+        if optimizer.weights.is_compressed() {
+            state.weights = Some(super::weights::WeightStore::new(optimizer.weights));
+        }
         state.iters_per_epoch = iters_per_epoch;
         (state.by_epoch, state.max_iters) = match length {
             RunLength::Epochs(epochs) => (true, epochs * iters_per_epoch),
@@ -397,6 +400,7 @@ where
             epoch: completed / self.state.iters_per_epoch,
             param_shapes: shapes::<B, M>(&self.state.model),
             precision: None,
+            weights: self.state.weights.as_ref().map(|store| store.spec()),
             hooks,
         };
         for hook in self.hooks.iter() {
@@ -414,6 +418,7 @@ where
                 Some(bytes) => bytes,
                 None => self.state.optimizer.to_bytes().map_err(bad)?,
             },
+            weights: self.state.weights.as_ref().map(|store| store.to_bytes()),
         };
         snapshot.save(path)?;
         let latest = path.with_file_name("latest.ckpt");
@@ -452,6 +457,7 @@ where
             .clone()
             .load_bytes(&checkpoint.optimizer, &self.state.device)
             .map_err(damaged)?;
+        self.resume_weights(&checkpoint, path)?;
         let mut hook_states = checkpoint.meta.hooks.clone();
         for hook in self.hooks.iter_mut() {
             if let Some(value) = hook_states.remove(hook.name()) {
@@ -476,6 +482,75 @@ where
         self.hooks.call(&mut self.state, |hook, state| {
             hook.after_load(state, meta, path)
         })
+    }
+}
+
+impl<B, M, D> Runner<B, M, D>
+where
+    B: AutodiffBackend,
+    M: TrainModel<B>,
+    D: DataSource<B, M::Batch>,
+{
+    /// The 16-bit weights' store from a snapshot: restored where both keep the weights in 16
+    /// bits; a change of type or rounding converts, with a notice naming both; a snapshot of
+    /// 16-bit weights without its store is an error naming the file.
+    fn resume_weights(&mut self, checkpoint: &Snapshot, path: &Path) -> Result<()> {
+        let now = self.state.weights.as_ref().map(|store| store.spec());
+        let saved = checkpoint.meta.weights;
+        let describe = |spec: Option<super::weights::WeightSpec>| {
+            spec.map_or_else(|| "fp32".to_string(), |spec| spec.describe())
+        };
+        let (now_text, saved_text) = (describe(now), describe(saved));
+        let notice = match (self.state.weights.as_mut(), saved) {
+            (Some(store), Some(saved)) => {
+                let Some(bytes) = &checkpoint.weights else {
+                    return Err(Error::snapshot(
+                        path,
+                        format!(
+                            "its header says its weights are {saved_text}, but the weights' \
+                             section (step count, Kahan compensation) is missing"
+                        ),
+                    ));
+                };
+                store
+                    .load_bytes(bytes, saved, &self.state.device)
+                    .map_err(|error| super::snapshot::bad_snapshot(path, error))?;
+                let spec = store.spec();
+                if spec.dtype != saved.dtype {
+                    Some(format!(
+                        "they load as saved and are rounded to nearest {}",
+                        spec.dtype
+                    ))
+                } else if spec.rounding != saved.rounding {
+                    Some(match (saved.rounding, spec.rounding) {
+                        (super::weights::WeightRounding::Kahan, _) => {
+                            "their Kahan compensation is dropped".to_string()
+                        }
+                        (_, super::weights::WeightRounding::Kahan) => {
+                            "the Kahan compensation starts at zero".to_string()
+                        }
+                        _ => "the rounding changes from the next step".to_string(),
+                    })
+                } else {
+                    None
+                }
+            }
+            (Some(store), None) => Some(format!(
+                "they are rounded to nearest {} as the run starts",
+                store.spec().dtype
+            )),
+            (None, Some(_)) => Some("they load exactly as fp32".to_string()),
+            (None, None) => None,
+        };
+        if let Some(notice) = notice {
+            self.state.warn(format!(
+                "checkpoint {} holds {saved_text} weights, and this config keeps them in \
+                 {now_text}: {notice}; set `optimizer.weight_dtype` and `weight_rounding` as the \
+                 run that wrote it did to resume it exactly",
+                path.display()
+            ));
+        }
+        Ok(())
     }
 }
 

@@ -80,6 +80,9 @@ pub struct IterLog {
     pub step_groups: usize,
     /// The named parts of the loss ([`TrainModel::loss_with_parts`]).
     pub parts: Vec<(&'static str, f64)>,
+    /// With 16-bit weights, at the iterations that stepped: the share of non-zero updates
+    /// that left their 16-bit weight unchanged.
+    pub weights_unchanged: Option<f64>,
 }
 
 /// Which of the peers of a data-parallel run a state belongs to.
@@ -207,6 +210,9 @@ pub struct TrainState<B: AutodiffBackend, M: TrainModel<B>> {
     /// The taps of a pass that uses each gradient as soon as it is final (the step in backward,
     /// ZeRO stage 2's reduction to the owners), kept across iterations for their depth chain.
     pub(crate) tapping: super::tapping::Tapping<B>,
+    /// The trainable weights in 16 bits (parameter compression): the rounding of each update
+    /// and its state; `None` with fp32 weights.
+    pub(crate) weights: Option<super::weights::WeightStore<B::InnerBackend>>,
     warnings: Vec<String>,
 }
 
@@ -245,6 +251,7 @@ impl<B: AutodiffBackend, M: TrainModel<B>> TrainState<B, M> {
             forward_passes: 1,
             pass: 0,
             tapping: Default::default(),
+            weights: None,
             warnings: Vec::new(),
         }
     }
@@ -252,6 +259,11 @@ impl<B: AutodiffBackend, M: TrainModel<B>> TrainState<B, M> {
     /// The model the forward runs on.
     pub fn forward_model(&self) -> &M {
         self.forward_model.as_ref().unwrap_or(&self.model)
+    }
+
+    /// The 16-bit weights' store (parameter compression), where the weights are compressed.
+    pub fn weight_store(&self) -> Option<&super::weights::WeightStore<B::InnerBackend>> {
+        self.weights.as_ref()
     }
 
     /// This peer's rank in a data-parallel run (0 when training alone).
@@ -323,8 +335,47 @@ impl<B: AutodiffBackend, M: TrainModel<B>> TrainState<B, M> {
         self.log.step_groups = groups.len();
         for mut group in groups {
             prepare(&self.model, &mut group);
-            self.model = self.optimizer.step(self.lr, self.model.clone(), group);
+            let Some(store) = self.weights.as_mut() else {
+                self.model = self.optimizer.step(self.lr, self.model.clone(), group);
+                continue;
+            };
+            // 16-bit weights: this group's widened to fp32 for its step, rounded back after.
+            let (wide, old) = super::weights::model::widen::<B, M>(self.model.clone(), &group);
+            let stepped = self.optimizer.step(self.lr, wide, group);
+            self.model = super::weights::model::narrow::<B, M>(stepped, old, store);
         }
+        self.end_weight_step();
         self.log.stepped = true;
+    }
+
+    /// The end of an optimizer step for the 16-bit weights: the step counted, the share of
+    /// updates that left their weight unchanged logged; f16 weights losing updates warn once.
+    pub(crate) fn end_weight_step(&mut self) {
+        let Some(store) = self.weights.as_mut() else {
+            return;
+        };
+        let spec = store.spec();
+        let first = store.last_step().is_none();
+        let Some(figures) = store.end_step() else {
+            return;
+        };
+        self.log.weights_unchanged = Some(figures.fraction());
+        if first && spec.dtype == super::weights::WeightDtype::F16 && figures.fraction() > 0.01 {
+            let what = match spec.rounding {
+                super::weights::WeightRounding::Nearest => "were lost",
+                super::weights::WeightRounding::Stochastic => {
+                    "left their weight unchanged (kept only on average, by the random rounding)"
+                }
+                super::weights::WeightRounding::Kahan => {
+                    "left their weight unchanged (kept in the Kahan compensation)"
+                }
+            };
+            self.warn(format!(
+                "`optimizer.weight_dtype = \"f16\"`: {:.1}% of the first step's updates {what}, \
+                 being smaller than half f16's spacing at their weight; \"bf16\" keeps fp32's \
+                 range",
+                100.0 * figures.fraction()
+            ));
+        }
     }
 }

@@ -122,6 +122,8 @@ pub fn strategy_lines(name: &str, batch: usize) -> Result<Vec<String>> {
     ];
     let step_in_backward = vec!["optimizer_config.step_in_backward=true".to_string()];
     let int8_state = vec!["optimizer.state_dtype=\"int8\"".to_string()];
+    // Parameter compression: the trainable weights in bf16, stochastic rounding.
+    let bf16_weights = vec!["optimizer.weight_dtype=\"bf16\"".to_string()];
     let offload_activations = vec!["offload.activations=true".to_string()];
     let offload_optimizer = vec!["offload.optimizer=true".to_string()];
     // The planner picks the blocks for a budget (`--planned-budget` sets another).
@@ -164,6 +166,8 @@ pub fn strategy_lines(name: &str, batch: usize) -> Result<Vec<String>> {
         // Every exact strategy that lowers the peak (accumulation keeps a whole set of sums
         // through its group, which the step in backward saves: left out), with 8-bit state.
         "lean" => [base, checkpoint, step_in_backward, int8_state].concat(),
+        "bf16_weights" => [base, bf16_weights].concat(),
+        "lean_bf16" => [base, checkpoint, step_in_backward, int8_state, bf16_weights].concat(),
         // CPU staging: activation offload moves what checkpointed segments keep, so every part
         // is checkpointed with it.
         "offload_activations" => [base, checkpoint, neck_and_head, offload_activations].concat(),

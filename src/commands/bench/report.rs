@@ -7,9 +7,10 @@ use std::path::Path;
 use serde::{Deserialize, Serialize};
 
 /// The configurations, in the table's order: the article's five, then the strategies beyond
-/// MMCV's (the optimizer's step in backward, 8-bit optimizer state, and `lean`: every exact
-/// strategy that lowers the peak with 8-bit state). Run when `--only` names none.
-pub const CONFIGS: [&str; 8] = [
+/// MMCV's (the optimizer's step in backward, 8-bit optimizer state, `lean`: every exact
+/// strategy that lowers the peak with 8-bit state, `bf16_weights`: the trainable weights in
+/// bf16 as their only copy, and `lean_bf16`: both). Run when `--only` names none.
+pub const CONFIGS: [&str; 10] = [
     "base",
     "amp",
     "accumulation",
@@ -18,6 +19,8 @@ pub const CONFIGS: [&str; 8] = [
     "step_in_backward",
     "int8_state",
     "lean",
+    "bf16_weights",
+    "lean_bf16",
 ];
 
 /// CPU staging's configurations, run by default on a device (`--device wgpu` or `cuda`) after

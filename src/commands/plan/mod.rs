@@ -523,6 +523,7 @@ fn staging(
             setting: Setting {
                 offload_activations: false,
                 offload_optimizer: false,
+                weight_dtype: Default::default(),
                 ..*setting
             },
             profile: measurement.profile,
@@ -553,6 +554,7 @@ fn staging(
             setting: Setting {
                 offload_activations: flags.0,
                 offload_optimizer: flags.1,
+                weight_dtype: Default::default(),
                 ..*setting
             },
             profile: measurement.profile,

@@ -68,6 +68,9 @@ pub struct OptimizerHook<R = Alone> {
     pub optimizer_offload: bool,
     /// Where the step runs in this run (chosen before it).
     place: Place,
+    /// A resumed snapshot's state of this hook, kept until the run starts where the 16-bit
+    /// weights imply the loss scaler it holds.
+    saved_state: Option<serde_json::Value>,
 }
 
 impl Default for OptimizerHook {
@@ -90,6 +93,7 @@ impl OptimizerHook {
             step_in_backward: false,
             optimizer_offload: false,
             place: Place::default(),
+            saved_state: None,
         }
     }
 }
@@ -110,7 +114,7 @@ impl<R> OptimizerHook<R> {
     /// The same hook in mixed precision with `scaler`, the forward running on a `precision`
     /// copy of the weights (fp32 masters kept).
     pub fn with_mixed_precision(mut self, scaler: LossScaler, precision: Precision) -> Self {
-        self.mixed = Some(Mixed { scaler, precision });
+        self.mixed = Some(Mixed::new(scaler, precision));
         self
     }
 
@@ -134,6 +138,7 @@ impl<R> OptimizerHook<R> {
             step_in_backward: self.step_in_backward,
             optimizer_offload: self.optimizer_offload,
             place: self.place,
+            saved_state: self.saved_state,
         }
     }
 
@@ -206,7 +211,8 @@ impl<R> OptimizerHook<R> {
 
 impl<B: AutodiffBackend, M: TrainModel<B>, R: Reducer<B>> Hook<B, M> for OptimizerHook<R> {
     fn name(&self) -> &'static str {
-        match (&self.mixed, self.groups.cumulative_iters() > 1) {
+        let asked = self.mixed.as_ref().filter(|mixed| !mixed.implied);
+        match (asked, self.groups.cumulative_iters() > 1) {
             (None, false) => "optimizer",
             (None, true) => "cumulative",
             (Some(_), false) => "fp16",
@@ -222,7 +228,15 @@ impl<B: AutodiffBackend, M: TrainModel<B>, R: Reducer<B>> Hook<B, M> for Optimiz
             state,
         );
         // The half copy first: the step on the host may keep it alone on the device.
-        precision::before_run(self.mixed.as_ref(), state)?;
+        precision::before_run(&mut self.mixed, state)?;
+        // A scaler saved by a resumed run whose 16-bit weights implied it.
+        if let Some(saved) = self.saved_state.take().filter(|_| self.mixed.is_some()) {
+            if let Err(error) = Hook::<B, M>::load_state_dict(self, saved) {
+                state.warn(format!(
+                    "the resumed snapshot's loss scaler does not load ({error}): it starts afresh"
+                ));
+            }
+        }
         let (place, parts) = self.split();
         place.before_run(&parts, state)?;
         self.groups.warn(state);
@@ -297,7 +311,16 @@ impl<B: AutodiffBackend, M: TrainModel<B>, R: Reducer<B>> Hook<B, M> for Optimiz
         meta: &SnapshotMeta,
         path: &Path,
     ) -> Result<()> {
-        precision::after_load(&self.precision(), meta.precision.as_ref(), state, path);
+        // A change of the weights' type is the runner's notice (the weights are not fp32).
+        let weights = state.weights.as_ref().map(|store| store.spec().dtype);
+        if weights != meta.weights.map(|spec| spec.dtype) {
+            return Ok(());
+        }
+        let now = match (&self.mixed, weights) {
+            (None, Some(dtype)) => dtype.to_string(),
+            _ => self.precision(),
+        };
+        precision::after_load(&now, meta.precision.as_ref(), state, path);
         Ok(())
     }
 
@@ -322,6 +345,8 @@ impl<B: AutodiffBackend, M: TrainModel<B>, R: Reducer<B>> Hook<B, M> for Optimiz
 
     fn load_state_dict(&mut self, value: serde_json::Value) -> Result<()> {
         let Some(mixed) = &mut self.mixed else {
+            // 16-bit weights may imply a scaler once the run starts (`before_run`).
+            self.saved_state = Some(value);
             return Ok(());
         };
         let (scaler, prefix) = if self.groups.cumulative_iters() > 1 {

@@ -142,7 +142,7 @@ impl<R> Parts<'_, R> {
         }
         *self.summed = Some(grads);
         if let Some(mixed) = &self.mixed {
-            state.log.loss_scale = Some(mixed.scaler.loss_scale());
+            state.log.loss_scale = mixed.logged_scale();
         }
         Ok(())
     }

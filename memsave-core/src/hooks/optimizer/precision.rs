@@ -18,19 +18,66 @@ use crate::{Error, Result};
 pub(super) struct Mixed {
     pub(super) scaler: LossScaler,
     pub(super) precision: Precision,
+    /// The forward runs on the weights themselves (16-bit weights of the forward's type): no
+    /// copy is made.
+    pub(super) on_weights: bool,
+    /// Not asked for: 16-bit weights without `[fp16]` run their forward in their own type
+    /// (the hook keeps its fp32 name).
+    pub(super) implied: bool,
 }
 
 impl Mixed {
+    /// Mixed precision as asked for, with `scaler`, the forward in `precision`.
+    pub(super) fn new(scaler: LossScaler, precision: Precision) -> Self {
+        Mixed {
+            scaler,
+            precision,
+            on_weights: false,
+            implied: false,
+        }
+    }
+
+    /// The forward of 16-bit weights of `precision` without `[fp16]`: on the weights, bf16
+    /// without loss scaling (a static scale of 1), f16 with MMCV's dynamic scaler.
+    fn implied(precision: Precision) -> Self {
+        let scaler = match precision {
+            Precision::Bf16 => LossScaler::new(1.0, crate::scaler::ScaleMode::Static, 2.0, 1000)
+                .expect("a valid static scale"),
+            // PyTorch's `GradScaler` starts at 2^16 (MMCV's 2^32 would skip the first steps).
+            Precision::F16 => {
+                LossScaler::new(65536.0, crate::scaler::ScaleMode::Dynamic, 2.0, 1000)
+                    .expect("a valid dynamic scale")
+            }
+        };
+        Mixed {
+            scaler,
+            precision,
+            on_weights: true,
+            implied: true,
+        }
+    }
+
     /// The half copy the forward runs on, made afresh from the fp32 weights: the old copy goes
     /// before the new one is made.
     pub(super) fn refresh_forward<B: AutodiffBackend, M: TrainModel<B>>(
         &self,
         state: &mut TrainState<B, M>,
     ) {
+        if self.on_weights {
+            return;
+        }
         state.forward_model = None;
-        state.forward_model = Some(memory::scope(memory::phase::HALF_WEIGHTS, || {
-            wrap_fp16_model(state.model.clone(), self.precision)
-        }));
+        state.forward_model = Some(self.forward_copy(state));
+    }
+
+    /// The half copy the forward runs on, made from the weights (fp32, or 16-bit weights of
+    /// the other half type).
+    fn forward_copy<B: AutodiffBackend, M: TrainModel<B>>(&self, state: &TrainState<B, M>) -> M {
+        memory::scope(memory::phase::HALF_WEIGHTS, || {
+            let copy = wrap_fp16_model(state.model.clone(), self.precision);
+            let other = self.precision.other().dtype();
+            crate::fp16::recast_params(copy, other, self.precision.dtype())
+        })
     }
 
     /// A step skipped because a gradient overflowed (inf or NaN) on some peer: the scale backs
@@ -60,7 +107,13 @@ impl Mixed {
         state: &mut TrainState<B, M>,
     ) {
         self.scaler.update_scale(false);
-        state.log.loss_scale = Some(self.scaler.loss_scale());
+        state.log.loss_scale = self.logged_scale();
+    }
+
+    /// The scale the log shows: none for bf16 weights without `[fp16]` (a constant 1).
+    pub(super) fn logged_scale(&self) -> Option<f64> {
+        let constant = self.implied && self.precision == Precision::Bf16;
+        (!constant).then(|| self.scaler.loss_scale())
     }
 }
 
@@ -81,29 +134,53 @@ pub(super) fn loss_to_backward<B: AutodiffBackend, M: TrainModel<B>>(
     }
 }
 
-/// Before the run, under mixed precision: the model must be fp32 (the masters), and the half
-/// copy the forward runs on is made.
+/// Before the run, under mixed precision or with 16-bit weights: the model must be fp32 (the
+/// masters, or the weights to compress). 16-bit weights are cast to their type once, here (the
+/// model's `fp16_enabled` flag on, its normalisation layers kept fp32, as `wrap_fp16_model`
+/// does), and the forward runs on them: without `[fp16]` in their own type, with `[fp16]` of
+/// their type on them too, and with `[fp16]` of the other type on a copy in that type. Under
+/// mixed precision with fp32 weights, the half copy the forward runs on is made.
 pub(super) fn before_run<B: AutodiffBackend, M: TrainModel<B>>(
-    mixed: Option<&Mixed>,
+    mixed: &mut Option<Mixed>,
     state: &mut TrainState<B, M>,
 ) -> Result<()> {
-    let Some(mixed) = mixed else {
+    let weights = state.weights.as_ref().map(|store| store.spec());
+    if mixed.is_none() && weights.is_none() {
         return Ok(());
-    };
+    }
     if let Some(half) = crate::train::params::first_half_param::<B, M>(&state.model) {
+        let keeper = if weights.is_some() {
+            "with `optimizer.weight_dtype` set the runner casts the weights to their 16-bit \
+             type itself"
+        } else {
+            "under mixed precision the optimizer hook keeps the weights in fp32 as the masters \
+             and makes the half copy for the forward itself"
+        };
         return Err(Error::invalid(
             "model",
             format!(
                 "the runner was given a model already in half precision (`{half}` is half): \
-                 under mixed precision the optimizer hook keeps the weights in fp32 as the \
-                 masters and makes the half copy for the forward itself. Pass the fp32 model, \
-                 without `wrap_fp16_model`"
+                 {keeper}. Pass the fp32 model, without `wrap_fp16_model`"
             ),
         ));
     }
-    state.forward_model = Some(memory::scope(memory::phase::HALF_WEIGHTS, || {
-        wrap_fp16_model(state.model.clone(), mixed.precision)
-    }));
+    if let Some(spec) = weights {
+        let precision = spec
+            .dtype
+            .precision()
+            .expect("a store holds 16-bit weights");
+        let positions = crate::parallel::zero::positions::<B, M>(&state.model);
+        if let Some(store) = state.weights.as_mut() {
+            store.set_positions(positions);
+        }
+        state.model = wrap_fp16_model(state.model.clone(), precision);
+        let mixed = mixed.get_or_insert_with(|| Mixed::implied(precision));
+        mixed.on_weights = mixed.precision == precision;
+    }
+    let Some(mixed) = mixed.as_ref().filter(|mixed| !mixed.on_weights) else {
+        return Ok(());
+    };
+    state.forward_model = Some(mixed.forward_copy(state));
     Ok(())
 }
 

@@ -81,6 +81,7 @@ mod tests {
             clips: false,
             offload_activations: false,
             offload_optimizer: false,
+            weight_dtype: Default::default(),
         };
         let sets = overrides(&setting, &setting, &["neck".to_string()], &keys);
         assert_eq!(

@@ -93,6 +93,7 @@ pub fn advise(
                             clips: current.clips,
                             offload_activations,
                             offload_optimizer,
+                            weight_dtype: current.weight_dtype,
                         };
                         // Accumulation: the same samples per optimizer step.
                         for &k in &divisors {
@@ -159,6 +160,7 @@ pub fn advise(
             // The device's bytes: a profile measured with the same offload.
             let profile = nearest(setting, &|m: &Setting| {
                 m.fp16 == setting.fp16
+                    && m.weight_dtype == setting.weight_dtype
                     && m.step_in_backward == setting.step_in_backward
                     && (m.offload_activations, m.offload_optimizer)
                         == (setting.offload_activations, setting.offload_optimizer)
@@ -170,6 +172,7 @@ pub fn advise(
                     let plain = |in_backward: bool| {
                         move |m: &Setting| {
                             m.fp16 == setting.fp16
+                                && m.weight_dtype == setting.weight_dtype
                                 && m.step_in_backward == in_backward
                                 && !m.offload_activations
                                 && !m.offload_optimizer
@@ -248,6 +251,7 @@ mod tests {
             clips: true,
             offload_activations: false,
             offload_optimizer: false,
+            weight_dtype: Default::default(),
         }
     }
 

@@ -33,6 +33,10 @@ pub struct Setting {
     /// host memory, each parameter stepped there in backward.
     #[serde(default)]
     pub offload_optimizer: bool,
+    /// The trainable weights' type (`optimizer.weight_dtype`): their bytes in every window
+    /// (2 a weight in 16 bits, where the state and the sums stay 4).
+    #[serde(default)]
+    pub weight_dtype: crate::train::WeightDtype,
 }
 
 impl Setting {

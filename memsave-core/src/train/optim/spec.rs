@@ -2,6 +2,7 @@
 
 use serde::{Deserialize, Serialize};
 
+use crate::train::weights::WeightSpec;
 use crate::{Error, Result};
 
 /// Which optimizer, with MMCV's names (`optimizer = dict(type='SGD', lr=0.02, momentum=0.9,
@@ -142,6 +143,7 @@ impl OptimizerKind {
         OptimizerSpec {
             kind: self,
             state_dtype,
+            weights: WeightSpec::FP32,
         }
     }
 }
@@ -175,6 +177,9 @@ pub struct OptimizerSpec {
     pub kind: OptimizerKind,
     /// How its state is kept.
     pub state_dtype: StateDtype,
+    /// How the trainable weights are kept: fp32, or 16 bits as their only copy
+    /// ([`crate::train::weights`]).
+    pub weights: WeightSpec,
 }
 
 impl From<OptimizerKind> for OptimizerSpec {
@@ -196,6 +201,13 @@ impl From<&OptimizerSpec> for OptimizerSpec {
 }
 
 impl OptimizerSpec {
+    /// This optimizer keeping the trainable weights as `weights` says (16 bits: their only
+    /// copy, each update rounded back by its rounding).
+    pub fn with_weights(mut self, weights: WeightSpec) -> Self {
+        self.weights = weights;
+        self
+    }
+
     /// Checks the values as PyTorch's optimizers do (errors name the parameter); 8 bits for an
     /// optimizer that keeps no state is an error naming `state_dtype`.
     pub fn validate(&self) -> Result<()> {

@@ -4,8 +4,9 @@
 //! `torch.utils.checkpoint`.)
 //!
 //! Layout: the magic `MEMSAVE\0`, a format version (u32), then three length-prefixed (u64)
-//! sections: a JSON header, the model record, the optimizer record; then a CRC32 of everything
-//! before it. Little-endian. A file is written to a temporary sibling, synced, then renamed over
+//! sections: a JSON header, the model record, the optimizer record; with 16-bit weights a
+//! fourth, the weights' store (the step count, Kahan's compensations); then a CRC32 of
+//! everything before it. Little-endian. A file is written to a temporary sibling, synced, then renamed over
 //! the target, so a crash leaves the previous snapshot whole; a truncated or corrupted file is
 //! an error that names it, never a panic.
 
@@ -98,6 +99,9 @@ pub struct SnapshotMeta {
     /// The precision it trained in (`"fp32"`, `"f16"`, `"bf16"`); absent in older snapshots.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub precision: Option<String>,
+    /// How its trainable weights were kept, where in 16 bits (absent: fp32).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub weights: Option<crate::train::weights::WeightSpec>,
     /// Each hook's state, by hook name.
     pub hooks: BTreeMap<String, serde_json::Value>,
 }
@@ -111,6 +115,9 @@ pub struct Snapshot {
     pub model: Vec<u8>,
     /// The optimizer record.
     pub optimizer: Vec<u8>,
+    /// The 16-bit weights' store ([`crate::train::WeightStore::to_bytes`]), where the weights
+    /// were compressed.
+    pub weights: Option<Vec<u8>>,
 }
 
 impl Snapshot {
@@ -121,7 +128,8 @@ impl Snapshot {
         let mut out = Vec::with_capacity(32 + meta.len() + self.model.len() + self.optimizer.len());
         out.extend_from_slice(MAGIC);
         out.extend_from_slice(&FORMAT.to_le_bytes());
-        for section in [&meta, &self.model, &self.optimizer] {
+        let sections = [&meta, &self.model, &self.optimizer];
+        for section in sections.into_iter().chain(self.weights.as_ref()) {
             out.extend_from_slice(&(section.len() as u64).to_le_bytes());
             out.extend_from_slice(section);
         }
@@ -165,12 +173,24 @@ impl Snapshot {
                 take(&mut rest, length).ok_or_else(|| bad(FormatError::Truncated(section)))?;
             sections.push(bytes);
         }
+        // The weights' section, where the header says the weights were in 16 bits.
         let meta: SnapshotMeta =
             serde_json::from_slice(sections[0]).map_err(|error| bad(FormatError::Header(error)))?;
+        let weights = if rest.is_empty() {
+            None
+        } else {
+            let length = take(&mut rest, 8)
+                .map(|b| u64::from_le_bytes(b.try_into().expect("eight bytes")) as usize)
+                .ok_or_else(|| bad(FormatError::Truncated("before the weights' section")))?;
+            let bytes = take(&mut rest, length)
+                .ok_or_else(|| bad(FormatError::Truncated("weights' section")))?;
+            Some(bytes.to_vec())
+        };
         Ok(Snapshot {
             meta,
             model: sections[1].to_vec(),
             optimizer: sections[2].to_vec(),
+            weights,
         })
     }
 

@@ -99,6 +99,7 @@ impl<B: AutodiffBackend> Tapping<B> {
                 reached: HashSet::new(),
                 sums: None,
                 weights: HashMap::new(),
+                store: None,
                 forward: None,
                 steps: None,
                 lr: state.lr,
@@ -298,6 +299,7 @@ impl<B: AutodiffBackend> Tapping<B> {
                 }
                 None => Stepper::Device(state.optimizer.take_steps()),
             });
+            inner.store = state.weights.take();
             let mut extract = Extract::new(&ids);
             state.model = state.model.clone().map(&mut extract);
             inner.weights = extract.values;
@@ -318,6 +320,8 @@ impl<B: AutodiffBackend> Tapping<B> {
             (Some(Stepper::Host(steps)), Some(host)) => host.put_back(steps),
             _ => {}
         }
+        state.weights = inner.store.take();
+        state.end_weight_step();
         let weights = std::mem::take(&mut inner.weights);
         state.model = state.model.clone().map(&mut Insert { values: &weights });
         drop(weights);

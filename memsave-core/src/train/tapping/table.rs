@@ -56,6 +56,8 @@ pub(super) struct TableInner<B: AutodiffBackend> {
     pub(super) sums: Option<GradientsParams>,
     /// The weights stepped (the fp32 masters under mixed precision), taken out of the model.
     pub(super) weights: HashMap<ParamId, FloatTensor<K<B>>>,
+    /// With 16-bit weights: the run's store, which rounds each stepped value back.
+    pub(super) store: Option<crate::train::weights::WeightStore<K<B>>>,
     /// Under mixed precision: the forward copy's values, taken out of it.
     pub(super) forward: Option<HashMap<ParamId, FloatTensor<K<B>>>>,
     /// The optimizer's steps during a step pass: on the device, or on the host.
@@ -200,8 +202,15 @@ impl<B: AutodiffBackend> TableInner<B> {
             unreachable!("a step pass holds the optimizer's steps");
         };
         let lr = self.lr;
-        let stepped = crate::memory::scope(crate::memory::phase::STEP, || {
-            steps.step::<D>(lr, id, weight, grad)
+        let store = self.store.as_mut();
+        let stepped = crate::memory::scope(crate::memory::phase::STEP, || match store {
+            None => steps.step::<D>(lr, id, weight, grad),
+            // 16-bit weights: stepped in fp32, rounded back.
+            Some(store) => {
+                let wide = weight.clone().cast(DType::F32);
+                let new = steps.step::<D>(lr, id, wide, grad);
+                store.narrow(id, weight, new)
+            }
         });
         self.put_stepped(id, stepped);
     }

@@ -154,7 +154,7 @@ impl InBackward {
         tapping.untap(state);
         state.tapping = tapping;
         if let Some(mixed) = &parts.mixed {
-            state.log.loss_scale = Some(mixed.scaler.loss_scale());
+            state.log.loss_scale = mixed.logged_scale();
         }
         logged
     }

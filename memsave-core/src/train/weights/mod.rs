@@ -1,0 +1,425 @@
+//! Parameter compression: the trainable weights kept in 16 bits as their only copy
+//! (`[optimizer] weight_dtype = "bf16"`). The optimizer's arithmetic stays fp32: each parameter
+//! is widened to fp32 for its own step only (a group of parameters at a time, or one at a time
+//! in backward), stepped by the optimizer's own rule, and rounded back to 16 bits by
+//! [`WeightRounding`]: stochastically (the default; torchao's `bf16_stochastic_round`), to
+//! nearest, or with a 16-bit Kahan compensation per weight ("Revisiting BFloat16 Training",
+//! Zamirai et al. 2020). The forward runs on the 16-bit weights themselves.
+//!
+//! The stochastic draws are counter-based ([`round::uniforms`]): the stream of a parameter's
+//! step is a function of the run's seed, the step's number and the parameter's position in the
+//! model, so a resumed run, a data-parallel peer and a ZeRO owner draw the same numbers.
+
+pub(crate) mod model;
+mod round;
+
+use std::collections::HashMap;
+use std::fmt;
+
+use burn::module::ParamId;
+use burn::prelude::Backend;
+use burn::tensor::{DType, ElementConversion, Tensor, TensorData};
+use serde::{Deserialize, Serialize};
+
+use crate::fp16::Precision;
+use crate::train::snapshot::codec::CodecError;
+
+/// What the trainable weights are kept in (`[optimizer] weight_dtype`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum WeightDtype {
+    /// fp32 (Burn's and PyTorch's default).
+    #[default]
+    #[serde(rename = "fp32")]
+    F32,
+    /// bfloat16: fp32's range, 8 bits of mantissa. Half the bytes.
+    #[serde(rename = "bf16")]
+    Bf16,
+    /// IEEE half: 11 bits of mantissa but a range of 6e-8 to 65504: updates below its spacing
+    /// vanish (the run warns with the fraction measured).
+    #[serde(rename = "f16")]
+    F16,
+}
+
+impl WeightDtype {
+    /// The tensor dtype.
+    pub fn dtype(self) -> DType {
+        match self {
+            WeightDtype::F32 => DType::F32,
+            WeightDtype::Bf16 => DType::BF16,
+            WeightDtype::F16 => DType::F16,
+        }
+    }
+
+    /// The half precision of a 16-bit type (`None` for fp32).
+    pub fn precision(self) -> Option<Precision> {
+        match self {
+            WeightDtype::F32 => None,
+            WeightDtype::Bf16 => Some(Precision::Bf16),
+            WeightDtype::F16 => Some(Precision::F16),
+        }
+    }
+
+    /// Bytes per weight.
+    pub fn bytes(self) -> u64 {
+        match self {
+            WeightDtype::F32 => 4,
+            WeightDtype::Bf16 | WeightDtype::F16 => 2,
+        }
+    }
+
+    /// Its name in configs and snapshots.
+    pub fn name(self) -> &'static str {
+        match self {
+            WeightDtype::F32 => "fp32",
+            WeightDtype::Bf16 => "bf16",
+            WeightDtype::F16 => "f16",
+        }
+    }
+}
+
+impl fmt::Display for WeightDtype {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// How a 16-bit weight takes its fp32 update (`[optimizer] weight_rounding`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum WeightRounding {
+    /// To one of the two neighbours at random, the expected value being the fp32 result
+    /// (seeded; the same draws after a resume).
+    #[default]
+    Stochastic,
+    /// To the nearest (the plain cast): an update below half the spacing is lost.
+    Nearest,
+    /// To the nearest, the rounding error kept in a 16-bit compensation per weight and added
+    /// to the next update (2 bytes a weight more).
+    Kahan,
+}
+
+impl WeightRounding {
+    /// Its name in configs and snapshots.
+    pub fn name(self) -> &'static str {
+        match self {
+            WeightRounding::Stochastic => "stochastic",
+            WeightRounding::Nearest => "nearest",
+            WeightRounding::Kahan => "kahan",
+        }
+    }
+}
+
+impl fmt::Display for WeightRounding {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// How the trainable weights are kept: the type, the rounding of each update, and the seed of
+/// the stochastic rounding's draws.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct WeightSpec {
+    /// The weights' type.
+    pub dtype: WeightDtype,
+    /// The rounding of each update (16-bit types only).
+    pub rounding: WeightRounding,
+    /// The seed of the stochastic rounding's draws.
+    pub seed: u64,
+}
+
+impl WeightSpec {
+    /// fp32 weights (nothing compressed).
+    pub const FP32: WeightSpec = WeightSpec {
+        dtype: WeightDtype::F32,
+        rounding: WeightRounding::Stochastic,
+        seed: 0,
+    };
+
+    /// Weights in `dtype`, updates rounded by `rounding`.
+    pub fn new(dtype: WeightDtype, rounding: WeightRounding) -> Self {
+        WeightSpec {
+            dtype,
+            rounding,
+            seed: 0,
+        }
+    }
+
+    /// bf16 weights with stochastic rounding.
+    pub fn bf16() -> Self {
+        WeightSpec::new(WeightDtype::Bf16, WeightRounding::Stochastic)
+    }
+
+    /// The same with the draws seeded by `seed`.
+    pub fn with_seed(mut self, seed: u64) -> Self {
+        self.seed = seed;
+        self
+    }
+
+    /// Whether the weights are in 16 bits.
+    pub fn is_compressed(&self) -> bool {
+        self.dtype != WeightDtype::F32
+    }
+
+    /// `"bf16 (stochastic rounding)"`, `"fp32"`: for logs and notices.
+    pub fn describe(&self) -> String {
+        if self.is_compressed() {
+            format!("{} ({} rounding)", self.dtype, self.rounding)
+        } else {
+            self.dtype.to_string()
+        }
+    }
+}
+
+/// One step's count of the updates that left their weight where it was: `moved` values had a
+/// non-zero fp32 update, `unchanged` of them kept their 16-bit value (rounding to nearest:
+/// lost; stochastic: not drawn this time; Kahan: kept in the compensation).
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct StepRounding {
+    /// Values whose fp32 update was not zero.
+    pub moved: f64,
+    /// Of those, the values whose stored weight did not change.
+    pub unchanged: f64,
+}
+
+impl StepRounding {
+    /// `unchanged / moved` (0 without an update).
+    pub fn fraction(&self) -> f64 {
+        if self.moved > 0.0 {
+            self.unchanged / self.moved
+        } else {
+            0.0
+        }
+    }
+}
+
+/// The run's 16-bit weights: the rounding of each update, the Kahan compensations, the count
+/// of steps (the draws' stream), and this step's count of unchanged weights.
+#[derive(Clone, Debug)]
+pub struct WeightStore<K: Backend> {
+    spec: WeightSpec,
+    /// Optimizer steps taken so far.
+    steps: u64,
+    /// Each trainable parameter's position in the model (the key of its draws and its
+    /// compensation: ids differ between peers and between runs).
+    positions: HashMap<ParamId, u64>,
+    /// Kahan's compensation per parameter position (16 bits, flat).
+    carries: HashMap<u64, Tensor<K, 1>>,
+    /// This step's counts so far (on the device until the step ends).
+    counts: Option<(Tensor<K, 1>, Tensor<K, 1>)>,
+    /// The last step's counts.
+    last: Option<StepRounding>,
+}
+
+impl<K: Backend> WeightStore<K> {
+    /// A store for `spec` (16 bits), no step taken.
+    pub fn new(spec: WeightSpec) -> Self {
+        WeightStore {
+            spec,
+            steps: 0,
+            positions: HashMap::new(),
+            carries: HashMap::new(),
+            counts: None,
+            last: None,
+        }
+    }
+
+    /// The spec.
+    pub fn spec(&self) -> WeightSpec {
+        self.spec
+    }
+
+    /// Optimizer steps taken.
+    pub fn steps(&self) -> u64 {
+        self.steps
+    }
+
+    /// The last step's count of unchanged weights.
+    pub fn last_step(&self) -> Option<StepRounding> {
+        self.last
+    }
+
+    /// Bytes of Kahan compensation held.
+    pub fn carry_bytes(&self) -> u64 {
+        self.carries
+            .values()
+            .map(|carry| carry.shape().num_elements() as u64 * 2)
+            .sum()
+    }
+
+    /// Sets the trainable parameters' positions (the model's order of trainable parameters).
+    pub(crate) fn set_positions(&mut self, positions: HashMap<ParamId, u64>) {
+        self.positions = positions;
+    }
+
+    /// The key of parameter `id`: its position (its id's value where the positions are not
+    /// set: a store used outside a run).
+    fn position(&self, id: ParamId) -> u64 {
+        self.positions.get(&id).copied().unwrap_or(id.val())
+    }
+
+    /// Parameter `id`'s new 16-bit value from its old one (`old`, 16 bits) and the optimizer's
+    /// fp32 result `new`, rounded by the spec's rounding.
+    pub fn narrow<const D: usize>(
+        &mut self,
+        id: ParamId,
+        old: Tensor<K, D>,
+        new: Tensor<K, D>,
+    ) -> Tensor<K, D> {
+        let dtype = self.spec.dtype.dtype();
+        let shape = new.shape();
+        let old = old.cast(DType::F32);
+        let new = new.cast(DType::F32);
+        let position = self.position(id);
+        let stored = match self.spec.rounding {
+            WeightRounding::Nearest => round::nearest(new.clone(), dtype),
+            WeightRounding::Stochastic => {
+                let key = round::splitmix64(
+                    self.spec.seed ^ round::splitmix64(position ^ round::splitmix64(self.steps)),
+                );
+                let draws = round::uniforms(key, shape.num_elements());
+                let u = Tensor::<K, 1>::from_data(
+                    TensorData::new(draws, [shape.num_elements()]),
+                    &new.device(),
+                )
+                .reshape(shape.clone());
+                round::stochastic(new.clone(), u, self.spec.dtype)
+            }
+            WeightRounding::Kahan => {
+                let carry = match self.carries.remove(&position) {
+                    Some(carry) => carry.cast(DType::F32).reshape(shape.clone()),
+                    None => Tensor::zeros(shape.clone(), &new.device()),
+                };
+                let (stored, carry) = round::kahan(old.clone(), new.clone(), carry, dtype);
+                let flat = carry.reshape([shape.num_elements()]).cast(dtype);
+                self.carries.insert(position, flat);
+                stored
+            }
+        };
+        let moved = new.not_equal(old.clone());
+        let unchanged = moved.clone().bool_and(stored.clone().equal(old));
+        let (moved, unchanged) = (moved.float().sum(), unchanged.float().sum());
+        self.counts = Some(match self.counts.take() {
+            Some((m, u)) => (m.add(moved), u.add(unchanged)),
+            None => (moved, unchanged),
+        });
+        stored.cast(dtype)
+    }
+
+    /// The end of an optimizer step: the step's counts read, the step counted.
+    pub fn end_step(&mut self) -> Option<StepRounding> {
+        self.steps += 1;
+        let (moved, unchanged) = self.counts.take()?;
+        let read = |t: Tensor<K, 1>| t.into_scalar().elem::<f64>();
+        let figures = StepRounding {
+            moved: read(moved),
+            unchanged: read(unchanged),
+        };
+        self.last = Some(figures);
+        Some(figures)
+    }
+
+    /// The store's state for a snapshot: the spec, the steps, and the compensations by
+    /// position (16-bit values as they are).
+    pub fn to_bytes(&self) -> Vec<u8> {
+        let mut out = Vec::new();
+        out.extend_from_slice(&self.steps.to_le_bytes());
+        let mut carries: Vec<_> = self.carries.iter().collect();
+        carries.sort_by_key(|(position, _)| **position);
+        out.extend_from_slice(&(carries.len() as u64).to_le_bytes());
+        for (position, carry) in carries {
+            let data = carry.to_data();
+            let bytes = data.as_bytes();
+            out.extend_from_slice(&position.to_le_bytes());
+            out.extend_from_slice(&(bytes.len() as u64).to_le_bytes());
+            out.extend_from_slice(bytes);
+        }
+        out
+    }
+
+    /// Restores [`WeightStore::to_bytes`]'s state written under `saved` (the snapshot's spec):
+    /// the steps always; the compensations where both keep them. Errors say what is damaged.
+    pub fn load_bytes(
+        &mut self,
+        bytes: &[u8],
+        saved: WeightSpec,
+        device: &K::Device,
+    ) -> Result<(), CodecError> {
+        let mut rest = bytes;
+        let mut take = |n: usize, what: &'static str| -> Result<&[u8], CodecError> {
+            let (head, tail) = rest.split_at_checked(n).ok_or(CodecError::Layout(what))?;
+            rest = tail;
+            Ok(head)
+        };
+        let u64_of = |b: &[u8]| u64::from_le_bytes(b.try_into().expect("eight bytes"));
+        let steps = u64_of(take(8, "the weights' section is truncated (step count)")?);
+        let count = u64_of(take(
+            8,
+            "the weights' section is truncated (compensations)",
+        )?);
+        let mut carries = HashMap::new();
+        let saved_dtype = saved.dtype.dtype();
+        for _ in 0..count {
+            let truncated = "a Kahan compensation in the weights' section is truncated";
+            let position = u64_of(take(8, truncated)?);
+            let length = u64_of(take(8, truncated)?) as usize;
+            if length % 2 != 0 {
+                return Err(CodecError::Layout(
+                    "a Kahan compensation in the weights' section has an odd byte count",
+                ));
+            }
+            let data = take(length, truncated)?;
+            let data = TensorData::from_bytes_vec(data.to_vec(), [length / 2], saved_dtype);
+            carries.insert(position, Tensor::<K, 1>::from_data(data, device));
+        }
+        if !rest.is_empty() {
+            return Err(CodecError::Layout(
+                "the weights' section has bytes after its last compensation",
+            ));
+        }
+        if saved.rounding == WeightRounding::Kahan && count == 0 && steps > 0 {
+            return Err(CodecError::Layout(
+                "it was written with Kahan rounding but holds no compensation",
+            ));
+        }
+        self.steps = steps;
+        if self.spec.rounding == WeightRounding::Kahan && saved.rounding == WeightRounding::Kahan {
+            let dtype = self.spec.dtype.dtype();
+            self.carries = carries
+                .into_iter()
+                .map(|(position, carry)| (position, carry.cast(dtype)))
+                .collect();
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use burn_flex::Flex;
+
+    #[test]
+    fn a_store_round_trips_through_its_bytes() {
+        let device = Default::default();
+        let spec = WeightSpec::new(WeightDtype::Bf16, WeightRounding::Kahan);
+        let mut store = WeightStore::<Flex>::new(spec);
+        let id = ParamId::from(3);
+        let old = Tensor::<Flex, 2>::ones([2, 3], &device).cast(DType::BF16);
+        let new = Tensor::<Flex, 2>::ones([2, 3], &device).add_scalar(1e-3);
+        let stored = store.narrow(id, old, new);
+        assert_eq!(stored.dtype(), DType::BF16);
+        let figures = store.end_step().unwrap();
+        assert_eq!((figures.moved, figures.unchanged), (6.0, 6.0));
+        let bytes = store.to_bytes();
+        let mut back = WeightStore::<Flex>::new(spec);
+        back.load_bytes(&bytes, spec, &device).unwrap();
+        assert_eq!(back.steps(), 1);
+        assert_eq!(back.to_bytes(), bytes);
+        assert!(back
+            .load_bytes(&bytes[..bytes.len() - 1], spec, &device)
+            .is_err());
+        let mut empty = bytes[..8].to_vec();
+        empty.extend_from_slice(&0u64.to_le_bytes());
+        assert!(back.load_bytes(&empty, spec, &device).is_err());
+    }
+}

@@ -1,0 +1,434 @@
+//! Parameter compression (`[optimizer] weight_dtype = "bf16"`, REFERENCE.md section 7): the
+//! trainable weights in 16 bits as their only copy, each fp32 update rounded back
+//! stochastically, to nearest or with a Kahan compensation. Checked here: the weights are
+//! 16-bit and half the bytes; each rounding is read (they give different weights, a seed gives
+//! the same draws again); the step in backward gives the ordinary step's bits with every
+//! optimizer and rounding, clipping, accumulation and mixed precision; ZeRO 1 and 2 give plain
+//! data parallelism's bits; a resumed run continues exactly; snapshots of another type convert
+//! with a notice, a missing or damaged compensation is an error naming the file; f16 weights
+//! losing their updates warn with the share measured.
+
+mod common;
+
+use std::path::Path;
+
+use burn::module::{Module, ModuleVisitor, Param};
+use burn::prelude::*;
+use burn::tensor::DType;
+use common::dp::*;
+use common::tiny::Seeded;
+use common::{watchdog, AB};
+use memsave::fp16::Precision;
+use memsave::hooks::{GradClip, GradientCumulativeOptimizerHook, OptimizerHook, SnapshotHook};
+use memsave::parallel::{Shard, ZeroStage};
+use memsave::scaler::{LossScaler, ScaleMode};
+use memsave::train::{
+    IterLog, OptimizerKind, OptimizerSpec, RunLength, Snapshot, StateDtype, WeightDtype,
+    WeightRounding, WeightSpec,
+};
+
+fn spec(kind: OptimizerKind, dtype: WeightDtype, rounding: WeightRounding) -> OptimizerSpec {
+    kind.with_state_dtype(StateDtype::F32)
+        .with_weights(WeightSpec::new(dtype, rounding).with_seed(5))
+}
+
+fn bf16(rounding: WeightRounding) -> OptimizerSpec {
+    spec(sgd(), WeightDtype::Bf16, rounding)
+}
+
+fn adam_w() -> OptimizerKind {
+    OptimizerKind::AdamW {
+        betas: (0.9, 0.999),
+        eps: 1e-8,
+        weight_decay: 0.01,
+    }
+}
+
+/// The dtypes of the model's float parameters.
+fn dtypes<M: Module<AB>>(model: &M) -> Vec<DType> {
+    struct All(Vec<DType>);
+    impl ModuleVisitor<AB> for All {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<AB, D>>) {
+            self.0.push(param.val().dtype());
+        }
+    }
+    let mut all = All(Vec::new());
+    model.visit(&mut all);
+    all.0
+}
+
+/// A run of `iters` iterations of the tiny classifier at batch 4: its final weights (as
+/// fp32), the trace, the weights' dtypes, and its warnings.
+struct Run {
+    weights: Vec<f32>,
+    trace: Vec<(Vec<f32>, IterLog)>,
+    dtypes: Vec<DType>,
+    warnings: Vec<String>,
+}
+
+fn run(name: &str, optimizer: &OptimizerSpec, hook: OptimizerHook, iters: usize) -> Run {
+    run_in(&work_dir(name), optimizer, hook, iters, None, None)
+}
+
+fn run_in(
+    dir: &Path,
+    optimizer: &OptimizerSpec,
+    hook: OptimizerHook,
+    iters: usize,
+    snapshot_every: Option<usize>,
+    resume: Option<&Path>,
+) -> Run {
+    let mut runner = runner_with(
+        net(),
+        optimizer,
+        Box::new(hook),
+        data(4, 32, Shard::whole()),
+        RunLength::Iters(iters),
+        dir,
+    );
+    if let Some(interval) = snapshot_every {
+        runner.register_hook(Box::new(SnapshotHook::new(interval, false)));
+    }
+    if let Some(path) = resume {
+        runner.resume(path).unwrap();
+    }
+    let trace = Trace::default();
+    runner.register_hook(Box::new(trace.clone()));
+    runner.run().unwrap();
+    let warnings = runner.state().warnings().to_vec();
+    let model = runner.into_model();
+    Run {
+        weights: weights(&model),
+        trace: trace.take(),
+        dtypes: dtypes(&model),
+        warnings,
+    }
+}
+
+#[test]
+fn bf16_weights_are_the_only_copy_at_half_the_bytes_and_train() {
+    let plain = run("plain", &sgd().into(), OptimizerHook::new(), 8);
+    let compressed = run(
+        "bf16",
+        &bf16(WeightRounding::Stochastic),
+        OptimizerHook::new(),
+        8,
+    );
+    assert!(plain.dtypes.iter().all(|&dtype| dtype == DType::F32));
+    assert!(
+        compressed.dtypes.iter().all(|&dtype| dtype == DType::BF16),
+        "{:?}",
+        compressed.dtypes
+    );
+    // Every value is a bf16 value (the stored weights are the 16-bit ones, nothing wider).
+    assert!(compressed
+        .weights
+        .iter()
+        .all(|&w| f32::from_bits(w.to_bits() & 0xffff_0000) == w));
+    // It trains as fp32 does: the same loss curve, to bf16's precision.
+    let loss = |run: &Run| run.trace.last().unwrap().1.loss.unwrap();
+    assert!(
+        (loss(&plain) - loss(&compressed)).abs() < 0.05 * loss(&plain),
+        "{} against {}",
+        loss(&compressed),
+        loss(&plain)
+    );
+    // Each step says what share of its updates left their weight unchanged.
+    let shares: Vec<f64> = compressed
+        .trace
+        .iter()
+        .filter_map(|(_, log)| log.weights_unchanged)
+        .collect();
+    assert_eq!(shares.len(), 8);
+    assert!(shares.iter().all(|share| (0.0..1.0).contains(share)));
+    assert!(plain
+        .trace
+        .iter()
+        .all(|(_, log)| log.weights_unchanged.is_none()));
+}
+
+#[test]
+fn each_rounding_is_read_and_the_seed_gives_the_same_draws() {
+    let runs: Vec<Vec<f32>> = [
+        WeightRounding::Stochastic,
+        WeightRounding::Nearest,
+        WeightRounding::Kahan,
+    ]
+    .into_iter()
+    .map(|rounding| {
+        run(
+            &format!("{rounding}"),
+            &bf16(rounding),
+            OptimizerHook::new(),
+            4,
+        )
+        .weights
+    })
+    .collect();
+    assert_ne!(runs[0], runs[1]);
+    assert_ne!(runs[1], runs[2]);
+    assert_ne!(runs[0], runs[2]);
+    let again = run(
+        "again",
+        &bf16(WeightRounding::Stochastic),
+        OptimizerHook::new(),
+        4,
+    );
+    assert_eq!(again.weights, runs[0]);
+    let other_seed = bf16(WeightRounding::Stochastic)
+        .with_weights(WeightSpec::new(WeightDtype::Bf16, WeightRounding::Stochastic).with_seed(6));
+    let other = run("seed", &other_seed, OptimizerHook::new(), 4);
+    assert_ne!(other.weights, runs[0]);
+}
+
+/// The step in backward steps each parameter as its gradient is final: with 16-bit weights,
+/// the same draws and the same compensation, so the same bits as the ordinary step.
+#[test]
+fn the_step_in_backward_gives_the_ordinary_steps_bits() {
+    let clip = || Some(GradClip::new(0.5, 2.0).unwrap());
+    for (name, optimizer) in [
+        ("sgd", sgd()),
+        ("adamw", adam_w()),
+        ("adam", OptimizerKind::adam()),
+    ] {
+        for rounding in [
+            WeightRounding::Stochastic,
+            WeightRounding::Nearest,
+            WeightRounding::Kahan,
+        ] {
+            for state in [StateDtype::F32, StateDtype::Int8] {
+                let spec = optimizer
+                    .clone()
+                    .with_state_dtype(state)
+                    .with_weights(WeightSpec::new(WeightDtype::Bf16, rounding).with_seed(1));
+                let label = format!("{name}-{rounding}-{state}");
+                let after = run(&format!("{label}-after"), &spec, OptimizerHook::new(), 3);
+                let within = run(
+                    &format!("{label}-in"),
+                    &spec,
+                    OptimizerHook::new().with_step_in_backward(true),
+                    3,
+                );
+                assert_eq!(after.weights, within.weights, "{label}");
+            }
+        }
+        // Clipping (two passes) and accumulation (the group's sums).
+        let spec = OptimizerSpec::from(optimizer).with_weights(WeightSpec::bf16().with_seed(2));
+        let hooks = || {
+            [
+                OptimizerHook::new().with_grad_clip(clip()),
+                GradientCumulativeOptimizerHook::new(2).unwrap(),
+            ]
+        };
+        for (i, (plain, within)) in hooks().into_iter().zip(hooks()).enumerate() {
+            let after = run(&format!("{name}-{i}-after"), &spec, plain, 4);
+            let within = run(
+                &format!("{name}-{i}-in"),
+                &spec,
+                within.with_step_in_backward(true),
+                4,
+            );
+            assert_eq!(after.weights, within.weights, "{name} hook {i}");
+        }
+    }
+}
+
+/// Under `[fp16]`: bf16 weights with a bf16 forward run on the weights themselves; with an f16
+/// forward, on an f16 copy of them. Both train, and the weights stay bf16.
+#[test]
+fn mixed_precision_runs_on_the_16_bit_weights() {
+    let spec = bf16(WeightRounding::Stochastic);
+    for precision in [Precision::Bf16, Precision::F16] {
+        let hook = || {
+            let scaler = LossScaler::new(512.0, ScaleMode::Dynamic, 2.0, 1000).unwrap();
+            OptimizerHook::new().with_mixed_precision(scaler, precision)
+        };
+        let after = run(&format!("mixed-{precision}"), &spec, hook(), 4);
+        assert!(after.dtypes.iter().all(|&dtype| dtype == DType::BF16));
+        assert!(after.weights.iter().all(|w| w.is_finite()));
+        let within = run(
+            &format!("mixed-{precision}-in"),
+            &spec,
+            hook().with_step_in_backward(true),
+            4,
+        );
+        assert_eq!(within.weights, after.weights, "{precision}");
+    }
+}
+
+/// ZeRO: each peer steps its part of the parameters and sends the new 16-bit values; the
+/// draws are keyed by the parameter's position and the step, so the peers hold plain data
+/// parallelism's bits.
+#[test]
+fn zero_gives_plain_data_parallelisms_bits() {
+    watchdog(300, || {
+        let _turn = turn();
+        for rounding in [WeightRounding::Stochastic, WeightRounding::Kahan] {
+            let spec = spec(adam_w(), WeightDtype::Bf16, rounding);
+            let runs: Vec<Vec<f32>> = [
+                ZeroStage::Off,
+                ZeroStage::OptimizerState,
+                ZeroStage::Gradients,
+            ]
+            .into_iter()
+            .map(|stage| {
+                let peers = two_peers_of(
+                    &format!("zero-{rounding}-{stage:?}"),
+                    net,
+                    |_, shard| data(2, 32, shard),
+                    &spec,
+                    stage,
+                    OptimizerHook::new,
+                    RunLength::Iters(4),
+                );
+                assert_eq!(peers[0].0, peers[1].0, "{rounding} {stage:?}");
+                peers[0].0.clone()
+            })
+            .collect();
+            assert_eq!(runs[0], runs[1], "{rounding}: ZeRO 1");
+            assert_eq!(runs[0], runs[2], "{rounding}: ZeRO 2");
+        }
+    });
+}
+
+/// A run stopped and resumed from its snapshot ends with the uninterrupted run's bits: the
+/// draws continue at the saved step, Kahan's compensation is restored.
+#[test]
+fn a_resumed_run_continues_exactly() {
+    for rounding in [WeightRounding::Stochastic, WeightRounding::Kahan] {
+        let spec = bf16(rounding);
+        let whole = run(&format!("whole-{rounding}"), &spec, OptimizerHook::new(), 6);
+        let dir = work_dir(&format!("halves-{rounding}"));
+        run_in(&dir, &spec, OptimizerHook::new(), 3, Some(3), None);
+        let resumed = run_in(
+            &dir,
+            &spec,
+            OptimizerHook::new(),
+            6,
+            None,
+            Some(&dir.join("latest.ckpt")),
+        );
+        assert_eq!(resumed.weights, whole.weights, "{rounding}");
+        assert!(resumed.warnings.is_empty(), "{:?}", resumed.warnings);
+    }
+}
+
+#[test]
+fn snapshots_of_another_type_convert_with_a_notice_and_a_damaged_store_is_an_error() {
+    // fp32 into bf16, and back: a notice naming both.
+    let dir = work_dir("convert-fp32");
+    run_in(&dir, &sgd().into(), OptimizerHook::new(), 2, Some(2), None);
+    let into_bf16 = run_in(
+        &dir,
+        &bf16(WeightRounding::Stochastic),
+        OptimizerHook::new(),
+        3,
+        None,
+        Some(&dir.join("latest.ckpt")),
+    );
+    let notice = into_bf16.warnings.join("\n");
+    assert!(
+        notice.contains("holds fp32 weights") && notice.contains("bf16 (stochastic rounding)"),
+        "{notice}"
+    );
+    assert!(into_bf16.dtypes.iter().all(|&dtype| dtype == DType::BF16));
+    let dir = work_dir("convert-bf16");
+    run_in(
+        &dir,
+        &bf16(WeightRounding::Kahan),
+        OptimizerHook::new(),
+        2,
+        Some(2),
+        None,
+    );
+    let into_fp32 = run_in(
+        &dir,
+        &sgd().into(),
+        OptimizerHook::new(),
+        3,
+        None,
+        Some(&dir.join("latest.ckpt")),
+    );
+    let notice = into_fp32.warnings.join("\n");
+    assert!(
+        notice.contains("holds bf16 (kahan rounding) weights") && notice.contains("in fp32"),
+        "{notice}"
+    );
+    assert!(into_fp32.dtypes.iter().all(|&dtype| dtype == DType::F32));
+
+    // The Kahan snapshot without its weights' section, then with a truncated one.
+    let path = dir.join("latest.ckpt");
+    let snapshot = Snapshot::load(&path).unwrap();
+    for (case, weights) in [
+        ("missing", None),
+        (
+            "truncated",
+            Some(snapshot.weights.clone().unwrap()[..20].to_vec()),
+        ),
+    ] {
+        let damaged = dir.join(format!("{case}.ckpt"));
+        Snapshot {
+            weights,
+            ..snapshot.clone()
+        }
+        .save(&damaged)
+        .unwrap();
+        let mut runner = runner_with(
+            net(),
+            &bf16(WeightRounding::Kahan),
+            Box::new(OptimizerHook::new()),
+            data(4, 32, Shard::whole()),
+            RunLength::Iters(4),
+            &dir,
+        );
+        let error = runner.resume(&damaged).unwrap_err().to_string();
+        assert!(error.contains(&format!("{case}.ckpt")), "{error}");
+        assert!(
+            error.contains(if case == "missing" {
+                "is missing"
+            } else {
+                "truncated"
+            }),
+            "{error}"
+        );
+    }
+}
+
+/// f16 weights at a learning rate whose updates are below half their spacing: rounding to
+/// nearest loses them, and the run says what share; stochastic rounding moves the weights.
+#[test]
+fn f16_weights_losing_their_updates_warn_with_the_share() {
+    let tiny_lr = |rounding| {
+        let dir = work_dir(&format!("f16-{rounding}"));
+        let mut runner = memsave::train::Runner::new(
+            net().map(&mut Seeded(9)),
+            spec(sgd(), WeightDtype::F16, rounding),
+            Box::new(OptimizerHook::new()),
+            data(4, 32, Shard::whole()),
+            RunLength::Iters(2),
+            &dir,
+            Default::default(),
+        )
+        .unwrap();
+        runner.set_lr(1e-4).unwrap();
+        runner.run().unwrap();
+        let warnings = runner.state().warnings().to_vec();
+        let share = runner
+            .state()
+            .weight_store()
+            .and_then(|store| store.last_step())
+            .unwrap()
+            .fraction();
+        (warnings, share)
+    };
+    let (warnings, share) = tiny_lr(WeightRounding::Nearest);
+    assert!(share > 0.9, "{share}");
+    let warning = warnings.join("\n");
+    assert!(
+        warning.contains("weight_dtype = \"f16\"")
+            && warning.contains("% of the first step's updates were lost"),
+        "{warning}"
+    );
+    let (_, share) = tiny_lr(WeightRounding::Stochastic);
+    assert!(share < 0.999, "{share}");
+}
