@@ -432,3 +432,153 @@ fn f16_weights_losing_their_updates_warn_with_the_share() {
     let (_, share) = tiny_lr(WeightRounding::Stochastic);
     assert!(share < 0.999, "{share}");
 }
+
+/// A small ResNet classifier (memsave's layers) with its stem and first two stages frozen.
+fn frozen_resnet() -> memsave::models::classifier::ImageClassifier<AB> {
+    let config = memsave::models::resnet::ResNetConfig {
+        depth: 18,
+        base_channels: 8,
+        frozen_stages: 2,
+        ..Default::default()
+    };
+    /// Seeded values, the frozen parameters kept frozen.
+    struct KeepFrozen(Seeded);
+    impl burn::module::ModuleMapper<AB> for KeepFrozen {
+        fn map_float<const D: usize>(
+            &mut self,
+            param: Param<Tensor<AB, D>>,
+        ) -> Param<Tensor<AB, D>> {
+            let trains = param.is_require_grad();
+            let seeded = self.0.map_float(param);
+            if trains {
+                return seeded;
+            }
+            let (id, tensor, mapper) = seeded.consume();
+            Param::from_mapped_value(id, tensor.set_require_grad(false), mapper)
+        }
+    }
+    memsave::models::classifier::ImageClassifier::<AB>::new(&config, 4, &Default::default())
+        .unwrap()
+        .map(&mut KeepFrozen(Seeded(11)))
+}
+
+/// Frozen weights held in int8 (or bf16) per output channel, dequantized per layer: the run
+/// trains, its forward within a few thousandths of fp32's, the frozen weights hand back their
+/// dequantized values (within half a scale step of the originals, unchanged by training), a
+/// snapshot resumes exactly; a model whose layers read a frozen weight with Burn's own `forward`
+/// is an error naming it before anything trains.
+#[test]
+fn frozen_weights_are_held_in_int8_and_read_per_layer() {
+    let frozen_values = |model: &memsave::models::classifier::ImageClassifier<AB>| {
+        struct Frozen(Vec<f32>);
+        impl ModuleVisitor<AB> for Frozen {
+            fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<AB, D>>) {
+                if D >= 2 && !param.is_require_grad() {
+                    self.0.extend(common::values(param.val()));
+                }
+            }
+        }
+        let mut frozen = Frozen(Vec::new());
+        model.visit(&mut frozen);
+        frozen.0
+    };
+    let original = frozen_values(&frozen_resnet());
+    let train = |name: &str, frozen: Option<memsave::nn::FrozenDtype>, iters, resume: bool| {
+        let dir = work_dir(name);
+        let spec = OptimizerSpec::from(sgd()).with_weights(WeightSpec::FP32.with_frozen(frozen));
+        let make = |iters: usize, snapshot: bool| {
+            let mut runner = runner_with(
+                frozen_resnet(),
+                &spec,
+                Box::new(OptimizerHook::new()),
+                class_data(),
+                RunLength::Iters(iters),
+                &dir,
+            );
+            if snapshot {
+                runner.register_hook(Box::new(SnapshotHook::new(2, false)));
+            }
+            runner
+        };
+        if resume {
+            make(2, true).run().unwrap();
+            let mut runner = make(iters, false);
+            runner.resume(&dir.join("latest.ckpt")).unwrap();
+            let trace = Trace::default();
+            runner.register_hook(Box::new(trace.clone()));
+            runner.run().unwrap();
+            let losses: Vec<f64> = trace.take().iter().map(|(_, l)| l.loss.unwrap()).collect();
+            return (runner.into_model(), losses);
+        }
+        let mut runner = make(iters, false);
+        let trace = Trace::default();
+        runner.register_hook(Box::new(trace.clone()));
+        runner.run().unwrap();
+        let losses: Vec<f64> = trace.take().iter().map(|(_, l)| l.loss.unwrap()).collect();
+        (runner.into_model(), losses)
+    };
+    let (plain, plain_losses) = train("frozen-fp32", None, 4, false);
+    let (int8, int8_losses) = train(
+        "frozen-int8",
+        Some(memsave::nn::FrozenDtype::Int8),
+        4,
+        false,
+    );
+    // The first loss is the forward of the same weights: int8's moves it by little.
+    let moved = ((int8_losses[0] - plain_losses[0]) / plain_losses[0]).abs();
+    assert!(moved > 0.0 && moved < 5e-3, "{moved}");
+    // The frozen weights come back dequantized: near the originals, the same as plain's.
+    assert_eq!(frozen_values(&plain), original);
+    let back = frozen_values(&int8);
+    assert_eq!(back.len(), original.len());
+    let worst = back
+        .iter()
+        .zip(&original)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0f32, f32::max);
+    assert!(worst > 0.0 && worst < 0.3 / 127.0, "{worst}");
+    // Resumed from a snapshot at iteration 2: the same run.
+    let (resumed, resumed_losses) = train(
+        "frozen-int8-resume",
+        Some(memsave::nn::FrozenDtype::Int8),
+        4,
+        true,
+    );
+    assert_eq!(resumed_losses[..], int8_losses[2..]);
+    assert_eq!(weights(&resumed), weights(&int8));
+    // bf16: half the bytes, the same check.
+    let (bf16, _) = train(
+        "frozen-bf16",
+        Some(memsave::nn::FrozenDtype::Bf16),
+        2,
+        false,
+    );
+    assert!(frozen_values(&bf16)
+        .iter()
+        .all(|&w| f32::from_bits(w.to_bits() & 0xffff_0000) == w));
+
+    // The tiny net reads its frozen convolution with Burn's own `forward`.
+    let mut tiny = net();
+    tiny.conv.weight = tiny.conv.weight.set_require_grad(false);
+    let spec = OptimizerSpec::from(sgd())
+        .with_weights(WeightSpec::FP32.with_frozen(Some(memsave::nn::FrozenDtype::Int8)));
+    let mut runner = runner_with(
+        tiny,
+        &spec,
+        Box::new(OptimizerHook::new()),
+        data(4, 32, Shard::whole()),
+        RunLength::Iters(2),
+        &work_dir("frozen-burn"),
+    );
+    let error = runner.run().unwrap_err().to_string();
+    assert!(
+        error.contains("optimizer.frozen_dtype") && error.contains("conv.weight"),
+        "{error}"
+    );
+}
+
+fn class_data() -> memsave::models::data::SyntheticClassification<AB> {
+    let mut config = memsave::models::data::SyntheticClassificationConfig::new(4, 16, 32);
+    config.seed = 3;
+    memsave::models::data::SyntheticClassification::new(config, 4, Default::default()).unwrap()
+}

@@ -113,7 +113,8 @@ impl<M, D> Config<M, D> {
             self.optimizer.weight_dtype,
             self.optimizer.weight_rounding,
         )
-        .with_seed(self.seed);
+        .with_seed(self.seed)
+        .with_frozen(self.optimizer.frozen_dtype);
         self.optimizer
             .kind
             .clone()

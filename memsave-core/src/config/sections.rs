@@ -30,6 +30,11 @@ pub struct OptimizerSection {
     /// back to the 16-bit weights.
     #[serde(default)]
     pub weight_rounding: WeightRounding,
+    /// `"int8"` (per output channel, a scale each) or `"bf16"`: the frozen weights (those that
+    /// do not train: `frozen_stages`, a frozen submodule) held so, dequantized per layer in the
+    /// forward. Absent: as the trainable weights.
+    #[serde(default)]
+    pub frozen_dtype: Option<crate::nn::FrozenDtype>,
     /// The optimizer and its parameters.
     #[serde(flatten)]
     pub kind: OptimizerKind,

@@ -323,7 +323,9 @@ fn conv_spec<B: Backend>(
     options: burn::tensor::ops::ConvOptions<2>,
 ) -> ConvSpec<B> {
     ConvSpec {
-        weight: conv.weight.val().into_primitive().tensor(),
+        weight: crate::nn::frozen::weight_of(&conv.weight, conv.weight.val().dtype())
+            .into_primitive()
+            .tensor(),
         bias: conv
             .bias
             .as_ref()

@@ -17,11 +17,20 @@ use super::ops;
 /// - output: `[batch, channels_out, height_out, width_out]`
 pub fn conv2d<B: Backend>(conv: &Conv2d<B>, x: Tensor<B, 4>) -> Tensor<B, 4> {
     let Some(options) = conv_options(conv, x.dims()) else {
-        return conv.forward(x);
+        if super::frozen::frozen_weights().is_empty() {
+            return conv.forward(x);
+        }
+        // A frozen weight held compressed: Burn's forward on a layer with its dequantized
+        // value.
+        let mut dequantized = conv.clone();
+        let weight = super::frozen::weight_of(&conv.weight, x.dtype());
+        dequantized.weight = burn::module::Param::initialized(conv.weight.id, weight);
+        return dequantized.forward(x);
     };
+    let weight = super::frozen::weight_of(&conv.weight, x.dtype());
     let output = ops::conv2d::<B>(
         x.into_primitive().tensor(),
-        conv.weight.val().into_primitive().tensor(),
+        weight.into_primitive().tensor(),
         conv.bias
             .as_ref()
             .map(|bias| bias.val().into_primitive().tensor()),
@@ -41,9 +50,10 @@ pub fn linear<B: Backend, const D: usize>(linear: &Linear<B>, x: Tensor<B, D>) -
     if D != 2 {
         return linear.forward(x);
     }
+    let weight = super::frozen::weight_of(&linear.weight, x.dtype());
     let output = ops::linear::<B>(
         x.into_primitive().tensor(),
-        linear.weight.val().into_primitive().tensor(),
+        weight.into_primitive().tensor(),
         linear
             .bias
             .as_ref()

@@ -18,6 +18,7 @@
 mod batch_norm;
 mod conv;
 mod dropout;
+pub mod frozen;
 mod group_norm;
 pub mod kernels;
 mod layer_norm;
@@ -29,6 +30,7 @@ mod relu;
 pub use batch_norm::{BatchNorm, BatchNormConfig};
 pub use conv::{conv2d, linear};
 pub use dropout::{Dropout, DropoutConfig};
+pub use frozen::{FrozenDtype, FrozenWeights};
 pub use group_norm::{GroupNorm, GroupNormConfig};
 pub use layer_norm::{LayerNorm, LayerNormConfig};
 pub use noise::{GaussianNoise, GaussianNoiseConfig};

@@ -138,7 +138,9 @@ where
 
     /// The trained weights.
     pub fn into_model(self) -> M {
-        self.state.model
+        // Frozen weights held compressed come back as their dequantized values.
+        let frozen = self.context.part::<crate::nn::FrozenWeights>();
+        crate::nn::frozen::expand(self.state.model, &frozen)
     }
 
     /// Runs from `state.iter` to the end.
@@ -411,7 +413,10 @@ where
             model: match whole_model {
                 Some(bytes) => bytes,
                 None => {
-                    record_bytes::<B, _>(self.state.model.clone().into_record()).map_err(bad)?
+                    // Frozen weights held compressed: their dequantized values.
+                    let frozen = self.context.part::<crate::nn::FrozenWeights>();
+                    let model = crate::nn::frozen::expand(self.state.model.clone(), &frozen);
+                    record_bytes::<B, _>(model.into_record()).map_err(bad)?
                 }
             },
             optimizer: match whole_optimizer {

@@ -71,6 +71,8 @@ pub struct OptimizerHook<R = Alone> {
     /// A resumed snapshot's state of this hook, kept until the run starts where the 16-bit
     /// weights imply the loss scaler it holds.
     saved_state: Option<serde_json::Value>,
+    /// Whether the run's first forward was checked ([`OptimizerHook::check_first_forward`]).
+    forward_checked: bool,
 }
 
 impl Default for OptimizerHook {
@@ -94,6 +96,7 @@ impl OptimizerHook {
             optimizer_offload: false,
             place: Place::default(),
             saved_state: None,
+            forward_checked: false,
         }
     }
 }
@@ -139,6 +142,7 @@ impl<R> OptimizerHook<R> {
             optimizer_offload: self.optimizer_offload,
             place: self.place,
             saved_state: self.saved_state,
+            forward_checked: self.forward_checked,
         }
     }
 
@@ -190,6 +194,18 @@ impl<R> OptimizerHook<R> {
     /// The divisor of iteration `iter`'s loss in a run of `max_iters` iterations.
     pub fn loss_factor(&self, iter: usize, max_iters: usize) -> usize {
         self.groups.loss_factor(iter, max_iters)
+    }
+
+    /// After the run's first forward: every frozen weight held compressed was read by a
+    /// layer that dequantizes it.
+    fn check_first_forward<B: AutodiffBackend, M: TrainModel<B>>(
+        &mut self,
+        state: &TrainState<B, M>,
+    ) -> Result<()> {
+        if std::mem::replace(&mut self.forward_checked, true) {
+            return Ok(());
+        }
+        precision::check_frozen_reads(state)
     }
 
     /// The place of the step, and the other parts as it sees them.
@@ -261,11 +277,13 @@ impl<B: AutodiffBackend, M: TrainModel<B>, R: Reducer<B>> Hook<B, M> for Optimiz
     }
 
     fn after_first_pass(&mut self, state: &mut TrainState<B, M>) -> Result<()> {
+        self.check_first_forward(state)?;
         let (place, mut parts) = self.split();
         place.after_first_pass(&mut parts, state)
     }
 
     fn after_iter(&mut self, state: &mut TrainState<B, M>) -> Result<()> {
+        self.check_first_forward(state)?;
         let boundary = self.groups.boundary(state);
         let (place, mut parts) = self.split();
         if boundary {

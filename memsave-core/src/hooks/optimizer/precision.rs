@@ -145,8 +145,12 @@ pub(super) fn before_run<B: AutodiffBackend, M: TrainModel<B>>(
     state: &mut TrainState<B, M>,
 ) -> Result<()> {
     let weights = state.weights.as_ref().map(|store| store.spec());
+    let frozen = state
+        .optimizer_spec
+        .as_ref()
+        .and_then(|spec| spec.weights.frozen);
     if mixed.is_none() && weights.is_none() {
-        return Ok(());
+        return compress_frozen(frozen, state);
     }
     if let Some(half) = crate::train::params::first_half_param::<B, M>(&state.model) {
         let keeper = if weights.is_some() {
@@ -177,11 +181,67 @@ pub(super) fn before_run<B: AutodiffBackend, M: TrainModel<B>>(
         let mixed = mixed.get_or_insert_with(|| Mixed::implied(precision));
         mixed.on_weights = mixed.precision == precision;
     }
+    compress_frozen(frozen, state)?;
     let Some(mixed) = mixed.as_ref().filter(|mixed| !mixed.on_weights) else {
         return Ok(());
     };
     state.forward_model = Some(mixed.forward_copy(state));
     Ok(())
+}
+
+/// The frozen weights into the run's table as `frozen` says (none where it says nothing),
+/// with a notice of what they hold.
+fn compress_frozen<B: AutodiffBackend, M: TrainModel<B>>(
+    frozen: Option<crate::nn::FrozenDtype>,
+    state: &mut TrainState<B, M>,
+) -> Result<()> {
+    let Some(frozen) = frozen else {
+        return Ok(());
+    };
+    let (model, count, bytes) = crate::nn::frozen::compress_frozen(state.model.clone(), frozen);
+    state.model = model;
+    if count == 0 {
+        state.warn(format!(
+            "`optimizer.frozen_dtype = \"{frozen}\"`: the model has no frozen weight (no \
+             parameter of rank 2 or more without `require_grad`): nothing is compressed"
+        ));
+    } else {
+        tracing::info!(
+            target: "memsave",
+            "{count} frozen weights held in {frozen}: {:.1} MiB",
+            bytes as f64 / (1 << 20) as f64
+        );
+    }
+    Ok(())
+}
+
+/// After the first forward: a frozen weight held compressed that no memsave layer read was
+/// read by a layer that does not dequantize it (it saw the placeholder): an error naming them,
+/// before anything trains.
+pub(super) fn check_frozen_reads<B: AutodiffBackend, M: TrainModel<B>>(
+    state: &TrainState<B, M>,
+) -> Result<()> {
+    let frozen = crate::nn::frozen::frozen_weights();
+    if frozen.is_empty() {
+        return Ok(());
+    }
+    let ids = crate::train::params::param_paths::<B, M>(&state.model)
+        .into_iter()
+        .map(|(id, _, _)| id)
+        .collect();
+    let unread = frozen.unread(&ids);
+    if unread.is_empty() {
+        return Ok(());
+    }
+    Err(Error::invalid(
+        "optimizer.frozen_dtype",
+        format!(
+            "these frozen weights are read by layers that do not dequantize them per layer \
+             (Burn's own `forward`; memsave's `nn::conv2d`, `nn::linear` and BatchNorm's fused \
+             convolutions do): {}. Call memsave's layers for them, or leave `frozen_dtype` out",
+            unread.join(", ")
+        ),
+    ))
 }
 
 /// A snapshot of another precision loads (its weights are fp32), with a warning that says what

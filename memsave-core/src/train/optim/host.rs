@@ -223,6 +223,29 @@ impl HostSteps {
     }
 }
 
+impl HostSteps {
+    /// Steps parameter `id` of 16-bit weights (`weight`, on the device: their only copy, no
+    /// master is kept on the host) with `grad` on the host, by the optimizer's rule in fp32.
+    /// Returns the new value in fp32 on the device, for the weights' store to round back.
+    pub(crate) fn step_widened<K: Backend, const D: usize>(
+        &mut self,
+        lr: f64,
+        id: ParamId,
+        weight: Tensor<K, D>,
+        grad: Tensor<Host, D>,
+    ) -> Tensor<K, D> {
+        let device = weight.device();
+        let master = to_host(weight);
+        let stepped = timed(|| {
+            crate::memory::scope(crate::memory::phase::STEP, || {
+                self.steps.step::<D>(lr, id, master, grad)
+            })
+        });
+        let data = stepped.into_data();
+        Tensor::from_primitive(TensorPrimitive::Float(K::float_from_data(data, &device)))
+    }
+}
+
 /// `tensor` copied to host memory, in fp32 (a half tensor crosses the link as it is and is cast
 /// on the host: the same values, half the bytes).
 pub(crate) fn to_host<K: Backend, const D: usize>(tensor: Tensor<K, D>) -> Tensor<Host, D> {

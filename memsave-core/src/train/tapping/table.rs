@@ -245,7 +245,14 @@ impl<B: AutodiffBackend> TableInner<B> {
             unreachable!("a step pass on the host holds the host's steps");
         };
         let lr = self.lr;
-        let stepped = steps.step::<K<B>, D>(lr, id, weight, grad);
+        let stepped = match self.store.as_mut() {
+            None => steps.step::<K<B>, D>(lr, id, weight, grad),
+            // 16-bit weights: no master on the host; the fp32 result rounded back here.
+            Some(store) => {
+                let new = steps.step_widened::<K<B>, D>(lr, id, weight.clone(), grad);
+                store.narrow(id, weight, new)
+            }
+        };
         self.put_stepped(id, stepped);
     }
 

@@ -125,6 +125,10 @@ pub struct WeightSpec {
     pub rounding: WeightRounding,
     /// The seed of the stochastic rounding's draws.
     pub seed: u64,
+    /// How the frozen weights are held: as the trainable ones (`None`), or compressed further
+    /// ([`crate::nn::frozen`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub frozen: Option<crate::nn::FrozenDtype>,
 }
 
 impl WeightSpec {
@@ -133,6 +137,7 @@ impl WeightSpec {
         dtype: WeightDtype::F32,
         rounding: WeightRounding::Stochastic,
         seed: 0,
+        frozen: None,
     };
 
     /// Weights in `dtype`, updates rounded by `rounding`.
@@ -141,6 +146,7 @@ impl WeightSpec {
             dtype,
             rounding,
             seed: 0,
+            frozen: None,
         }
     }
 
@@ -155,6 +161,12 @@ impl WeightSpec {
         self
     }
 
+    /// The same with the frozen weights held as `frozen`.
+    pub fn with_frozen(mut self, frozen: Option<crate::nn::FrozenDtype>) -> Self {
+        self.frozen = frozen;
+        self
+    }
+
     /// Whether the weights are in 16 bits.
     pub fn is_compressed(&self) -> bool {
         self.dtype != WeightDtype::F32
@@ -162,10 +174,14 @@ impl WeightSpec {
 
     /// `"bf16 (stochastic rounding)"`, `"fp32"`: for logs and notices.
     pub fn describe(&self) -> String {
-        if self.is_compressed() {
+        let trainable = if self.is_compressed() {
             format!("{} ({} rounding)", self.dtype, self.rounding)
         } else {
             self.dtype.to_string()
+        };
+        match self.frozen {
+            Some(frozen) => format!("{trainable}, frozen in {frozen}"),
+            None => trainable,
         }
     }
 }

@@ -88,7 +88,8 @@ impl StepPlace for OnHost {
         state.optimizer = Optim::new(&spec);
         self.sums_on_host = state.world_size() == 1;
         // Mixed precision: the fp32 weights to the host, the half copy the model on the device.
-        if self.sums_on_host && state.masters_on_host.is_none() {
+        // 16-bit weights are their only copy, on the device: the host keeps no master.
+        if self.sums_on_host && state.masters_on_host.is_none() && state.weights.is_none() {
             if let Some(half) = state.forward_model.take() {
                 let fp32 = std::mem::replace(&mut state.model, half);
                 state.masters_on_host = Some(host.take_masters(fp32));
@@ -104,6 +105,8 @@ impl StepPlace for OnHost {
     ) -> Option<Result<Vec<u8>>> {
         let skeleton = state.masters_on_host.clone()?;
         let model = self.host.as_ref().expect(MOVED).with_masters(skeleton);
+        // Frozen weights held compressed: their dequantized values.
+        let model = crate::nn::frozen::expand(model, &crate::nn::frozen::frozen_weights());
         Some(
             crate::train::snapshot::codec::record_bytes::<B, _>(model.into_record())
                 .map_err(|error| Error::state("model", error)),
