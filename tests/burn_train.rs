@@ -31,7 +31,8 @@ use memsave::fp16::{Fp16, Precision};
 use memsave::hooks::{GradClip, Groups, OptimizerHook};
 use memsave::scaler::{LossScaler, ScaleMode};
 use memsave::train::{
-    DataSource, Hook, OptimizerKind, Priority, RunLength, Runner, TrainModel, TrainState,
+    DataSource, Hook, OptimizerKind, OptimizerSpec, Priority, RunLength, Runner, TrainModel,
+    TrainState, WeightDtype, WeightRounding, WeightSpec,
 };
 use memsave::{auto_fp16, force_fp32};
 
@@ -220,6 +221,8 @@ struct Setup {
     /// `Some(init_scale)`: f16 with a dynamic scale.
     fp16: Option<f64>,
     max_norm: f64,
+    /// The trainable weights in 16 bits.
+    weights: Option<WeightSpec>,
 }
 
 impl Setup {
@@ -240,6 +243,9 @@ impl Setup {
             .unwrap();
         if let Some(scaler) = self.scaler() {
             memsave = memsave.fp16(scaler);
+        }
+        if let Some(weights) = self.weights {
+            memsave = memsave.weights(weights).unwrap();
         }
         memsave
     }
@@ -307,9 +313,11 @@ fn through_runner(setup: Setup, model: Net<AD>, dir: &Path) -> (Net<Flex>, Optio
     let mut schedule = setup.schedule();
     let steps = setup.total_iters().div_ceil(setup.cumulative_iters);
     let lrs = (0..steps).map(|_| schedule.step()).collect();
+    let optimizer = OptimizerSpec::from(OptimizerKind::adam())
+        .with_weights(setup.weights.unwrap_or(WeightSpec::FP32));
     let mut runner = Runner::new(
         model,
-        OptimizerKind::adam(),
+        optimizer,
         Box::new(hook),
         Data(items()),
         RunLength::Epochs(setup.epochs),
@@ -399,6 +407,7 @@ fn burn_train_with_accumulation_and_clipping_equals_the_runner_in_fp32() {
         epochs: 2,
         fp16: None,
         max_norm: 0.5,
+        weights: None,
     };
     let found = common::watchdog(300, move || compare(setup, "fp32"));
     let (losses, weights) = (found.losses, found.weights);
@@ -406,6 +415,32 @@ fn burn_train_with_accumulation_and_clipping_equals_the_runner_in_fp32() {
     assert!(losses <= 1e-6, "losses differ by {losses}");
     assert!(weights <= 1e-6, "weights differ by {weights}");
     assert!(found.moved > 1e-3, "the weights did not move");
+}
+
+/// bf16 weights (each rounding) through burn-train: the runner's bits, the weights bf16.
+#[test]
+fn burn_train_with_bf16_weights_equals_the_runner() {
+    for rounding in [
+        WeightRounding::Stochastic,
+        WeightRounding::Nearest,
+        WeightRounding::Kahan,
+    ] {
+        let setup = Setup {
+            cumulative_iters: 2,
+            epochs: 1,
+            fp16: None,
+            max_norm: 0.5,
+            weights: Some(WeightSpec::new(WeightDtype::Bf16, rounding).with_seed(3)),
+        };
+        let found = common::watchdog(300, move || compare(setup, &format!("bf16-{rounding}")));
+        assert_eq!(found.weights, 0.0, "{rounding}");
+        assert_eq!(found.losses, 0.0, "{rounding}");
+        assert!(found.moved > 1e-3, "{rounding}: the weights did not move");
+        assert!(
+            found.memsave.last_step().weights_unchanged.is_some(),
+            "{rounding}"
+        );
+    }
 }
 
 #[test]
@@ -417,6 +452,7 @@ fn burn_train_in_fp16_skips_the_same_overflows_as_the_runner() {
         epochs: 3,
         fp16: Some(1048576.0),
         max_norm: 1.0,
+        weights: None,
     };
     let found = common::watchdog(300, move || compare(setup, "fp16"));
     let (losses, weights) = (found.losses, found.weights);
@@ -447,6 +483,7 @@ fn burn_checkpoints_resume_the_scaler_the_groups_and_the_schedule() {
         epochs: 3,
         fp16: Some(1048576.0),
         max_norm: 1.0,
+        weights: None,
     };
     common::watchdog(300, move || {
         let dir = common::fresh_dir("burn-train", "resume");
@@ -572,6 +609,7 @@ fn memsaves_metrics_reach_burn_trains_log_one_value_per_micro_batch() {
         epochs: 2,
         fp16: Some(1048576.0),
         max_norm: 1.0,
+        weights: None,
     };
     common::watchdog(300, move || {
         let dir = common::fresh_dir("burn-train", "metrics");
@@ -640,6 +678,7 @@ fn accumulate_auto_learns_the_runs_length_from_burn_trains_progress() {
         epochs: 2,
         fp16: None,
         max_norm: 0.5,
+        weights: None,
     };
     common::watchdog(300, move || {
         let dir = common::fresh_dir("burn-train", "auto");

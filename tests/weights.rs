@@ -582,3 +582,60 @@ fn class_data() -> memsave::models::data::SyntheticClassification<AB> {
     config.seed = 3;
     memsave::models::data::SyntheticClassification::new(config, 4, Default::default()).unwrap()
 }
+
+/// How far frozen weights held compressed move a detector's forward: RetinaNet R50-FPN with
+/// MMDetection's `frozen_stages = 1` (the stem and the first stage frozen), one 320 x 320 image,
+/// its class logits and box deltas against fp32's: the largest difference over the largest
+/// output, printed (docs/src/beyond-mmcv.md quotes it).
+#[test]
+fn frozen_int8_moves_a_detectors_outputs_by_little() {
+    use memsave::models::detection::retinanet::RetinaNetConfig;
+    let device = Default::default();
+    let model = RetinaNetConfig::r50_fpn(20).init::<AB>(&device).unwrap();
+    let image = Tensor::<AB, 4>::from_data(
+        TensorData::new(
+            (0..3 * 320 * 320)
+                .map(|i: u64| ((i * 7919 % 1000) as f32 / 500.0) - 1.0)
+                .collect::<Vec<f32>>(),
+            [1, 3, 320, 320],
+        ),
+        &device,
+    );
+    let outputs = |model: &memsave::models::detection::retinanet::RetinaNet<AB>| -> Vec<f32> {
+        let (levels, _) = model.forward(image.clone());
+        levels
+            .into_iter()
+            .flat_map(|(cls, reg)| [common::values(cls), common::values(reg)])
+            .flatten()
+            .collect()
+    };
+    let plain = outputs(&model);
+    let largest = plain.iter().fold(0f32, |m, v| m.max(v.abs()));
+    for dtype in [
+        memsave::nn::FrozenDtype::Int8,
+        memsave::nn::FrozenDtype::Bf16,
+    ] {
+        let run = memsave::RunContext::named(format!("frozen {dtype}"));
+        let moved = run
+            .scope(|| {
+                let (compressed, count, bytes) =
+                    memsave::nn::frozen::compress_frozen(model.clone(), dtype);
+                assert!(count > 0);
+                let out = outputs(&compressed);
+                let worst = out
+                    .iter()
+                    .zip(&plain)
+                    .map(|(a, b)| (a - b).abs())
+                    .fold(0f32, f32::max);
+                eprintln!(
+                    "frozen {dtype}: {count} weights, {:.2} MiB held; outputs' largest \
+                     difference {worst:.3e}, {:.3e} of the largest output",
+                    bytes as f64 / (1 << 20) as f64,
+                    worst / largest
+                );
+                worst / largest
+            })
+            .unwrap();
+        assert!(moved > 0.0 && moved < 2e-2, "{dtype}: {moved}");
+    }
+}

@@ -79,6 +79,9 @@ pub struct StepReport {
     pub micro_batch: usize,
     /// The size of its group: `cumulative_iters`, or the final partial group's own.
     pub group_size: usize,
+    /// With 16-bit weights, at a step: the share of non-zero updates that left their weight
+    /// unchanged.
+    pub weights_unchanged: Option<f64>,
 }
 
 /// The precision part: the scaler, and the half type of the forward copy.
@@ -88,10 +91,44 @@ pub(crate) struct Mixed {
     pub(crate) precision: Precision,
 }
 
+/// The 16-bit weights' store, of the backend the model trains on (`WeightStore<K>`), behind
+/// what the backend-free state needs of it.
+pub(crate) trait ErasedStore: Send {
+    fn to_bytes(&self) -> Vec<u8>;
+    fn as_any_mut(&mut self) -> &mut dyn std::any::Any;
+}
+
+impl<K: burn::prelude::Backend> ErasedStore for crate::train::WeightStore<K> {
+    fn to_bytes(&self) -> Vec<u8> {
+        crate::train::WeightStore::to_bytes(self)
+    }
+
+    fn as_any_mut(&mut self) -> &mut dyn std::any::Any {
+        self
+    }
+}
+
+/// The trainable weights in 16 bits ([`Memsave::weights`]).
+pub(crate) struct Weights {
+    pub(crate) spec: crate::train::WeightSpec,
+    /// Made at the first step, on the model's backend.
+    pub(crate) store: Option<Box<dyn ErasedStore>>,
+    /// A checkpoint's store, until the store is made.
+    pub(crate) saved: Option<Vec<u8>>,
+}
+
+impl std::fmt::Debug for Weights {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Weights").field("spec", &self.spec).finish()
+    }
+}
+
 /// The state the three adapters share.
 #[derive(Debug, Default)]
 pub(crate) struct Shared {
     pub(crate) mixed: Option<Mixed>,
+    /// The trainable weights in 16 bits, where asked.
+    pub(crate) weights: Option<Weights>,
     pub(crate) groups: Option<Groups>,
     /// Micro-batches in the whole run (for the final partial group), with accumulation.
     pub(crate) max_iters: Option<usize>,
@@ -219,9 +256,17 @@ impl Shared {
 
     /// The state kept in Burn's optimizer checkpoints, as JSON.
     pub(crate) fn state_json(&self) -> String {
+        let weights = self.weights.as_ref().and_then(|weights| {
+            let bytes = match &weights.store {
+                Some(store) => store.to_bytes(),
+                None => weights.saved.clone()?,
+            };
+            Some(bytes.iter().map(|b| format!("{b:02x}")).collect::<String>())
+        });
         serde_json::json!({
             "iter": self.iter,
             "loss_scaler": self.mixed.as_ref().map(|mixed| &mixed.scaler),
+            "weights": weights,
         })
         .to_string()
     }
@@ -245,6 +290,31 @@ impl Shared {
                         .to_string(),
                 ),
             }
+        }
+        let mut notice = None;
+        if let Some(weights) = &mut self.weights {
+            let hex = value.get("weights").and_then(serde_json::Value::as_str);
+            let bytes = hex.map(|hex| {
+                (0..hex.len() / 2)
+                    .map(|i| u8::from_str_radix(hex.get(2 * i..2 * i + 2).unwrap_or("zz"), 16))
+                    .collect::<std::result::Result<Vec<u8>, _>>()
+            });
+            match bytes {
+                Some(Ok(bytes)) => weights.saved = Some(bytes),
+                Some(Err(_)) => {
+                    return Err(Error::invalid("weights", "the weights' store is damaged"))
+                }
+                None => {
+                    notice = Some(format!(
+                        "the checkpoint was trained with fp32 weights, and this run keeps them \
+                         in {}: they are rounded to nearest as it starts",
+                        weights.spec.describe()
+                    ))
+                }
+            }
+        }
+        if let Some(notice) = notice {
+            self.warn(notice);
         }
         self.iter = iter as usize;
         self.forwards = self.iter;
@@ -325,6 +395,43 @@ impl Memsave {
     pub fn mixed_precision(self, scaler: LossScaler, precision: Precision) -> Self {
         lock(&self.shared).mixed = Some(Mixed { scaler, precision });
         self
+    }
+
+    /// The trainable weights in 16 bits as their only copy (parameter compression,
+    /// [`crate::train::weights`]): the model is cast to `spec`'s type, the forward runs on it
+    /// (bf16 without a loss scale; f16 with PyTorch's dynamic scaler, unless
+    /// [`Memsave::mixed_precision`] says otherwise), each chunk of parameters is widened to fp32
+    /// for your optimizer's step and rounded back by `spec`'s rounding. The optimizer's
+    /// checkpoint holds the rounding's state. Frozen weights held compressed are memsave's
+    /// runner's (an error names `frozen`).
+    pub fn weights(self, spec: crate::train::WeightSpec) -> Result<Self> {
+        if spec.frozen.is_some() {
+            return Err(Error::invalid(
+                "frozen",
+                "frozen weights held compressed need memsave's runner (its check of the layers \
+                 that read them): leave `frozen` unset with burn-train",
+            ));
+        }
+        {
+            let mut shared = lock(&self.shared);
+            shared.weights = spec.is_compressed().then(|| Weights {
+                spec,
+                store: None,
+                saved: None,
+            });
+            if let (Some(precision), None) = (spec.dtype.precision(), &shared.mixed) {
+                let scaler = match precision {
+                    Precision::Bf16 => {
+                        LossScaler::new(1.0, crate::scaler::ScaleMode::Static, 2.0, 1000)?
+                    }
+                    Precision::F16 => {
+                        LossScaler::new(65536.0, crate::scaler::ScaleMode::Dynamic, 2.0, 1000)?
+                    }
+                };
+                shared.mixed = Some(Mixed { scaler, precision });
+            }
+        }
+        Ok(self)
     }
 
     /// [`Memsave::mixed_precision`] in f16.

@@ -83,7 +83,11 @@ impl<B: AutodiffBackend, M: AutodiffModule<B>> MemsaveModel<B, M> {
     where
         M: Fp16Module,
     {
-        let precision = lock(&shared).mixed.as_ref().map(|mixed| mixed.precision);
+        let (precision, weights) = {
+            let shared = lock(&shared);
+            let weights = shared.weights.as_ref().map(|weights| weights.spec.dtype);
+            (shared.mixed.as_ref().map(|mixed| mixed.precision), weights)
+        };
         if precision.is_some() {
             if let Some(half) = crate::train::params::first_half_param::<B, M>(&model) {
                 return Err(Error::invalid(
@@ -97,6 +101,11 @@ impl<B: AutodiffBackend, M: AutodiffModule<B>> MemsaveModel<B, M> {
                 ));
             }
         }
+        // 16-bit weights: the model in their type, the forward on it.
+        let model = match weights.and_then(|dtype| dtype.precision()) {
+            Some(precision) => wrap_fp16_model(model, precision),
+            None => model,
+        };
         let mut wrapped = MemsaveModel {
             model,
             half: None,
@@ -120,14 +129,24 @@ impl<B: AutodiffBackend, M: AutodiffModule<B>> MemsaveModel<B, M> {
 
     /// Makes the half copy again from the masters (under mixed precision).
     pub(crate) fn refresh_half(&mut self) {
-        let precision = lock(&self.shared)
-            .mixed
-            .as_ref()
-            .map(|mixed| mixed.precision);
+        let (precision, weights) = {
+            let shared = lock(&self.shared);
+            let weights = shared
+                .weights
+                .as_ref()
+                .and_then(|w| w.spec.dtype.precision());
+            (shared.mixed.as_ref().map(|mixed| mixed.precision), weights)
+        };
         // The old copy goes before the new one is made.
         self.half = None;
-        if let Some(precision) = precision {
-            self.half = Some((self.refresh)(self.model.clone(), precision));
+        // 16-bit weights of the forward's type are the forward's weights: no copy.
+        if let Some(precision) = precision.filter(|&precision| Some(precision) != weights) {
+            let copy = (self.refresh)(self.model.clone(), precision);
+            self.half = Some(crate::fp16::recast_params(
+                copy,
+                precision.other().dtype(),
+                precision.dtype(),
+            ));
         }
     }
 
@@ -183,26 +202,28 @@ where
             let first = !std::mem::replace(&mut shared.checked_segments, true);
             (divisor, scale, shared.summed.take(), first)
         };
-        let (item, grads) = match (&self.half, scale) {
+        let forward = self.half.as_ref().unwrap_or(&self.model);
+        let (item, grads) = match scale {
             // fp32: the group's sums start the backward pass (no second set is made).
-            (None, _) | (_, None) => {
+            None => {
                 let item = self.model.forward_step(input);
                 let loss = item.loss().div_scalar(divisor);
                 let grads = grads::backward::<B, M>(loss, &self.model, summed);
                 (item, grads)
             }
-            // Half: the copy's gradients are half and scaled; each is cast as it is added to
-            // its fp32 sum.
-            (Some(half), Some(scale)) => {
-                let item = half.forward_step(input);
+            // Half (the copy, or 16-bit weights): the gradients are half and scaled; each is
+            // cast as it is added to its fp32 sum.
+            Some(scale) => {
+                let item = forward.forward_step(input);
                 let loss = item.loss().cast(DType::F32).mul_scalar(scale / divisor);
-                let grads = grads::backward::<B, M>(loss, half, None).map(|grads| match summed {
-                    Some(mut summed) => {
-                        grads::accumulate::<B, M>(&self.model, &mut summed, grads);
-                        summed
-                    }
-                    None => grads,
-                });
+                let grads =
+                    grads::backward::<B, M>(loss, forward, None).map(|grads| match summed {
+                        Some(mut summed) => {
+                            grads::accumulate::<B, M>(&self.model, &mut summed, grads);
+                            summed
+                        }
+                        None => grads,
+                    });
                 (item, grads)
             }
         };

@@ -38,18 +38,59 @@ fn step_chunks<B, M, O>(
     lr: LearningRate,
     mut model: M,
     grads: GradientsParams,
+    weights: Option<&mut super::Weights>,
     prepare: &mut dyn FnMut(&M, &mut GradientsParams),
-) -> M
+) -> (M, Option<f64>)
 where
     B: AutodiffBackend,
     M: AutodiffModule<B>,
     O: Optimizer<M, B>,
 {
+    let mut store = weights.map(|weights| store_of::<B, M>(weights, &model));
     for mut chunk in grads::into_chunks::<B, M>(&model, grads, STEP_GROUP_BYTES) {
         prepare(&model, &mut chunk);
-        model = inner.step(lr, model, chunk);
+        let Some(store) = store.as_deref_mut() else {
+            model = inner.step(lr, model, chunk);
+            continue;
+        };
+        // 16-bit weights: the chunk widened to fp32 for the step, rounded back after.
+        let (wide, old) = crate::train::weights::model::widen::<B, M>(model, &chunk);
+        let stepped = inner.step(lr, wide, chunk);
+        model = crate::train::weights::model::narrow::<B, M>(stepped, old, store);
     }
-    model
+    let unchanged = store
+        .and_then(|store| store.end_step())
+        .map(|figures| figures.fraction());
+    (model, unchanged)
+}
+
+/// The run's store of 16-bit weights, made at the first step (with a checkpoint's state).
+fn store_of<'a, B: AutodiffBackend, M: AutodiffModule<B>>(
+    weights: &'a mut super::Weights,
+    model: &M,
+) -> &'a mut crate::train::WeightStore<B::InnerBackend> {
+    if weights.store.is_none() {
+        let mut store = crate::train::WeightStore::<B::InnerBackend>::new(weights.spec);
+        store.set_positions(crate::parallel::zero::positions::<B, M>(model));
+        if let Some(saved) = weights.saved.take() {
+            let device = Default::default();
+            if let Err(error) = store.load_bytes(&saved, weights.spec, &device) {
+                tracing::warn!(
+                    target: "memsave",
+                    "the checkpoint's store of 16-bit weights does not load ({error}): the \
+                     rounding's state starts afresh"
+                );
+            }
+        }
+        weights.store = Some(Box::new(store));
+    }
+    weights
+        .store
+        .as_mut()
+        .expect("made above")
+        .as_any_mut()
+        .downcast_mut()
+        .expect("the store of the model's backend")
 }
 
 impl<B, M, O> Optimizer<MemsaveModel<B, M>, B> for MemsaveOptimizer<O>
@@ -160,7 +201,8 @@ impl<O> MemsaveOptimizer<O> {
         let Some(mixed) = shared.mixed.as_mut() else {
             let norm = grads::norm_and_clip::<B, M>(&module.model, &mut grads, clip.as_ref());
             let model = module.model.clone();
-            module.model = step_chunks(&mut self.inner, lr, model, grads, &mut |_, _| {});
+            (module.model, _) =
+                step_chunks(&mut self.inner, lr, model, grads, None, &mut |_, _| {});
             shared.last.stepped = true;
             shared.last.grad_norm = norm;
             return module;
@@ -196,13 +238,23 @@ impl<O> MemsaveOptimizer<O> {
         mixed.scaler.update_scale(false);
         let loss_scale = mixed.scaler.loss_scale();
         let model = module.model.clone();
-        module.model = step_chunks(&mut self.inner, lr, model, grads, &mut |model, chunk| {
-            grads::to_f32::<B, M>(model, chunk);
-            grads::scale::<B, M>(model, chunk, 1.0 / scale);
-            if let Some(coefficient) = coefficient {
-                grads::scale::<B, M>(model, chunk, coefficient);
-            }
-        });
+        let weights = shared.weights.as_mut();
+        let unchanged;
+        (module.model, unchanged) = step_chunks(
+            &mut self.inner,
+            lr,
+            model,
+            grads,
+            weights,
+            &mut |model, chunk| {
+                grads::to_f32::<B, M>(model, chunk);
+                grads::scale::<B, M>(model, chunk, 1.0 / scale);
+                if let Some(coefficient) = coefficient {
+                    grads::scale::<B, M>(model, chunk, coefficient);
+                }
+            },
+        );
+        shared.last.weights_unchanged = unchanged;
         shared.last.stepped = true;
         shared.last.grad_norm = norm;
         shared.last.loss_scale = Some(loss_scale);

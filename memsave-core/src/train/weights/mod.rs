@@ -263,7 +263,7 @@ impl<K: Backend> WeightStore<K> {
     }
 
     /// Sets the trainable parameters' positions (the model's order of trainable parameters).
-    pub(crate) fn set_positions(&mut self, positions: HashMap<ParamId, u64>) {
+    pub fn set_positions(&mut self, positions: HashMap<ParamId, u64>) {
         self.positions = positions;
     }
 
