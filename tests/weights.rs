@@ -20,7 +20,7 @@ use common::tiny::Seeded;
 use common::{watchdog, AB};
 use memsave::fp16::Precision;
 use memsave::hooks::{GradClip, GradientCumulativeOptimizerHook, OptimizerHook, SnapshotHook};
-use memsave::parallel::{Shard, ZeroStage};
+use memsave::parallel::{Collective, Shard, ZeroStage};
 use memsave::scaler::{LossScaler, ScaleMode};
 use memsave::train::{
     IterLog, OptimizerKind, OptimizerSpec, RunLength, Snapshot, StateDtype, WeightDtype,
@@ -663,4 +663,48 @@ fn resnet50s_weights_take_half_their_bytes_in_bf16() {
         half as f64 / (1 << 20) as f64
     );
     assert!((0.5..0.505).contains(&ratio), "{ratio}");
+}
+
+/// ZeRO with Kahan rounding: each peer holds the compensations of its own parameters; a
+/// snapshot gathers them all, and 2 peers resumed from it end with the uninterrupted run's bits.
+#[test]
+fn a_zero_snapshot_holds_every_peers_compensation_and_resumes_exactly() {
+    watchdog(300, || {
+        let _turn = turn();
+        let spec = spec(adam_w(), WeightDtype::Bf16, WeightRounding::Kahan);
+        let train = |dir: &Path, epochs: usize, resume: Option<&Path>| -> Vec<f32> {
+            let resume = resume.map(Path::to_path_buf);
+            let finals = peers(2, |peer| {
+                let shard = peer.shard();
+                let mut runner = peer_runner_with(
+                    net(),
+                    &spec,
+                    ZeroStage::OptimizerState,
+                    OptimizerHook::new(),
+                    data(2, 16, shard),
+                    RunLength::Epochs(epochs),
+                    dir,
+                    peer,
+                );
+                runner.register_hook(Box::new(SnapshotHook::new(1, true)));
+                if let Some(resume) = &resume {
+                    runner.resume(resume)?;
+                }
+                runner.run()?;
+                Ok(weights(&runner.into_model()))
+            })
+            .unwrap();
+            finals.into_iter().next().unwrap()
+        };
+        let dir = work_dir("zero-kahan");
+        let whole = train(&dir.join("whole"), 4, None);
+        let _ = train(&dir.join("half"), 2, None);
+        let snapshot = dir.join("half").join("epoch_2.ckpt");
+        let store = Snapshot::load(&snapshot).unwrap().weights.unwrap();
+        // Every trainable parameter's compensation (the tiny net has four).
+        let carries = u64::from_le_bytes(store[8..16].try_into().unwrap());
+        assert_eq!(carries, 4);
+        let resumed = train(&dir.join("resumed"), 4, Some(&snapshot));
+        assert_eq!(resumed, whole);
+    });
 }

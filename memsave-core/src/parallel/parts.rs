@@ -164,6 +164,13 @@ impl<A: AutodiffBackend> Reducer<A> for PeerReducer<A::InnerBackend> {
         }
     }
 
+    fn gather_parts(&self, mine: &[u8]) -> Result<Option<Vec<Vec<u8>>>> {
+        if self.zero == ZeroStage::Off {
+            return Ok(None);
+        }
+        zero::gather_bytes(&*self.collective, mine, &self.device).map(Some)
+    }
+
     fn whole_state<M: AutodiffModule<A>>(
         &self,
         model: &M,

@@ -378,8 +378,9 @@ where
             ));
         }
         let model = self.state.whole_model.take();
+        let weights = self.state.whole_weights.take();
         // Serialising is not training: keep it out of the peak memory the log reports.
-        crate::memory::without_peak(|| self.write_snapshot(path, model, whole))
+        crate::memory::without_peak(|| self.write_snapshot(path, model, whole, weights))
     }
 
     fn write_snapshot(
@@ -387,6 +388,7 @@ where
         path: &Path,
         whole_model: Option<Vec<u8>>,
         whole_optimizer: Option<Vec<u8>>,
+        whole_weights: Option<Vec<u8>>,
     ) -> Result<()> {
         let bad = |error| super::snapshot::bad_snapshot(path, error);
         let completed = (self.state.iter + 1).min(self.state.max_iters);
@@ -423,7 +425,10 @@ where
                 Some(bytes) => bytes,
                 None => self.state.optimizer.to_bytes().map_err(bad)?,
             },
-            weights: self.state.weights.as_ref().map(|store| store.to_bytes()),
+            weights: match whole_weights {
+                Some(bytes) => Some(bytes),
+                None => self.state.weights.as_ref().map(|store| store.to_bytes()),
+            },
         };
         snapshot.save(path)?;
         let latest = path.with_file_name("latest.ckpt");

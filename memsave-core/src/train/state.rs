@@ -213,6 +213,9 @@ pub struct TrainState<B: AutodiffBackend, M: TrainModel<B>> {
     /// The trainable weights in 16 bits (parameter compression): the rounding of each update
     /// and its state; `None` with fp32 weights.
     pub(crate) weights: Option<super::weights::WeightStore<B::InnerBackend>>,
+    /// The whole store of 16-bit weights for the snapshot being written, gathered from the
+    /// peers where each holds a part (ZeRO: each peer's Kahan compensations).
+    pub(crate) whole_weights: Option<Vec<u8>>,
     warnings: Vec<String>,
 }
 
@@ -252,6 +255,7 @@ impl<B: AutodiffBackend, M: TrainModel<B>> TrainState<B, M> {
             pass: 0,
             tapping: Default::default(),
             weights: None,
+            whole_weights: None,
             warnings: Vec::new(),
         }
     }

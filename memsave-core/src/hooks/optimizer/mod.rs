@@ -309,6 +309,16 @@ impl<B: AutodiffBackend, M: TrainModel<B>, R: Reducer<B>> Hook<B, M> for Optimiz
                 state.whole_optimizer = Some(whole);
             }
         }
+        // The 16-bit weights' compensations, each peer's for its own parameters under ZeRO.
+        if let Some(store) = &state.weights {
+            if let Some(parts) = self.reducer.gather_parts(&store.to_bytes())? {
+                let whole = crate::train::WeightStore::<B::InnerBackend>::merge_bytes(&parts)
+                    .map_err(|error| Error::state("the weights' store", error))?;
+                if state.is_main() {
+                    state.whole_weights = Some(whole);
+                }
+            }
+        }
         // The weights too, where the place holds them (serialising is not training).
         if state.is_main() {
             state.whole_model =

@@ -102,6 +102,13 @@ pub trait Reducer<B: AutodiffBackend> {
     ) -> Result<Option<Vec<u8>>> {
         Ok(None)
     }
+
+    /// Every peer's bytes `mine`, in rank order, where each peer holds a part of the state
+    /// (ZeRO: the 16-bit weights' Kahan compensations, each peer's for its own parameters), for
+    /// a snapshot (every peer calls it); `None` where each peer holds it whole.
+    fn gather_parts(&self, _mine: &[u8]) -> Result<Option<Vec<Vec<u8>>>> {
+        Ok(None)
+    }
 }
 
 /// Training alone: nothing to combine.

@@ -352,6 +352,45 @@ impl<K: Backend> WeightStore<K> {
         out
     }
 
+    /// One store's bytes from the parts of several ([`WeightStore::to_bytes`] of each ZeRO
+    /// peer, which holds the compensations of its own parameters): the steps of the first, every
+    /// part's compensations, by position.
+    pub fn merge_bytes(parts: &[Vec<u8>]) -> Result<Vec<u8>, CodecError> {
+        let truncated = CodecError::Layout("a part of the weights' store is truncated");
+        let mut steps = None;
+        let mut entries: Vec<(u64, &[u8])> = Vec::new();
+        for part in parts {
+            let mut rest = part.as_slice();
+            let mut take = |n: usize| -> Result<&[u8], CodecError> {
+                let (head, tail) = rest.split_at_checked(n).ok_or(CodecError::Layout(
+                    "a part of the weights' store is truncated",
+                ))?;
+                rest = tail;
+                Ok(head)
+            };
+            let u64_of = |b: &[u8]| u64::from_le_bytes(b.try_into().expect("eight bytes"));
+            let part_steps = u64_of(take(8)?);
+            steps.get_or_insert(part_steps);
+            let count = u64_of(take(8)?);
+            for _ in 0..count {
+                let position = u64_of(take(8)?);
+                let length = u64_of(take(8)?) as usize;
+                entries.push((position, take(length)?));
+            }
+        }
+        let steps = steps.ok_or(truncated)?;
+        entries.sort_by_key(|(position, _)| *position);
+        entries.dedup_by_key(|(position, _)| *position);
+        let mut out = steps.to_le_bytes().to_vec();
+        out.extend_from_slice(&(entries.len() as u64).to_le_bytes());
+        for (position, bytes) in entries {
+            out.extend_from_slice(&position.to_le_bytes());
+            out.extend_from_slice(&(bytes.len() as u64).to_le_bytes());
+            out.extend_from_slice(bytes);
+        }
+        Ok(out)
+    }
+
     /// Restores [`WeightStore::to_bytes`]'s state written under `saved` (the snapshot's spec):
     /// the steps always; the compensations where both keep them. Errors say what is damaged.
     pub fn load_bytes(
