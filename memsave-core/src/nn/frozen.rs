@@ -78,12 +78,17 @@ fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 }
 
 impl FrozenWeights {
-    /// The frozen weights held, and their bytes.
-    pub fn held(&self) -> (usize, u64) {
+    /// The frozen weights held, their bytes, and the bytes they took in fp32.
+    pub fn held(&self) -> (usize, u64, u64) {
         let entries = lock(&self.entries);
+        let fp32 = entries
+            .values()
+            .map(|entry| entry.shape.iter().product::<usize>() as u64 * 4)
+            .sum();
         (
             entries.len(),
             entries.values().map(|entry| entry.bytes).sum(),
+            fp32,
         )
     }
 

@@ -327,6 +327,14 @@ where
     }
     let built = meter.live();
     runner.run()?;
+    // Compressed weights (16-bit trainable ones, frozen ones held in the run's table): the
+    // bytes the model no longer takes, which the warm-up's growth counted against the state.
+    let shrunk = {
+        let (now, _) = param_bytes::<B, _>(&runner.state().model);
+        let frozen = runner.context().part::<memsave::nn::FrozenWeights>();
+        let (_, held, placeholders) = frozen.held();
+        parameters.saturating_sub(now.saturating_sub(placeholders) + held)
+    };
     // The half copy of the weights the forward ran on (mixed precision), resident.
     let half_weights: u64 = memory::live_by_tag()
         .iter()
@@ -335,7 +343,14 @@ where
         .sum();
     drop(runner);
     let record = record.take();
-    let mut result = summarise(args, &record, parameters, half_weights, built, meter.tags())?;
+    let mut result = summarise(
+        args,
+        &record,
+        parameters.saturating_sub(shrunk),
+        half_weights,
+        built.saturating_sub(shrunk),
+        meter.tags(),
+    )?;
     result.host_peak_bytes = host_start
         .zip(record.host_peak)
         .map(|(start, peak)| peak.saturating_sub(start) as u64);

@@ -173,6 +173,22 @@ pub(super) fn before_run<B: AutodiffBackend, M: TrainModel<B>>(
             .dtype
             .precision()
             .expect("a store holds 16-bit weights");
+        if !B::supports_dtype(&state.device, precision.dtype()) {
+            let other = precision.other();
+            let instead = if B::supports_dtype(&state.device, other.dtype()) {
+                format!("it has {other}: set `optimizer.weight_dtype = \"{other}\"`")
+            } else {
+                "it has neither half type: leave the weights in fp32".to_string()
+            };
+            return Err(Error::invalid(
+                "optimizer.weight_dtype",
+                format!(
+                    "the device {:?} has no {precision} arithmetic for the weights to be kept \
+                     in; {instead}",
+                    state.device
+                ),
+            ));
+        }
         let positions = crate::parallel::zero::positions::<B, M>(&state.model);
         if let Some(store) = state.weights.as_mut() {
             store.set_positions(positions);

@@ -83,6 +83,9 @@ impl fmt::Display for WeightDtype {
     }
 }
 
+/// Values rounded at once (1 MiB of fp32 per temporary).
+const SLICE: usize = 1 << 18;
+
 /// How a 16-bit weight takes its fp32 update (`[optimizer] weight_rounding`).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
@@ -281,34 +284,69 @@ impl<K: Backend> WeightStore<K> {
         old: Tensor<K, D>,
         new: Tensor<K, D>,
     ) -> Tensor<K, D> {
-        let dtype = self.spec.dtype.dtype();
         let shape = new.shape();
+        let n = shape.num_elements();
+        let position = self.position(id);
+        let (old, new) = (old.reshape([n]), new.reshape([n]));
+        let mut carry = self.carries.remove(&position);
+        // A slice at a time: the rounding's fp32 temporaries stay a few MiB, whatever the
+        // parameter's size (the draws are indexed by the value's place, not the slice's).
+        let mut stored = Vec::with_capacity(n.div_ceil(SLICE));
+        let mut carries = Vec::new();
+        for start in (0..n).step_by(SLICE) {
+            let end = (start + SLICE).min(n);
+            let slice_carry = carry
+                .as_ref()
+                .map(|carry| carry.clone().slice([start..end]));
+            let (value, next) = self.narrow_slice(
+                position,
+                start,
+                old.clone().slice([start..end]),
+                new.clone().slice([start..end]),
+                slice_carry,
+            );
+            stored.push(value);
+            carries.extend(next);
+        }
+        drop((old, new, carry.take()));
+        if !carries.is_empty() {
+            self.carries.insert(position, Tensor::cat(carries, 0));
+        }
+        Tensor::cat(stored, 0).reshape(shape)
+    }
+
+    /// Values `start..` of one parameter (`old` 16-bit, `new` the optimizer's fp32 result,
+    /// `carry` Kahan's compensation so far): their new 16-bit values, and Kahan's new
+    /// compensation; this step's counts updated.
+    fn narrow_slice(
+        &mut self,
+        position: u64,
+        start: usize,
+        old: Tensor<K, 1>,
+        new: Tensor<K, 1>,
+        carry: Option<Tensor<K, 1>>,
+    ) -> (Tensor<K, 1>, Option<Tensor<K, 1>>) {
+        let dtype = self.spec.dtype.dtype();
+        let n = new.dims()[0];
         let old = old.cast(DType::F32);
         let new = new.cast(DType::F32);
-        let position = self.position(id);
-        let stored = match self.spec.rounding {
-            WeightRounding::Nearest => round::nearest(new.clone(), dtype),
+        let (stored, carry) = match self.spec.rounding {
+            WeightRounding::Nearest => (round::nearest(new.clone(), dtype), None),
             WeightRounding::Stochastic => {
                 let key = round::splitmix64(
                     self.spec.seed ^ round::splitmix64(position ^ round::splitmix64(self.steps)),
                 );
-                let draws = round::uniforms(key, shape.num_elements());
-                let u = Tensor::<K, 1>::from_data(
-                    TensorData::new(draws, [shape.num_elements()]),
-                    &new.device(),
-                )
-                .reshape(shape.clone());
-                round::stochastic(new.clone(), u, self.spec.dtype)
+                let draws = round::uniforms(key, start, n);
+                let u = Tensor::<K, 1>::from_data(TensorData::new(draws, [n]), &new.device());
+                (round::stochastic(new.clone(), u, self.spec.dtype), None)
             }
             WeightRounding::Kahan => {
-                let carry = match self.carries.remove(&position) {
-                    Some(carry) => carry.cast(DType::F32).reshape(shape.clone()),
-                    None => Tensor::zeros(shape.clone(), &new.device()),
+                let carry = match carry {
+                    Some(carry) => carry.cast(DType::F32),
+                    None => Tensor::zeros([n], &new.device()),
                 };
                 let (stored, carry) = round::kahan(old.clone(), new.clone(), carry, dtype);
-                let flat = carry.reshape([shape.num_elements()]).cast(dtype);
-                self.carries.insert(position, flat);
-                stored
+                (stored, Some(carry.cast(dtype)))
             }
         };
         let moved = new.not_equal(old.clone());
@@ -318,7 +356,7 @@ impl<K: Backend> WeightStore<K> {
             Some((m, u)) => (m.add(moved), u.add(unchanged)),
             None => (moved, unchanged),
         });
-        stored.cast(dtype)
+        (stored.cast(dtype), carry)
     }
 
     /// The end of an optimizer step: the step's counts read, the step counted.

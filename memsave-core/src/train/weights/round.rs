@@ -75,16 +75,17 @@ pub(super) fn kahan<K: Backend, const D: usize>(
     (stored, carry)
 }
 
-/// `n` uniform draws in `[0, 1)` for the stream `key`: SplitMix64 of the key and each index
-/// (counter-based, so that any stream is reproducible on its own: a resumed run, a peer
-/// stepping its part of the parameters), 24 bits each.
-pub(super) fn uniforms(key: u64, n: usize) -> Vec<f32> {
+/// The uniform draws in `[0, 1)` of values `first..first + n` of the stream `key`: SplitMix64
+/// of the key and each value's index (counter-based, so that any stream, and any part of it, is
+/// reproducible on its own: a resumed run, a peer stepping its part of the parameters, a
+/// parameter rounded a slice at a time), 24 bits each.
+pub(super) fn uniforms(key: u64, first: usize, n: usize) -> Vec<f32> {
     use rayon::prelude::*;
     let mut out = vec![0f32; n];
     out.par_chunks_mut(1 << 16)
         .enumerate()
         .for_each(|(chunk, values)| {
-            let start = (chunk << 16) as u64;
+            let start = (first + (chunk << 16)) as u64;
             for (i, value) in values.iter_mut().enumerate() {
                 let bits = splitmix64(key ^ splitmix64(start + i as u64));
                 *value = (bits >> 40) as f32 * (1.0 / (1u64 << 24) as f32);
@@ -209,7 +210,7 @@ mod tests {
         let x = 1.0f32 + 3.0 / 1024.0; // between bf16's 1.0 and 1.0078125
         let n = 20_000;
         let xs = tensor(&vec![x; n]);
-        let u = tensor(&uniforms(7, n));
+        let u = tensor(&uniforms(7, 0, n));
         let mean = values(stochastic(xs, u, WeightDtype::Bf16))
             .iter()
             .map(|&v| v as f64)
@@ -244,9 +245,11 @@ mod tests {
 
     #[test]
     fn draws_are_uniform_and_reproducible() {
-        let a = uniforms(42, 100_000);
-        assert_eq!(a, uniforms(42, 100_000));
-        assert_ne!(a[..100], uniforms(43, 100)[..]);
+        let a = uniforms(42, 0, 100_000);
+        assert_eq!(a, uniforms(42, 0, 100_000));
+        // Any part of the stream on its own.
+        assert_eq!(a[70_000..70_100], uniforms(42, 70_000, 100)[..]);
+        assert_ne!(a[..100], uniforms(43, 0, 100)[..]);
         let mean = a.iter().map(|&v| v as f64).sum::<f64>() / a.len() as f64;
         assert!((mean - 0.5).abs() < 0.01, "{mean}");
         assert!(a.iter().all(|&v| (0.0..1.0).contains(&v)));
