@@ -491,6 +491,30 @@ mod tests {
     use super::*;
     use burn_flex::Flex;
 
+    /// A parameter of several slices is rounded as one: the same draws (indexed by the value's
+    /// place), the same bits, the counts of every slice.
+    #[test]
+    fn a_large_parameter_is_rounded_a_slice_at_a_time_with_the_same_bits() {
+        let device = Default::default();
+        let n = 2 * SLICE + 12_345;
+        let spec = WeightSpec::bf16().with_seed(9);
+        let mut store = WeightStore::<Flex>::new(spec);
+        let values: Vec<f32> = (0..n).map(|i| 1.0 + (i % 977) as f32 * 1e-5).collect();
+        let new = Tensor::<Flex, 1>::from_data(TensorData::new(values, [n]), &device);
+        let old = new.clone().cast(DType::BF16);
+        let id = ParamId::from(5);
+        let stored = store.narrow(id, old, new.clone());
+        let key = round::splitmix64(9 ^ round::splitmix64(5 ^ round::splitmix64(0)));
+        let u = Tensor::<Flex, 1>::from_data(
+            TensorData::new(round::uniforms(key, 0, n), [n]),
+            &device,
+        );
+        let whole = round::stochastic(new, u, WeightDtype::Bf16).cast(DType::BF16);
+        assert_eq!(stored.into_data(), whole.into_data());
+        let figures = store.end_step().unwrap();
+        assert!(figures.moved > (2 * SLICE) as f64, "{figures:?}");
+    }
+
     #[test]
     fn a_store_round_trips_through_its_bytes() {
         let device = Default::default();
