@@ -505,10 +505,8 @@ mod tests {
         let id = ParamId::from(5);
         let stored = store.narrow(id, old, new.clone());
         let key = round::splitmix64(9 ^ round::splitmix64(5 ^ round::splitmix64(0)));
-        let u = Tensor::<Flex, 1>::from_data(
-            TensorData::new(round::uniforms(key, 0, n), [n]),
-            &device,
-        );
+        let u =
+            Tensor::<Flex, 1>::from_data(TensorData::new(round::uniforms(key, 0, n), [n]), &device);
         let whole = round::stochastic(new, u, WeightDtype::Bf16).cast(DType::BF16);
         assert_eq!(stored.into_data(), whole.into_data());
         let figures = store.end_step().unwrap();
