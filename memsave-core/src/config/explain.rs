@@ -53,7 +53,25 @@ pub(super) fn explain(path: String, message: String) -> String {
         .map(|candidate| (strsim::damerau_levenshtein(name, candidate), *candidate))
         .filter(|(distance, candidate)| *distance <= (candidate.len() / 3).max(2))
         .min_by_key(|(distance, _)| *distance);
+    // A value of a key that is not a `type` (`weight_dtype`, `policy`, ...) is a value.
+    let what = if what == "type" && !(key.is_empty() || key == "type" || key.ends_with(".type")) {
+        "value"
+    } else {
+        what
+    };
+    let choices = || {
+        candidates
+            .iter()
+            .map(|c| format!("`{c}`"))
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
     match suggestion {
+        // A value's choices are few: all of them, beside the closest.
+        Some((_, close)) if what == "value" => format!(
+            "unknown {what} `{full}`; did you mean `{close}`? (one of {})",
+            choices()
+        ),
         Some((_, close)) => format!("unknown {what} `{full}`; did you mean `{close}`?"),
         None => format!(
             "unknown {what} `{full}`; expected one of {}",
