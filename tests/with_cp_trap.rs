@@ -210,6 +210,7 @@ impl<B: AutodiffBackend + memsave::Backend> memsave::burn_train::ForwardStep for
     type Output = burn::train::ClassificationOutput<B>;
 
     fn forward_step(&self, batch: ClassificationBatch<B>) -> Self::Output {
+        FORWARD_STEPS.with(|steps| steps.set(steps.get() + 1));
         let logits = self.logits(batch.images);
         let loss = CrossEntropyLossConfig::new()
             .init(&logits.device())
@@ -218,9 +219,19 @@ impl<B: AutodiffBackend + memsave::Backend> memsave::burn_train::ForwardStep for
     }
 }
 
-/// burn-train's adapter: by default the first step's error stops the training (no step is
-/// taken: the weights stay) and `Memsave::finish` returns it; where the run says to warn, the
-/// warning is among `Memsave::warnings` and the training steps.
+thread_local! {
+    /// The forward steps this thread ran (burn-train runs them on the thread that launches).
+    static FORWARD_STEPS: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
+}
+
+fn forward_steps() -> usize {
+    FORWARD_STEPS.with(std::cell::Cell::get)
+}
+
+/// burn-train's adapter driven by hand, with no burn-train loop to stop: by default the first
+/// step's error is a panic naming the block and saying how to get it as a `Result` (no step is
+/// taken: the weights stay); where the run says to warn, the warning is among
+/// `Memsave::warnings` and the training steps.
 #[test]
 fn burn_trains_adapter_stops_with_the_error_by_default_and_warns_where_told() {
     use burn::optim::{Optimizer, SgdConfig};
@@ -247,14 +258,13 @@ fn burn_trains_adapter_stops_with_the_error_by_default_and_warns_where_told() {
         };
 
         let strict = Memsave::new();
-        let (before, after) = train(&strict);
-        let error = strict
-            .finish()
-            .expect_err("an error by default")
-            .to_string();
-        assert!(error.contains("`Unmarked`"), "{error}");
-        assert_eq!(before, after, "no step after the error");
-        assert!(strict.finish().is_ok(), "the error is handed over once");
+        let panic = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| train(&strict)))
+            .expect_err("an error by default, and nothing but a panic stops a loop");
+        let message = panic_message(&panic);
+        assert!(message.contains("`Unmarked`"), "{message}");
+        assert!(message.contains("memsave.metrics()"), "{message}");
+        assert!(message.contains("memsave.finish()"), "{message}");
+        assert!(strict.finish().is_ok(), "the error was said by the panic");
 
         let lenient = Memsave::new().unused_with_cp(UnusedWithCp::Warn).unwrap();
         let (before, after) = train(&lenient);
@@ -263,5 +273,200 @@ fn burn_trains_adapter_stops_with_the_error_by_default_and_warns_where_told() {
         let warnings = lenient.warnings();
         assert_eq!(warnings.len(), 1, "{warnings:?}");
         assert!(warnings[0].contains("`Unmarked`"), "{warnings:?}");
+    });
+}
+
+fn panic_message(panic: &Box<dyn std::any::Any + Send>) -> String {
+    panic
+        .downcast_ref::<String>()
+        .cloned()
+        .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
+        .unwrap_or_default()
+}
+
+// A whole burn-train program, as a new user writes it: the trap's net, burn-train's
+// `SupervisedTraining`, no tracing subscriber. The error must reach the user whatever the
+// program does with it.
+
+/// burn-train's side of the trap's net, in inference.
+impl<B: memsave::Backend> burn::train::InferenceStep for Net<B> {
+    type Input = ClassificationBatch<B>;
+    type Output = burn::train::ClassificationOutput<B>;
+
+    fn step(&self, batch: ClassificationBatch<B>) -> Self::Output {
+        let logits = self.logits(batch.images);
+        let loss = CrossEntropyLossConfig::new()
+            .init(&logits.device())
+            .forward(logits.clone(), batch.labels.clone());
+        burn::train::ClassificationOutput::new(loss, logits, batch.labels)
+    }
+}
+
+#[derive(Clone, Debug)]
+struct Sample {
+    image: Vec<f32>,
+    label: i64,
+}
+
+#[derive(Clone)]
+struct SampleBatcher;
+
+impl<B: Backend> burn::data::dataloader::batcher::Batcher<B, Sample, ClassificationBatch<B>>
+    for SampleBatcher
+{
+    fn batch(&self, samples: Vec<Sample>, device: &B::Device) -> ClassificationBatch<B> {
+        let n = samples.len();
+        let images: Vec<f32> = samples.iter().flat_map(|s| s.image.clone()).collect();
+        let labels: Vec<i64> = samples.iter().map(|s| s.label).collect();
+        ClassificationBatch {
+            images: Tensor::from_data(TensorData::new(images, [n, 3, 8, 8]), device),
+            labels: Tensor::from_data(TensorData::new(labels, [n]), device),
+        }
+    }
+}
+
+/// Micro-batches in the program's whole run: 2 epochs of 4 batches of 2.
+const PROGRAM_STEPS: usize = 8;
+
+/// Trains the trap's net through burn-train for 2 epochs, memsave's metrics registered or not,
+/// and returns the `Memsave` (the program decides what to do with it).
+fn burn_train_program(
+    register_metrics: bool,
+    dir: &std::path::Path,
+) -> memsave::burn_train::Memsave {
+    use burn::data::dataloader::DataLoaderBuilder;
+    use burn::data::dataset::InMemDataset;
+    use burn::optim::SgdConfig;
+    use burn::train::SupervisedTraining;
+    let samples: Vec<Sample> = (0..PROGRAM_STEPS)
+        .map(|i| Sample {
+            image: (0..3 * 8 * 8)
+                .map(|j| ((i * 7 + j) % 11) as f32 / 11.0)
+                .collect(),
+            label: (i % 4) as i64,
+        })
+        .collect();
+    fn loader<B: Backend>(
+        samples: &[Sample],
+    ) -> std::sync::Arc<dyn burn::data::dataloader::DataLoader<B, ClassificationBatch<B>>> {
+        DataLoaderBuilder::new(SampleBatcher)
+            .batch_size(2)
+            .build(InMemDataset::new(samples.to_vec()))
+    }
+    let memsave = memsave::burn_train::Memsave::new();
+    let net = set_with_cp(Net::<AB>::new(&Default::default()), true);
+    let learner = memsave
+        .learner(net, SgdConfig::new().init(), 0.01)
+        .expect("an fp32 net");
+    let mut training = SupervisedTraining::new(dir, loader::<AB>(&samples), loader(&samples))
+        .num_epochs(2)
+        .with_application_logger(None);
+    if register_metrics {
+        training = training.metrics(memsave.metrics());
+    }
+    let _ = training.launch(learner);
+    println!("trap program: launch returned");
+    memsave
+}
+
+/// The program the tests below run as a child process (the test binary again, with
+/// `MEMSAVE_TRAP_PROGRAM` set to `metrics` or `plain`): it never calls `Memsave::finish()`.
+/// Without the variable it returns at once.
+#[test]
+fn trap_program_that_never_calls_finish() {
+    let Ok(mode) = std::env::var("MEMSAVE_TRAP_PROGRAM") else {
+        return;
+    };
+    let dir = std::env::temp_dir().join(format!("memsave-trap-program-{}", std::process::id()));
+    let memsave = burn_train_program(mode == "metrics", &dir);
+    let _ = std::fs::remove_dir_all(&dir);
+    println!("trap program: stepped {}", forward_steps());
+    // The end of `main`: the program never looks at the error.
+    drop(memsave);
+}
+
+/// Runs [`trap_program_that_never_calls_finish`] in a child process, under a deadline;
+/// returns its exit status and everything it printed.
+fn run_trap_program(mode: &str) -> (std::process::ExitStatus, String) {
+    use std::time::{Duration, Instant};
+    let exe = std::env::current_exe().expect("the test binary's path");
+    let out = std::env::temp_dir().join(format!("memsave-trap-{mode}-{}.out", std::process::id()));
+    let file = std::fs::File::create(&out).expect("a file for the child's output");
+    let mut child = std::process::Command::new(exe)
+        .args([
+            "--exact",
+            "trap_program_that_never_calls_finish",
+            "--nocapture",
+        ])
+        .args(["--test-threads", "1"])
+        .env("MEMSAVE_TRAP_PROGRAM", mode)
+        .env_remove("RUST_LOG")
+        .stdout(file.try_clone().expect("the output file again"))
+        .stderr(file)
+        .spawn()
+        .expect("the test binary runs again");
+    let deadline = Instant::now() + Duration::from_secs(180);
+    let status = loop {
+        if let Some(status) = child.try_wait().expect("the child's status") {
+            break status;
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            panic!("the trap program ran past 180 s: a hang");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let output = std::fs::read_to_string(&out).unwrap_or_default();
+    let _ = std::fs::remove_file(&out);
+    (status, output)
+}
+
+/// Without memsave's metrics nothing can stop burn-train's loop but a panic: the first step's
+/// error ends the program there (exit code not 0), naming the block and what to add.
+#[test]
+fn a_burn_train_program_without_finish_or_metrics_stops_at_the_first_step_with_the_error() {
+    let (status, output) = run_trap_program("plain");
+    assert!(!status.success(), "{output}");
+    assert!(output.contains("memsave stopped the training"), "{output}");
+    assert!(output.contains("`Unmarked`"), "{output}");
+    assert!(output.contains("metrics(memsave.metrics())"), "{output}");
+    assert!(
+        !output.contains("trap program: launch returned"),
+        "{output}"
+    );
+}
+
+/// With memsave's metrics the training is stopped cleanly after the failing step; a program
+/// that then ends without `Memsave::finish()` panics as its last handle drops, with the error.
+#[test]
+fn a_burn_train_program_that_never_calls_finish_still_ends_with_the_error() {
+    let (status, output) = run_trap_program("metrics");
+    assert!(!status.success(), "{output}");
+    assert!(output.contains("trap program: launch returned"), "{output}");
+    let stepped: usize = output
+        .lines()
+        .find_map(|line| line.strip_prefix("trap program: stepped "))
+        .and_then(|n| n.trim().parse().ok())
+        .unwrap_or_else(|| panic!("no count of micro-batches: {output}"));
+    assert!(stepped < PROGRAM_STEPS, "the training ran on: {output}");
+    assert!(output.contains("memsave stopped the training"), "{output}");
+    assert!(output.contains("`Unmarked`"), "{output}");
+    assert!(output.contains("memsave.finish()"), "{output}");
+}
+
+/// The same program that takes the error: `finish()` returns it, and nothing panics.
+#[test]
+fn a_burn_train_program_that_calls_finish_gets_the_error_as_a_result() {
+    watchdog(180, || {
+        let dir = std::env::temp_dir().join(format!("memsave-trap-finish-{}", std::process::id()));
+        let memsave = burn_train_program(true, &dir);
+        let _ = std::fs::remove_dir_all(&dir);
+        let error = memsave
+            .finish()
+            .expect_err("the trap stopped it")
+            .to_string();
+        assert!(error.contains("`Unmarked`"), "{error}");
+        assert!(forward_steps() < PROGRAM_STEPS, "the training ran on");
+        drop(memsave);
     });
 }

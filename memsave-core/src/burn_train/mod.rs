@@ -37,7 +37,7 @@ mod model;
 mod optim;
 mod schedule;
 
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError, Weak};
 
 use burn::module::AutodiffModule;
 use burn::optim::lr_scheduler::LrScheduler;
@@ -158,6 +158,9 @@ pub(crate) struct Shared {
     /// burn-train's handle that stops the training (from the registration of
     /// [`Memsave::metrics`]).
     pub(crate) interrupter: Option<Interrupter>,
+    /// The user's [`Memsave`] handles (live while one is): a failure kept for
+    /// [`Memsave::finish`] needs one to be taken.
+    pub(crate) handles: Weak<()>,
     /// The run's context ([`crate::run`]): what the model's steps run in.
     pub(crate) context: Option<crate::RunContext>,
     pub(crate) warned_past_end: bool,
@@ -233,20 +236,31 @@ impl Shared {
         self.warnings.push(message);
     }
 
-    /// Stops the training with `error`: burn-train's loop has no error of its own, so the
-    /// error is kept for [`Memsave::finish`], said as an event, and the training stopped
-    /// through burn-train's interrupter (where [`Memsave::metrics`] is registered; else the
-    /// steps left change nothing). The first error counts.
+    /// Stops the training with `error`, in a way the user cannot miss. burn-train's loop has
+    /// no error channel of its own, so:
+    /// - where [`Memsave::metrics`] is registered (burn-train's interrupter is known) and a
+    ///   [`Memsave`] handle is alive, the training is stopped through the interrupter and the
+    ///   error kept for [`Memsave::finish`]; a program that drops its last handle without taking
+    ///   it gets the panic below then;
+    /// - otherwise nothing can stop the loop but a panic (Burn's convention for misuse): it
+    ///   ends the training here, on burn-train's training thread (the caller's), with the error
+    ///   and what to add to get it as a `Result` instead.
+    ///
+    /// The error is also said as an event (target `memsave`). The first error counts.
     pub(crate) fn fail(&mut self, error: Error) {
         if self.failure.is_some() {
             return;
         }
         let message = error.to_string();
         tracing::error!(target: "memsave", "{message}");
-        if let Some(interrupter) = &self.interrupter {
-            interrupter.0.stop(Some(&format!("memsave: {message}")));
+        match &self.interrupter {
+            Some(interrupter) if self.handles.strong_count() > 0 => {
+                interrupter.0.stop(Some(&format!("memsave: {message}")));
+                self.failure = Some(error);
+            }
+            Some(_) => panic!("{}", stopped(&message, Unseen::NoHandle)),
+            None => panic!("{}", stopped(&message, Unseen::NoInterrupter)),
         }
-        self.failure = Some(error);
     }
 
     /// The run's context.
@@ -323,6 +337,39 @@ impl Shared {
     }
 }
 
+/// Why an error that stopped the training is said by a panic.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(crate) enum Unseen {
+    /// No interrupter: [`Memsave::metrics`] is not registered, and only a panic stops the loop.
+    NoInterrupter,
+    /// No [`Memsave`] handle is left to call [`Memsave::finish`].
+    NoHandle,
+    /// The last handle was dropped without [`Memsave::finish`].
+    NotTaken,
+}
+
+/// The panic message for an error that stopped the training: the error, and how to get it as
+/// a `Result` instead.
+pub(crate) fn stopped(message: &str, why: Unseen) -> String {
+    let how = match why {
+        Unseen::NoInterrupter => {
+            "burn-train's loop has no error channel, and nothing else stops it: register memsave's \
+             metrics (`SupervisedTraining::new(..).metrics(memsave.metrics())`) to have the \
+             training stopped cleanly, and take the error as a `Result` with `memsave.finish()?` \
+             after `launch`"
+        }
+        Unseen::NoHandle => {
+            "no `Memsave` handle is left to take it: keep the `Memsave` and call \
+             `memsave.finish()?` after `launch`"
+        }
+        Unseen::NotTaken => {
+            "the training was stopped, and the error was never taken: call `memsave.finish()?` \
+             after `launch` to handle it as a `Result`"
+        }
+    };
+    format!("memsave stopped the training: {message}\n({how})")
+}
+
 /// burn-train's interrupter, with the `Debug` that [`Shared`] derives.
 #[derive(Clone, Default)]
 pub(crate) struct Interrupter(pub(crate) burn::train::Interrupter);
@@ -340,9 +387,27 @@ pub(crate) fn lock(shared: &Mutex<Shared>) -> MutexGuard<'_, Shared> {
 
 /// The strategies for a burn-train run, and the adapters that carry them out (see the
 /// [module docs](self)).
+///
+/// An error that stops the training is returned by [`Memsave::finish`]; where the program
+/// never takes it, dropping the last `Memsave` handle panics with it (and where nothing can stop
+/// burn-train's loop, the failing step does): an error is never silent.
 #[derive(Clone, Debug)]
 pub struct Memsave {
     shared: Arc<Mutex<Shared>>,
+    /// Counts the handles (the clones of this value): the last one dropped says an error that
+    /// was never taken.
+    handles: Arc<()>,
+}
+
+impl Drop for Memsave {
+    fn drop(&mut self) {
+        if Arc::strong_count(&self.handles) > 1 || std::thread::panicking() {
+            return;
+        }
+        if let Some(error) = lock(&self.shared).failure.take() {
+            panic!("{}", stopped(&error.to_string(), Unseen::NotTaken));
+        }
+    }
 }
 
 impl Default for Memsave {
@@ -357,12 +422,15 @@ impl Memsave {
     /// or the thread's own, as a [`crate::train::Runner`]'s): the model's steps run in it, with
     /// the choices made there.
     pub fn new() -> Self {
+        let handles = Arc::new(());
         let shared = Shared {
             context: Some(crate::run::current()),
+            handles: Arc::downgrade(&handles),
             ..Shared::default()
         };
         Memsave {
             shared: Arc::new(Mutex::new(shared)),
+            handles,
         }
     }
 
