@@ -1,0 +1,363 @@
+//! Gradient checkpointing on Burn 0.22: run a segment of a model without keeping its
+//! activations, keep only its input, and recompute it during backward (MMCV's `with_cp`,
+//! `torch.utils.checkpoint`). The port of `memsave-core`'s `checkpoint` (Burn 0.21).
+//!
+//! Forward: the segment runs once, untracked (the module's parameters with `no_grad()`, which
+//! keeps Burn's training flags, so dropout and BatchNorm behave as in training; the inputs
+//! fresh untracked leaves on their autodiff device). In the outer graph it becomes:
+//!
+//! ```text
+//!   input_0  input_1  param_0 ...        tracked inputs and parameters
+//!        \     |     /
+//!         join nodes                     (pairwise; no step of their own)
+//!              |
+//!            anchor                      recomputes the segment in its step
+//!           /     \
+//!      output_0  output_1                hand their gradients to the anchor
+//! ```
+//!
+//! Backward: Burn runs steps by descending depth, so every output node's step runs before the
+//! anchor's. The anchor recomputes the segment from fresh leaves (the kept inputs, and copies
+//! of the parameters) in a graph of its own, runs its backward there (Burn 0.22.1 allows a
+//! backward inside a step, the graphs sharing no node) with each output's gradient as the seed,
+//! and registers the gradients by node id: the inputs' on the inputs' nodes, the parameters' on
+//! the original parameters' nodes, so `GradientsParams::from_grads(grads, &model)` finds them as
+//! for any other parameter.
+//!
+//! "No gradient" stays none where plain Burn gives none: a parameter or a leaf input the
+//! recomputation does not reach gets nothing. A tracked non-leaf input made by Burn's ops gets
+//! zeros (its step consumes a gradient and would panic on none), its true value; an input that
+//! is another segment's output gets a mark that its node reads as none ([`nodes::no_gradient`]).
+//!
+//! Both of Burn's checkpointing strategies (`Device::autodiff()` and
+//! `.gradient_checkpointing()`): the nodes are compute-bound, which Burn's Balanced strategy
+//! keeps rather than recomputes. Not here yet (the port's next slices): random draws replayed
+//! in the recomputation (Burn's `Dropout` inside a segment), BatchNorm's statistics moved once,
+//! recomputation on helper threads, CPU staging of the kept inputs, profiling, the run's context.
+
+mod nodes;
+mod ours;
+mod segment;
+
+use std::marker::PhantomData;
+use std::sync::{Arc, Mutex};
+
+use burn::backend::autodiff::checkpoint::strategy::{
+    BalancedCheckpointing, CheckpointStrategy, NoCheckpointing,
+};
+use burn::backend::autodiff::grads::Gradients;
+use burn::backend::autodiff::Autodiff;
+use burn::backend::autodiff::NodeId;
+use burn::backend::ops::FloatTensorOps;
+use burn::backend::tensor::FloatTensor;
+use burn::backend::{DispatchAutodiffContext, DispatchTensor, TensorMetadata};
+use burn::module::{Module, ModuleMapper, Param};
+use burn::tensor::{FloatDType, GradientCheckpointingStrategy, Shape, Tensor};
+
+use crate::backend::{self, AdTensor, DispatchBackend, OnBackend};
+
+pub use segment::{floats, Segment};
+
+/// Runs `segment(module, input)` as a checkpointed segment when a float tensor of `input` is
+/// tracked (MMCV's guard: `x.requires_grad`), else as written.
+///
+/// The rules (`torch.utils.checkpoint`'s): the segment must be deterministic given its input
+/// and the module, since it runs twice; tensors must enter it as its input or as the module's
+/// parameters (a tracked tensor captured otherwise cannot be recomputed from fresh leaves: such
+/// a segment runs plainly, with a warning naming it).
+pub fn checkpoint<M, I, O, F>(module: &M, input: I, segment: F) -> O
+where
+    M: Module + 'static,
+    I: Segment,
+    O: Segment,
+    F: Fn(&M, I) -> O + Send + Sync + 'static,
+{
+    let floats = floats(&input);
+    if let Some(unsupported) = floats
+        .iter()
+        .find_map(|tensor| backend::supported(tensor).err())
+    {
+        // Said once per process: which backends memsave has ops for is the build's.
+        static SAID: std::sync::Once = std::sync::Once::new();
+        SAID.call_once(|| {
+            tracing::warn!(
+                target: "memsave",
+                "{unsupported}: checkpointed segments (`{}` first) run without checkpointing",
+                std::any::type_name::<M>()
+            )
+        });
+        return segment(module, input);
+    }
+    let Some(first) = floats.into_iter().find(backend::is_tracked) else {
+        return segment(module, input);
+    };
+    let op = Checkpoint {
+        module,
+        input,
+        segment,
+        output: PhantomData::<O>,
+    };
+    backend::on_backend(&first, op).expect("the backend was checked")
+}
+
+struct Checkpoint<'a, M, I, O, F> {
+    module: &'a M,
+    input: I,
+    segment: F,
+    output: PhantomData<O>,
+}
+
+impl<M, I, O, F> OnBackend for Checkpoint<'_, M, I, O, F>
+where
+    M: Module + 'static,
+    I: Segment,
+    O: Segment,
+    F: Fn(&M, I) -> O + Send + Sync + 'static,
+{
+    type Output = O;
+
+    fn run<B: DispatchBackend>(self, strategy: Option<GradientCheckpointingStrategy>) -> O {
+        let strategy = strategy.expect("a tracked tensor is on an autodiff device");
+        match strategy {
+            GradientCheckpointingStrategy::Balanced => {
+                checkpoint_on::<B, BalancedCheckpointing, M, I, O, F>(self, strategy)
+            }
+            GradientCheckpointingStrategy::Disabled => {
+                checkpoint_on::<B, NoCheckpointing, M, I, O, F>(self, strategy)
+            }
+        }
+    }
+}
+
+/// A tracked input of the segment, as the recomputation needs it.
+struct TrackedInput {
+    id: NodeId,
+    /// A leaf that requires grad (no step: "none" is no gradient).
+    leaf: bool,
+    /// Another segment's output.
+    ours: bool,
+    shape: Shape,
+    dtype: FloatDType,
+}
+
+/// A fresh untracked leaf with `tensor`'s value, on its device (autodiff kept where it is on, so
+/// Burn's layers behave as in training).
+fn untracked<B: DispatchBackend>(tensor: DispatchTensor) -> DispatchTensor {
+    match tensor.autodiff {
+        DispatchAutodiffContext::Enabled(strategy) => {
+            let value = B::autodiff_of(tensor).into_primitive();
+            B::from_autodiff(AdTensor::<B>::new(value), strategy)
+        }
+        DispatchAutodiffContext::Disabled => tensor,
+    }
+}
+
+fn checkpoint_on<B, C, M, I, O, F>(
+    op: Checkpoint<'_, M, I, O, F>,
+    strategy: GradientCheckpointingStrategy,
+) -> O
+where
+    B: DispatchBackend,
+    C: CheckpointStrategy,
+    M: Module + 'static,
+    I: Segment,
+    O: Segment,
+    F: Fn(&M, I) -> O + Send + Sync + 'static,
+{
+    let Checkpoint {
+        module,
+        input,
+        segment,
+        ..
+    } = op;
+    let untracked_module = module.clone().no_grad();
+    let untracked_input = input.clone().map_floats(&mut untracked::<B>);
+    let output = segment(&untracked_module, untracked_input);
+    drop(untracked_module);
+
+    if floats(&output).iter().any(backend::is_tracked) {
+        // A tracked tensor entered other than as an input or a parameter: recomputing from fresh
+        // leaves would miss its gradient. Run plainly.
+        tracing::warn!(
+            target: "memsave",
+            "`{}`: a tracked tensor enters this segment other than as its input or a parameter \
+             of the module (captured by the closure, or a bare tensor field): it runs without \
+             checkpointing",
+            std::any::type_name::<M>()
+        );
+        return segment(module, input);
+    }
+    if floats(&output).is_empty() {
+        return output;
+    }
+
+    // The nodes the recomputation's gradients go to.
+    let mut inputs = Vec::new();
+    let mut parents = Vec::new();
+    for tensor in floats(&input) {
+        if !backend::is_tracked(&tensor) {
+            inputs.push(None);
+            continue;
+        }
+        let tensor = B::autodiff_of(tensor);
+        inputs.push(Some(TrackedInput {
+            id: tensor.id(),
+            leaf: Autodiff::<B, C>::float_is_require_grad(&tensor),
+            ours: ours::contains(tensor.id()),
+            shape: tensor.shape(),
+            dtype: tensor.dtype().into(),
+        }));
+        parents.push(tensor);
+    }
+    let mut params = TrackedParams::<B>(Vec::new());
+    module.visit(&mut params);
+    parents.extend(params.0);
+
+    let count = floats(&output).len();
+    let stash: nodes::Stash<B> = Arc::new(Mutex::new(vec![None; count]));
+    let module = module.clone();
+    let device = parents[0].primitive().device();
+    let run: nodes::Run<B> = Box::new(move |output_grads, grads| {
+        recompute::<B, C, M, I, O, F>(
+            &module,
+            input,
+            &segment,
+            &inputs,
+            output_grads,
+            grads,
+            strategy,
+            &device,
+        )
+    });
+    let joined = nodes::join_all::<B, C>(parents);
+    let anchor = nodes::anchor::<B, C>(
+        &joined,
+        nodes::AnchorState {
+            run: nodes::Once::new(run),
+            stash: stash.clone(),
+        },
+    );
+
+    let mut index = 0;
+    output.map_floats(&mut |tensor| {
+        let value = B::plain_of(tensor);
+        let out = nodes::output::<B, C>(&anchor, value, index, stash.clone());
+        ours::insert(out.id());
+        index += 1;
+        B::from_autodiff(out, strategy)
+    })
+}
+
+/// The segment run again from fresh leaves, its backward seeded with the outputs' gradients,
+/// and the gradients registered on the outer graph's nodes.
+#[allow(clippy::too_many_arguments)]
+fn recompute<B, C, M, I, O, F>(
+    module: &M,
+    input: I,
+    segment: &F,
+    inputs: &[Option<TrackedInput>],
+    output_grads: Vec<Option<FloatTensor<B>>>,
+    grads: &mut Gradients,
+    strategy: GradientCheckpointingStrategy,
+    device: &B::Device,
+) where
+    B: DispatchBackend,
+    C: CheckpointStrategy,
+    M: Module + 'static,
+    I: Segment,
+    O: Segment,
+    F: Fn(&M, I) -> O,
+{
+    let mut leaves = Vec::new();
+    let mut index = 0;
+    let fresh_input = input.map_floats(&mut |tensor| {
+        let tracked = inputs[index].is_some();
+        index += 1;
+        if !tracked {
+            return untracked::<B>(tensor);
+        }
+        let leaf = AdTensor::<B>::new(B::autodiff_of(tensor).into_primitive()).require_grad();
+        leaves.push(leaf.clone());
+        B::from_autodiff(leaf, strategy)
+    });
+    let mut fresh = FreshParams::<B> {
+        taken: Vec::new(),
+        strategy,
+    };
+    let fresh_module = module.clone().map(&mut fresh);
+    let output = segment(&fresh_module, fresh_input);
+
+    // The seed: d(sum_i sum(y_i * g_i)) / d y_i = g_i, bit for bit.
+    let mut seed: Option<AdTensor<B>> = None;
+    for (tensor, grad) in floats(&output).into_iter().zip(output_grads) {
+        let (Some(grad), true) = (grad, backend::is_tracked(&tensor)) else {
+            continue;
+        };
+        let term = Autodiff::<B, C>::float_sum(Autodiff::<B, C>::float_mul(
+            B::autodiff_of(tensor),
+            AdTensor::<B>::new(grad),
+        ));
+        seed = Some(match seed {
+            Some(sum) => Autodiff::<B, C>::float_add(sum, term),
+            None => term,
+        });
+    }
+    let inner = seed.map(|seed| seed.backward());
+
+    let mut leaves = leaves.into_iter();
+    for input in inputs.iter().flatten() {
+        let leaf = leaves.next().expect("a leaf per tracked input");
+        match inner.as_ref().and_then(|inner| leaf.grad(inner)) {
+            Some(grad) => grads.register::<B>(input.id, grad),
+            None if input.ours => grads.register::<B>(
+                input.id,
+                nodes::no_gradient::<B>(&input.shape, device, input.dtype),
+            ),
+            None if !input.leaf => grads.register::<B>(
+                input.id,
+                B::float_zeros(input.shape.clone(), device, input.dtype),
+            ),
+            None => {}
+        }
+    }
+    if let Some(inner) = &inner {
+        for (id, leaf) in fresh.taken {
+            if let Some(grad) = leaf.grad(inner) {
+                grads.register::<B>(id, grad);
+            }
+        }
+    }
+}
+
+/// The tracked float parameters of a module, as autodiff primitives.
+struct TrackedParams<B: DispatchBackend>(Vec<AdTensor<B>>);
+
+impl<B: DispatchBackend> burn::module::ModuleVisitor for TrackedParams<B> {
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+        let tensor = param.val().into_dispatch();
+        if backend::is_tracked(&tensor) {
+            self.0.push(B::autodiff_of(tensor));
+        }
+    }
+}
+
+/// Each tracked parameter replaced by a fresh leaf that requires grad; the original's node id
+/// and the leaf kept.
+struct FreshParams<B: DispatchBackend> {
+    taken: Vec<(NodeId, AdTensor<B>)>,
+    strategy: GradientCheckpointingStrategy,
+}
+
+impl<B: DispatchBackend> ModuleMapper for FreshParams<B> {
+    fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
+        let tensor = param.val().into_dispatch();
+        if !backend::is_tracked(&tensor) {
+            return param;
+        }
+        let original = B::autodiff_of(tensor);
+        let leaf = AdTensor::<B>::new(original.primitive().clone()).require_grad();
+        self.taken.push((original.id(), leaf.clone()));
+        let value = Tensor::from_dispatch(B::from_autodiff(leaf, self.strategy));
+        param.map(|_| value)
+    }
+}

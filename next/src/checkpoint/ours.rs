@@ -1,0 +1,34 @@
+//! The segment outputs memsave made on this thread, by node id: a segment whose input is one
+//! of them marks "no gradient" for it rather than registering nothing (the output's step
+//! consumes a gradient). Burn 0.22 gives no weak handle to a node, so the set keeps the newest
+//! `LIMIT` ids (ids only grow): an input made more than `LIMIT` segment outputs ago is taken
+//! for a Burn op's, and gets zeros (its true value) where it would have got none.
+
+use std::cell::RefCell;
+use std::collections::{HashSet, VecDeque};
+
+use burn::backend::autodiff::NodeId;
+
+const LIMIT: usize = 1 << 16;
+
+thread_local! {
+    static OURS: RefCell<(HashSet<u64>, VecDeque<u64>)> = RefCell::new(Default::default());
+}
+
+pub(super) fn insert(id: NodeId) {
+    OURS.with(|ours| {
+        let (set, order) = &mut *ours.borrow_mut();
+        if set.insert(id.value) {
+            order.push_back(id.value);
+        }
+        while order.len() > LIMIT {
+            if let Some(old) = order.pop_front() {
+                set.remove(&old);
+            }
+        }
+    });
+}
+
+pub(super) fn contains(id: NodeId) -> bool {
+    OURS.with(|ours| ours.borrow().0.contains(&id.value))
+}

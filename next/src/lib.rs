@@ -1,0 +1,12 @@
+//! memsave's runtime on Burn 0.22.1, growing slice by slice beside `memsave-core` (Burn 0.21)
+//! until it replaces it: the port's plan and what each slice brought are in
+//! `docs/src/port-0.22.md`. Nothing here is re-exported by `memsave` yet.
+//!
+//! What is here:
+//! - [`backend`]: the one place that knows Burn's dispatch: a tensor's backend found from its
+//!   kind, and generic code run on it (a trait impl per backend, never a type check);
+//! - [`checkpoint`]: recompute-in-backward segments (`torch.utils.checkpoint`, MMCV's `with_cp`)
+//!   as burn-autodiff ops, under both of Burn's checkpointing strategies.
+
+pub mod backend;
+pub mod checkpoint;

@@ -1,0 +1,101 @@
+//! Checkpointing saves memory on Burn 0.22.1 (Flex): a stack of wide blocks, its step's peak
+//! above the step's start (the model and input made) with every block checkpointed against the
+//! plain run, measured by a counting allocator (this binary's only test: nothing else
+//! allocates while it runs).
+
+use std::alloc::{GlobalAlloc, Layout, System};
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use burn::module::Module;
+use burn::nn::{Linear, LinearConfig};
+use burn::prelude::*;
+use memsave_next::checkpoint::checkpoint;
+
+struct Counting;
+
+static LIVE: AtomicUsize = AtomicUsize::new(0);
+static PEAK: AtomicUsize = AtomicUsize::new(0);
+
+unsafe impl GlobalAlloc for Counting {
+    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        let pointer = unsafe { System.alloc(layout) };
+        if !pointer.is_null() {
+            let live = LIVE.fetch_add(layout.size(), Ordering::Relaxed) + layout.size();
+            PEAK.fetch_max(live, Ordering::Relaxed);
+        }
+        pointer
+    }
+
+    unsafe fn dealloc(&self, pointer: *mut u8, layout: Layout) {
+        unsafe { System.dealloc(pointer, layout) };
+        LIVE.fetch_sub(layout.size(), Ordering::Relaxed);
+    }
+}
+
+#[global_allocator]
+static ALLOCATOR: Counting = Counting;
+
+#[derive(Module, Debug)]
+struct Block {
+    expand: Linear,
+    reduce: Linear,
+}
+
+impl Block {
+    /// `[batch, 64]` to `[batch, 64]`, through `[batch, 512]`.
+    fn plain(&self, x: Tensor<2>) -> Tensor<2> {
+        let h = burn::tensor::activation::relu(self.expand.forward(x.clone()));
+        self.reduce.forward(h).tanh() + x
+    }
+}
+
+/// The step's peak above its start, in bytes, and the loss.
+fn step_peak(blocks: &[Block], x: &Tensor<2>, checkpointed: bool) -> (usize, f32) {
+    let start = LIVE.load(Ordering::Relaxed);
+    PEAK.store(start, Ordering::Relaxed);
+    let mut y = x.clone();
+    for block in blocks {
+        y = if checkpointed {
+            checkpoint(block, y, |block: &Block, x| block.plain(x))
+        } else {
+            block.plain(y)
+        };
+    }
+    let loss = y.powi_scalar(2).mean();
+    let value = loss.clone().into_scalar::<f32>();
+    let grads = loss.backward();
+    drop(grads);
+    (PEAK.load(Ordering::Relaxed) - start, value)
+}
+
+#[test]
+fn every_block_checkpointed_keeps_less_than_half_the_plain_steps_peak() {
+    let device = Device::flex().autodiff();
+    let blocks: Vec<Block> = (0..6)
+        .map(|_| Block {
+            expand: LinearConfig::new(64, 512).init(&device),
+            reduce: LinearConfig::new(512, 64).init(&device),
+        })
+        .collect();
+    let values: Vec<f32> = (0..512 * 64)
+        .map(|i| (i % 97) as f32 / 97.0 - 0.5)
+        .collect();
+    let x = Tensor::<2>::from_data(TensorData::new(values, [512, 64]), &device).require_grad();
+    // A first step of each, for the allocator's and Flex's first-use costs.
+    let _ = step_peak(&blocks, &x, false);
+    let _ = step_peak(&blocks, &x, true);
+    let (plain, plain_loss) = step_peak(&blocks, &x, false);
+    let (checkpointed, checkpointed_loss) = step_peak(&blocks, &x, true);
+    let mib = |bytes: usize| bytes as f64 / (1024.0 * 1024.0);
+    println!(
+        "peak above the step's start: plain {:.2} MiB, checkpointed {:.2} MiB ({:.2}x)",
+        mib(plain),
+        mib(checkpointed),
+        checkpointed as f64 / plain as f64
+    );
+    assert_eq!(plain_loss.to_bits(), checkpointed_loss.to_bits());
+    assert!(
+        (checkpointed as f64) < 0.5 * plain as f64,
+        "plain {plain} B, checkpointed {checkpointed} B"
+    );
+}
