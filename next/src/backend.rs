@@ -105,6 +105,11 @@ pub fn on_backend<O: OnBackend>(
 /// Whether `tensor` is recorded in an autodiff graph: a leaf that requires grad or a result of
 /// one (PyTorch's `requires_grad`).
 pub fn is_tracked(tensor: &DispatchTensor) -> bool {
+    // Only float tensors are wrapped by autodiff; a quantized tensor on an autodiff device is
+    // not (burn-dispatch `ops/qtensor.rs`), and is a constant here.
+    if !is_autodiff_float(tensor) {
+        return false;
+    }
     struct Tracked<'a>(&'a DispatchTensor);
     impl OnBackend for Tracked<'_> {
         type Output = bool;
@@ -172,6 +177,11 @@ macro_rules! dispatch_backend {
 }
 
 dispatch_backend!(Flex);
+
+/// Whether `tensor` is a float tensor on an autodiff device (Burn wraps those alone).
+pub fn is_autodiff_float(tensor: &DispatchTensor) -> bool {
+    matches!(tensor.kind, DispatchTensorKind::Autodiff(_))
+}
 
 /// Whether memsave has ops for the backend `tensor` lives on.
 pub fn supported(tensor: &DispatchTensor) -> Result<(), UnsupportedBackend> {

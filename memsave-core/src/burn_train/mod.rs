@@ -37,7 +37,7 @@ mod model;
 mod optim;
 mod schedule;
 
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError, Weak};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use burn::module::AutodiffModule;
 use burn::optim::lr_scheduler::LrScheduler;
@@ -158,9 +158,9 @@ pub(crate) struct Shared {
     /// burn-train's handle that stops the training (from the registration of
     /// [`Memsave::metrics`]).
     pub(crate) interrupter: Option<Interrupter>,
-    /// The user's [`Memsave`] handles (live while one is): a failure kept for
+    /// The user's live [`Memsave`] handles (clones of one): a failure kept for
     /// [`Memsave::finish`] needs one to be taken.
-    pub(crate) handles: Weak<()>,
+    pub(crate) handles: usize,
     /// The run's context ([`crate::run`]): what the model's steps run in.
     pub(crate) context: Option<crate::RunContext>,
     pub(crate) warned_past_end: bool,
@@ -237,30 +237,39 @@ impl Shared {
     }
 
     /// Stops the training with `error`, in a way the user cannot miss. burn-train's loop has
-    /// no error channel of its own, so:
+    /// no error channel of its own, so the error is kept, said as an event (target `memsave`),
+    /// and:
     /// - where [`Memsave::metrics`] is registered (burn-train's interrupter is known) and a
     ///   [`Memsave`] handle is alive, the training is stopped through the interrupter and the
-    ///   error kept for [`Memsave::finish`]; a program that drops its last handle without taking
-    ///   it gets the panic below then;
-    /// - otherwise nothing can stop the loop but a panic (Burn's convention for misuse): it
-    ///   ends the training here, on burn-train's training thread (the caller's), with the error
-    ///   and what to add to get it as a `Result` instead.
+    ///   error waits for [`Memsave::finish`]; a program that drops its last handle without taking
+    ///   it gets a panic with it then;
+    /// - otherwise nothing can stop the loop but a panic (Burn's convention for misuse): the next
+    ///   optimizer step, which burn-train runs on its loop's thread (the caller of `launch`, with
+    ///   one device or several), panics with the error and what to add to get it as a `Result`
+    ///   instead ([`Shared::unseen_failure`]).
     ///
-    /// The error is also said as an event (target `memsave`). The first error counts.
+    /// The first error counts.
     pub(crate) fn fail(&mut self, error: Error) {
         if self.failure.is_some() {
             return;
         }
-        let message = error.to_string();
-        tracing::error!(target: "memsave", "{message}");
-        match &self.interrupter {
-            Some(interrupter) if self.handles.strong_count() > 0 => {
-                interrupter.0.stop(Some(&format!("memsave: {message}")));
-                self.failure = Some(error);
-            }
-            Some(_) => panic!("{}", stopped(&message, Unseen::NoHandle)),
-            None => panic!("{}", stopped(&message, Unseen::NoInterrupter)),
+        tracing::error!(target: "memsave", "{error}");
+        if let (Some(interrupter), true) = (&self.interrupter, self.handles > 0) {
+            interrupter.0.stop(Some(&format!("memsave: {error}")));
         }
+        self.failure = Some(error);
+    }
+
+    /// The failure's panic message, taken, where nothing else would show it: no interrupter
+    /// stops the training, or no handle is left to call [`Memsave::finish`].
+    pub(crate) fn unseen_failure(&mut self) -> Option<String> {
+        let why = match (&self.interrupter, self.handles) {
+            (None, _) => Unseen::NoInterrupter,
+            (Some(_), 0) => Unseen::NoHandle,
+            (Some(_), _) => return None,
+        };
+        let error = self.failure.take()?;
+        Some(stopped(&error.to_string(), why))
     }
 
     /// The run's context.
@@ -390,21 +399,37 @@ pub(crate) fn lock(shared: &Mutex<Shared>) -> MutexGuard<'_, Shared> {
 ///
 /// An error that stops the training is returned by [`Memsave::finish`]; where the program
 /// never takes it, dropping the last `Memsave` handle panics with it (and where nothing can stop
-/// burn-train's loop, the failing step does): an error is never silent.
-#[derive(Clone, Debug)]
+/// burn-train's loop, the next optimizer step does): an error is never silent. Not covered: a
+/// program that leaves without dropping its handle (`std::process::exit`, `mem::forget`, a
+/// `static`).
+#[derive(Debug)]
 pub struct Memsave {
     shared: Arc<Mutex<Shared>>,
-    /// Counts the handles (the clones of this value): the last one dropped says an error that
-    /// was never taken.
-    handles: Arc<()>,
 }
 
+/// A clone is one more handle ([`Shared::handles`]).
+impl Clone for Memsave {
+    fn clone(&self) -> Self {
+        lock(&self.shared).handles += 1;
+        Memsave {
+            shared: self.shared.clone(),
+        }
+    }
+}
+
+/// The last handle dropped says an error that was never taken.
 impl Drop for Memsave {
     fn drop(&mut self) {
-        if Arc::strong_count(&self.handles) > 1 || std::thread::panicking() {
-            return;
-        }
-        if let Some(error) = lock(&self.shared).failure.take() {
+        let untaken = {
+            let mut shared = lock(&self.shared);
+            shared.handles = shared.handles.saturating_sub(1);
+            if shared.handles == 0 {
+                shared.failure.take()
+            } else {
+                None
+            }
+        };
+        if let (Some(error), false) = (untaken, std::thread::panicking()) {
             panic!("{}", stopped(&error.to_string(), Unseen::NotTaken));
         }
     }
@@ -422,15 +447,13 @@ impl Memsave {
     /// or the thread's own, as a [`crate::train::Runner`]'s): the model's steps run in it, with
     /// the choices made there.
     pub fn new() -> Self {
-        let handles = Arc::new(());
         let shared = Shared {
             context: Some(crate::run::current()),
-            handles: Arc::downgrade(&handles),
+            handles: 1,
             ..Shared::default()
         };
         Memsave {
             shared: Arc::new(Mutex::new(shared)),
-            handles,
         }
     }
 

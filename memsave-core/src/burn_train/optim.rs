@@ -159,7 +159,12 @@ impl<O> MemsaveOptimizer<O> {
     {
         let mut shared = lock(&self.shared);
         if shared.failure.is_some() {
-            // The training stopped with an error (`Memsave::finish`): no step on what is left.
+            // The training stopped with an error: no step on what is left. Where nothing else
+            // would show the error, it is a panic here, on burn-train's loop thread.
+            if let Some(message) = shared.unseen_failure() {
+                drop(shared);
+                panic!("{message}");
+            }
             return module;
         }
         let iter = shared.iter;

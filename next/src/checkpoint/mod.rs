@@ -2,7 +2,8 @@
 //! activations, keep only its input, and recompute it during backward (MMCV's `with_cp`,
 //! `torch.utils.checkpoint`). The port of `memsave-core`'s `checkpoint` (Burn 0.21).
 //!
-//! Forward: the segment runs once, untracked (the module's parameters with `no_grad()`, which
+//! Forward: the segment runs once (twice where a tracked tensor enters it other than as its
+//! input or a parameter: it then runs plainly, said once), untracked (the module's parameters with `no_grad()`, which
 //! keeps Burn's training flags, so dropout and BatchNorm behave as in training; the inputs
 //! fresh untracked leaves on their autodiff device). In the outer graph it becomes:
 //!
@@ -144,12 +145,22 @@ struct TrackedInput {
 /// Burn's layers behave as in training).
 fn untracked<B: DispatchBackend>(tensor: DispatchTensor) -> DispatchTensor {
     match tensor.autodiff {
-        DispatchAutodiffContext::Enabled(strategy) => {
+        DispatchAutodiffContext::Enabled(strategy) if backend::is_autodiff_float(&tensor) => {
             let value = B::autodiff_of(tensor).into_primitive();
             B::from_autodiff(AdTensor::<B>::new(value), strategy)
         }
-        DispatchAutodiffContext::Disabled => tensor,
+        _ => tensor,
     }
+}
+
+/// Negative zeros of `shape`: a zero gradient that adds to any other without changing a bit
+/// (x + -0 = x).
+fn zeros<B: DispatchBackend>(
+    shape: &Shape,
+    device: &B::Device,
+    dtype: FloatDType,
+) -> FloatTensor<B> {
+    B::float_neg(B::float_zeros(shape.clone(), device, dtype))
 }
 
 fn checkpoint_on<B, C, M, I, O, F>(
@@ -178,13 +189,7 @@ where
     if floats(&output).iter().any(backend::is_tracked) {
         // A tracked tensor entered other than as an input or a parameter: recomputing from fresh
         // leaves would miss its gradient. Run plainly.
-        tracing::warn!(
-            target: "memsave",
-            "`{}`: a tracked tensor enters this segment other than as its input or a parameter \
-             of the module (captured by the closure, or a bare tensor field): it runs without \
-             checkpointing",
-            std::any::type_name::<M>()
-        );
+        warn_once(std::any::type_name::<M>());
         return segment(module, input);
     }
     if floats(&output).is_empty() {
@@ -246,6 +251,23 @@ where
         index += 1;
         B::from_autodiff(out, strategy)
     })
+}
+
+/// Says once per segment type that it runs without checkpointing (a tracked tensor enters it
+/// other than as its input or a parameter).
+fn warn_once(segment: &'static str) {
+    static SAID: Mutex<Vec<&'static str>> = Mutex::new(Vec::new());
+    let mut said = nodes::lock(&SAID);
+    if !said.contains(&segment) {
+        said.push(segment);
+        tracing::warn!(
+            target: "memsave",
+            "`{segment}`: a tracked tensor enters this segment other than as its input or a \
+             parameter of the module (captured by the closure, or a bare tensor field): it runs \
+             without checkpointing (its forward runs twice: once untracked, to find out, and once \
+             plainly)"
+        );
+    }
 }
 
 /// The segment run again from fresh leaves, its backward seeded with the outputs' gradients,
@@ -313,18 +335,21 @@ fn recompute<B, C, M, I, O, F>(
                 input.id,
                 nodes::no_gradient::<B>(&input.shape, device, input.dtype),
             ),
-            None if !input.leaf => grads.register::<B>(
-                input.id,
-                B::float_zeros(input.shape.clone(), device, input.dtype),
-            ),
+            None if !input.leaf => {
+                grads.register::<B>(input.id, zeros::<B>(&input.shape, device, input.dtype))
+            }
             None => {}
         }
     }
-    if let Some(inner) = &inner {
-        for (id, leaf) in fresh.taken {
-            if let Some(grad) = leaf.grad(inner) {
-                grads.register::<B>(id, grad);
-            }
+    for param in fresh.taken {
+        match inner.as_ref().and_then(|inner| param.fresh.grad(inner)) {
+            Some(grad) => grads.register::<B>(param.id, grad),
+            // A parameter made by Burn's ops (not a leaf) has a step that consumes a gradient.
+            None if !param.leaf => grads.register::<B>(
+                param.id,
+                zeros::<B>(&param.fresh.shape(), device, param.fresh.dtype().into()),
+            ),
+            None => {}
         }
     }
 }
@@ -341,10 +366,18 @@ impl<B: DispatchBackend> burn::module::ModuleVisitor for TrackedParams<B> {
     }
 }
 
-/// Each tracked parameter replaced by a fresh leaf that requires grad; the original's node id
-/// and the leaf kept.
+/// A tracked parameter and the fresh leaf that stands for it in the recomputation.
+struct FreshParam<B: DispatchBackend> {
+    /// The original's node.
+    id: NodeId,
+    /// Whether the original is a leaf (a parameter made by Burn's ops is not).
+    leaf: bool,
+    fresh: AdTensor<B>,
+}
+
+/// Each tracked parameter replaced by a fresh leaf that requires grad.
 struct FreshParams<B: DispatchBackend> {
-    taken: Vec<(NodeId, AdTensor<B>)>,
+    taken: Vec<FreshParam<B>>,
     strategy: GradientCheckpointingStrategy,
 }
 
@@ -355,9 +388,13 @@ impl<B: DispatchBackend> ModuleMapper for FreshParams<B> {
             return param;
         }
         let original = B::autodiff_of(tensor);
-        let leaf = AdTensor::<B>::new(original.primitive().clone()).require_grad();
-        self.taken.push((original.id(), leaf.clone()));
-        let value = Tensor::from_dispatch(B::from_autodiff(leaf, self.strategy));
+        let fresh = AdTensor::<B>::new(original.primitive().clone()).require_grad();
+        self.taken.push(FreshParam {
+            id: original.id(),
+            leaf: Autodiff::<B>::float_is_require_grad(&original),
+            fresh: fresh.clone(),
+        });
+        let value = Tensor::from_dispatch(B::from_autodiff(fresh, self.strategy));
         param.map(|_| value)
     }
 }
