@@ -70,32 +70,54 @@ fn step_peak(blocks: &[Block], x: &Tensor<2>, checkpointed: bool) -> (usize, f32
 
 #[test]
 fn every_block_checkpointed_keeps_less_than_half_the_plain_steps_peak() {
-    let device = Device::flex().autodiff();
-    let blocks: Vec<Block> = (0..6)
-        .map(|_| Block {
-            expand: LinearConfig::new(64, 512).init(&device),
-            reduce: LinearConfig::new(512, 64).init(&device),
-        })
-        .collect();
-    let values: Vec<f32> = (0..512 * 64)
-        .map(|i| (i % 97) as f32 / 97.0 - 0.5)
-        .collect();
-    let x = Tensor::<2>::from_data(TensorData::new(values, [512, 64]), &device).require_grad();
-    // A first step of each, for the allocator's and Flex's first-use costs.
-    let _ = step_peak(&blocks, &x, false);
-    let _ = step_peak(&blocks, &x, true);
-    let (plain, plain_loss) = step_peak(&blocks, &x, false);
-    let (checkpointed, checkpointed_loss) = step_peak(&blocks, &x, true);
-    let mib = |bytes: usize| bytes as f64 / (1024.0 * 1024.0);
-    println!(
-        "peak above the step's start: plain {:.2} MiB, checkpointed {:.2} MiB ({:.2}x)",
-        mib(plain),
-        mib(checkpointed),
-        checkpointed as f64 / plain as f64
-    );
-    assert_eq!(plain_loss.to_bits(), checkpointed_loss.to_bits());
-    assert!(
-        (checkpointed as f64) < 0.5 * plain as f64,
-        "plain {plain} B, checkpointed {checkpointed} B"
-    );
+    watchdog(120, || {
+        let device = Device::flex().autodiff();
+        let blocks: Vec<Block> = (0..6)
+            .map(|_| Block {
+                expand: LinearConfig::new(64, 512).init(&device),
+                reduce: LinearConfig::new(512, 64).init(&device),
+            })
+            .collect();
+        let values: Vec<f32> = (0..512 * 64)
+            .map(|i| (i % 97) as f32 / 97.0 - 0.5)
+            .collect();
+        let x = Tensor::<2>::from_data(TensorData::new(values, [512, 64]), &device).require_grad();
+        // A first step of each, for the allocator's and Flex's first-use costs.
+        let _ = step_peak(&blocks, &x, false);
+        let _ = step_peak(&blocks, &x, true);
+        let (plain, plain_loss) = step_peak(&blocks, &x, false);
+        let (checkpointed, checkpointed_loss) = step_peak(&blocks, &x, true);
+        let mib = |bytes: usize| bytes as f64 / (1024.0 * 1024.0);
+        println!(
+            "peak above the step's start: plain {:.2} MiB, checkpointed {:.2} MiB ({:.2}x)",
+            mib(plain),
+            mib(checkpointed),
+            checkpointed as f64 / plain as f64
+        );
+        assert_eq!(plain_loss.to_bits(), checkpointed_loss.to_bits());
+        assert!(
+            (checkpointed as f64) < 0.5 * plain as f64,
+            "plain {plain} B, checkpointed {checkpointed} B"
+        );
+    });
+}
+
+/// Runs `f` on a thread of its own and fails if it has not ended after `seconds` (a backward
+/// inside a backward step waits on graph locks: a mistake there hangs).
+fn watchdog(seconds: u64, f: impl FnOnce() + Send + 'static) {
+    let (sender, receiver) = std::sync::mpsc::channel();
+    let worker = std::thread::spawn(move || {
+        f();
+        let _ = sender.send(());
+    });
+    match receiver.recv_timeout(std::time::Duration::from_secs(seconds)) {
+        Ok(()) | Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => {
+            if let Err(panic) = worker.join() {
+                std::panic::resume_unwind(panic);
+            }
+        }
+        Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {
+            panic!("no result after {seconds} s: a hang")
+        }
+    }
 }

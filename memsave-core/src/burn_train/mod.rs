@@ -32,6 +32,7 @@
 //! The adapters are for burn-train's single-device strategy (`step_multi` adds the devices'
 //! gradients first, as Burn does, and then steps as [`MemsaveOptimizer`] always does).
 
+mod failure;
 mod metrics;
 mod model;
 mod optim;
@@ -236,42 +237,6 @@ impl Shared {
         self.warnings.push(message);
     }
 
-    /// Stops the training with `error`, in a way the user cannot miss. burn-train's loop has
-    /// no error channel of its own, so the error is kept, said as an event (target `memsave`),
-    /// and:
-    /// - where [`Memsave::metrics`] is registered (burn-train's interrupter is known) and a
-    ///   [`Memsave`] handle is alive, the training is stopped through the interrupter and the
-    ///   error waits for [`Memsave::finish`]; a program that drops its last handle without taking
-    ///   it gets a panic with it then;
-    /// - otherwise nothing can stop the loop but a panic (Burn's convention for misuse): the next
-    ///   optimizer step, which burn-train runs on its loop's thread (the caller of `launch`, with
-    ///   one device or several), panics with the error and what to add to get it as a `Result`
-    ///   instead ([`Shared::unseen_failure`]).
-    ///
-    /// The first error counts.
-    pub(crate) fn fail(&mut self, error: Error) {
-        if self.failure.is_some() {
-            return;
-        }
-        tracing::error!(target: "memsave", "{error}");
-        if let (Some(interrupter), true) = (&self.interrupter, self.handles > 0) {
-            interrupter.0.stop(Some(&format!("memsave: {error}")));
-        }
-        self.failure = Some(error);
-    }
-
-    /// The failure's panic message, taken, where nothing else would show it: no interrupter
-    /// stops the training, or no handle is left to call [`Memsave::finish`].
-    pub(crate) fn unseen_failure(&mut self) -> Option<String> {
-        let why = match (&self.interrupter, self.handles) {
-            (None, _) => Unseen::NoInterrupter,
-            (Some(_), 0) => Unseen::NoHandle,
-            (Some(_), _) => return None,
-        };
-        let error = self.failure.take()?;
-        Some(stopped(&error.to_string(), why))
-    }
-
     /// The run's context.
     pub(crate) fn context(&mut self) -> crate::RunContext {
         self.context.get_or_insert_with(crate::run::current).clone()
@@ -346,39 +311,6 @@ impl Shared {
     }
 }
 
-/// Why an error that stopped the training is said by a panic.
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub(crate) enum Unseen {
-    /// No interrupter: [`Memsave::metrics`] is not registered, and only a panic stops the loop.
-    NoInterrupter,
-    /// No [`Memsave`] handle is left to call [`Memsave::finish`].
-    NoHandle,
-    /// The last handle was dropped without [`Memsave::finish`].
-    NotTaken,
-}
-
-/// The panic message for an error that stopped the training: the error, and how to get it as
-/// a `Result` instead.
-pub(crate) fn stopped(message: &str, why: Unseen) -> String {
-    let how = match why {
-        Unseen::NoInterrupter => {
-            "burn-train's loop has no error channel, and nothing else stops it: register memsave's \
-             metrics (`SupervisedTraining::new(..).metrics(memsave.metrics())`) to have the \
-             training stopped cleanly, and take the error as a `Result` with `memsave.finish()?` \
-             after `launch`"
-        }
-        Unseen::NoHandle => {
-            "no `Memsave` handle is left to take it: keep the `Memsave` and call \
-             `memsave.finish()?` after `launch`"
-        }
-        Unseen::NotTaken => {
-            "the training was stopped, and the error was never taken: call `memsave.finish()?` \
-             after `launch` to handle it as a `Result`"
-        }
-    };
-    format!("memsave stopped the training: {message}\n({how})")
-}
-
 /// burn-train's interrupter, with the `Debug` that [`Shared`] derives.
 #[derive(Clone, Default)]
 pub(crate) struct Interrupter(pub(crate) burn::train::Interrupter);
@@ -405,34 +337,6 @@ pub(crate) fn lock(shared: &Mutex<Shared>) -> MutexGuard<'_, Shared> {
 #[derive(Debug)]
 pub struct Memsave {
     shared: Arc<Mutex<Shared>>,
-}
-
-/// A clone is one more handle ([`Shared::handles`]).
-impl Clone for Memsave {
-    fn clone(&self) -> Self {
-        lock(&self.shared).handles += 1;
-        Memsave {
-            shared: self.shared.clone(),
-        }
-    }
-}
-
-/// The last handle dropped says an error that was never taken.
-impl Drop for Memsave {
-    fn drop(&mut self) {
-        let untaken = {
-            let mut shared = lock(&self.shared);
-            shared.handles = shared.handles.saturating_sub(1);
-            if shared.handles == 0 {
-                shared.failure.take()
-            } else {
-                None
-            }
-        };
-        if let (Some(error), false) = (untaken, std::thread::panicking()) {
-            panic!("{}", stopped(&error.to_string(), Unseen::NotTaken));
-        }
-    }
 }
 
 impl Default for Memsave {
