@@ -139,6 +139,21 @@ fn with_cp_several_inputs_and_outputs() {
     }));
 }
 
+/// On Burn 0.22: a module without a backend parameter, the runtime `memsave-next`.
+#[test]
+fn with_cp_on_burn_0_22() {
+    let expanded = crate::with_cp::with_cp_for(
+        (quote!(::memsave_next), crate::crate_path::Burn::V0_22),
+        quote!(),
+        quote! {
+            fn forward(&self, x: Tensor<3>, mask_pad: Option<Tensor<2, Bool>>) -> Tensor<3> {
+                self.layer.forward(x, mask_pad, None)
+            }
+        },
+    );
+    insta::assert_snapshot!(pretty(quote!(impl Block { #expanded })));
+}
+
 #[test]
 fn model_with_checkpointed_fields() {
     insta::assert_snapshot!(pretty(model_attribute(

@@ -5,11 +5,14 @@
 
 use std::cell::Cell;
 
-use burn::module::{Module, ModuleVisitor, Param};
+use burn::module::{Module, Param};
 use burn::nn::{Linear, LinearConfig};
 use burn::prelude::*;
-use burn::tensor::{Gradients, Int};
+use burn::tensor::Int;
 use memsave_next::checkpoint::checkpoint;
+
+mod common;
+use common::{bits, devices, grad_bits, watchdog};
 
 thread_local! {
     /// The segment runs on this thread (the recomputation runs on the thread of the backward).
@@ -68,47 +71,11 @@ impl Net {
     }
 }
 
-/// Every float parameter's gradient, as bits (`None` where it has none), in visiting order.
-struct GradBits<'a>(&'a Gradients, Vec<Option<Vec<u32>>>);
-
-impl ModuleVisitor for GradBits<'_> {
-    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
-        self.1.push(param.val().grad(self.0).map(bits));
-    }
-}
-
-fn bits<const D: usize>(tensor: Tensor<D>) -> Vec<u32> {
-    tensor
-        .into_data()
-        .convert::<f32>()
-        .as_slice::<f32>()
-        .expect("f32 data")
-        .iter()
-        .map(|value| value.to_bits())
-        .collect()
-}
-
-fn grad_bits<M: Module>(module: &M, grads: &Gradients) -> Vec<Option<Vec<u32>>> {
-    let mut visitor = GradBits(grads, Vec::new());
-    module.visit(&mut visitor);
-    visitor.1
-}
-
 fn data(device: &Device, seed: u64, shape: [usize; 2]) -> Tensor<2> {
     let values: Vec<f32> = (0..shape[0] * shape[1])
         .map(|i| ((i as u64 * 2_654_435_761 + seed * 97) % 1000) as f32 / 500.0 - 1.0)
         .collect();
     Tensor::from_data(TensorData::new(values, shape), device)
-}
-
-fn devices() -> [(&'static str, Device); 2] {
-    [
-        ("Burn's checkpointing off", Device::flex().autodiff()),
-        (
-            "Burn's Balanced checkpointing",
-            Device::flex().autodiff().gradient_checkpointing(),
-        ),
-    ]
 }
 
 /// The net on `x0`: a stem, then the blocks (a Burn op before them: their input is a non-leaf
@@ -340,24 +307,4 @@ fn a_parameter_made_by_burn_ops_that_the_segment_does_not_use_gets_zeros() {
             );
         }
     });
-}
-
-/// Runs `f` on a thread of its own and fails if it has not ended after `seconds` (a backward
-/// inside a backward step waits on graph locks: a mistake there hangs).
-fn watchdog(seconds: u64, f: impl FnOnce() + Send + 'static) {
-    let (sender, receiver) = std::sync::mpsc::channel();
-    let worker = std::thread::spawn(move || {
-        f();
-        let _ = sender.send(());
-    });
-    match receiver.recv_timeout(std::time::Duration::from_secs(seconds)) {
-        Ok(()) | Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => {
-            if let Err(panic) = worker.join() {
-                std::panic::resume_unwind(panic);
-            }
-        }
-        Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {
-            panic!("no result after {seconds} s: a hang")
-        }
-    }
 }

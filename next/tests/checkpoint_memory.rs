@@ -11,6 +11,9 @@ use burn::nn::{Linear, LinearConfig};
 use burn::prelude::*;
 use memsave_next::checkpoint::checkpoint;
 
+mod common;
+use common::watchdog;
+
 struct Counting;
 
 static LIVE: AtomicUsize = AtomicUsize::new(0);
@@ -100,24 +103,4 @@ fn every_block_checkpointed_keeps_less_than_half_the_plain_steps_peak() {
             "plain {plain} B, checkpointed {checkpointed} B"
         );
     });
-}
-
-/// Runs `f` on a thread of its own and fails if it has not ended after `seconds` (a backward
-/// inside a backward step waits on graph locks: a mistake there hangs).
-fn watchdog(seconds: u64, f: impl FnOnce() + Send + 'static) {
-    let (sender, receiver) = std::sync::mpsc::channel();
-    let worker = std::thread::spawn(move || {
-        f();
-        let _ = sender.send(());
-    });
-    match receiver.recv_timeout(std::time::Duration::from_secs(seconds)) {
-        Ok(()) | Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => {
-            if let Err(panic) = worker.join() {
-                std::panic::resume_unwind(panic);
-            }
-        }
-        Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {
-            panic!("no result after {seconds} s: a hang")
-        }
-    }
 }

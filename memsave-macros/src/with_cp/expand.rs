@@ -5,6 +5,7 @@ use quote::{format_ident, quote};
 use syn::ImplItemFn;
 
 use super::valid::Plan;
+use crate::crate_path::Burn;
 
 /// `fn forward(&self, x) -> y { body }` becomes
 ///
@@ -26,7 +27,11 @@ use super::valid::Plan;
 /// not a second method: the expansion stays one method, so it works in a trait impl too. The
 /// generated names (`__this`, `__segment`, `__argN`) are hygienic: no argument or local of the
 /// user's can collide with them.
-pub fn expand(memsave: &TokenStream, plan: &Plan, method: ImplItemFn) -> TokenStream {
+///
+/// On Burn 0.22 (the runtime is `memsave-next`), whether the module draws is read by the runtime
+/// from the module's layers, and the call is `checkpoint_with(Options::new().method(..)
+/// .enabled(..), self, x, segment)`.
+pub fn expand(memsave: &TokenStream, burn: Burn, plan: &Plan, method: ImplItemFn) -> TokenStream {
     let name = method.sig.ident.to_string();
     let this = Ident::new("__this", Span::mixed_site());
     let segment = Ident::new("__segment", Span::mixed_site());
@@ -64,7 +69,47 @@ pub fn expand(memsave: &TokenStream, plan: &Plan, method: ImplItemFn) -> TokenSt
         [single] => quote!(#single),
         many => quote!((#(#many),*)),
     };
-    dispatcher.block = syn::parse_quote!({
+    dispatcher.block = match burn {
+        Burn::V0_22 => syn::parse_quote!({
+            let #segment = |#this: &Self, #param_pattern: #param_type| #output { #body };
+            #memsave::checkpoint::checkpoint_with(
+                #memsave::checkpoint::Options::new()
+                    .method(#name)
+                    .enabled(#memsave::checkpoint::HasWithCp::with_cp(self)),
+                self,
+                #input,
+                #segment,
+            )
+        }),
+        Burn::V0_21 => v0_21(
+            memsave,
+            &name,
+            &this,
+            &segment,
+            &input,
+            body,
+            param_pattern,
+            param_type,
+            output,
+        ),
+    };
+    quote!(#dispatcher)
+}
+
+/// The body on Burn 0.21: whether the module draws is found by the macro's probe.
+#[allow(clippy::too_many_arguments)]
+fn v0_21(
+    memsave: &TokenStream,
+    name: &str,
+    this: &Ident,
+    segment: &Ident,
+    input: &TokenStream,
+    body: TokenStream,
+    param_pattern: TokenStream,
+    param_type: TokenStream,
+    output: TokenStream,
+) -> syn::Block {
+    syn::parse_quote!({
         let #segment = |#this: &Self, #param_pattern: #param_type| #output { #body };
         #[allow(unused_imports)]
         use #memsave::checkpoint::__private::{ViaFallback as _, ViaTrait as _};
@@ -77,8 +122,7 @@ pub fn expand(memsave: &TokenStream, plan: &Plan, method: ImplItemFn) -> TokenSt
             #input,
             #segment,
         )
-    });
-    quote!(#dispatcher)
+    })
 }
 
 /// The statements of a block, without its braces.

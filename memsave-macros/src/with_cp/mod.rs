@@ -7,11 +7,21 @@ use proc_macro2::TokenStream;
 use quote::quote;
 use syn::ImplItemFn;
 
+use crate::crate_path::Burn;
 use crate::ctxt::Ctxt;
 
 /// The whole macro: the method split in a dispatcher and its segment, or the method as written
 /// plus every error.
 pub fn with_cp_attribute(args: TokenStream, item: TokenStream) -> TokenStream {
+    with_cp_for(crate::crate_path::runtime(), args, item)
+}
+
+/// [`with_cp_attribute`] for the runtime at `memsave`, written for `burn`.
+pub fn with_cp_for(
+    (memsave, burn): (TokenStream, Burn),
+    args: TokenStream,
+    item: TokenStream,
+) -> TokenStream {
     let method: ImplItemFn = match syn::parse2(item.clone()) {
         Ok(method) => method,
         Err(_) => {
@@ -35,5 +45,5 @@ pub fn with_cp_attribute(args: TokenStream, item: TokenStream) -> TokenStream {
     if let Some(errors) = cx.check() {
         return quote!(#method #errors);
     }
-    expand::expand(&crate::crate_path::memsave(), &plan, method)
+    expand::expand(&memsave, burn, &plan, method)
 }

@@ -32,13 +32,17 @@
 //!
 //! Both of Burn's checkpointing strategies (`Device::autodiff()` and
 //! `.gradient_checkpointing()`): the nodes are compute-bound, which Burn's Balanced strategy
-//! keeps rather than recomputes. Not here yet (the port's next slices): random draws replayed
-//! in the recomputation (Burn's `Dropout` inside a segment), BatchNorm's statistics moved once,
+//! keeps rather than recomputes.
+//!
+//! Burn's own layers inside a segment behave as without checkpointing: a `Dropout`'s draws are
+//! replayed in the recomputation from a seed of the segment's own, and a `BatchNorm`'s running
+//! statistics are updated once per step (`state.rs`). Not here yet (the port's next slices):
 //! recomputation on helper threads, CPU staging of the kept inputs, profiling, the run's context.
 
 mod nodes;
 mod ours;
 mod segment;
+mod state;
 
 use std::marker::PhantomData;
 use std::sync::{Arc, Mutex};
@@ -51,7 +55,7 @@ use burn::backend::autodiff::Autodiff;
 use burn::backend::autodiff::NodeId;
 use burn::backend::ops::FloatTensorOps;
 use burn::backend::tensor::FloatTensor;
-use burn::backend::{DispatchAutodiffContext, DispatchTensor, TensorMetadata};
+use burn::backend::{DispatchAutodiffContext, DispatchDevice, DispatchTensor, TensorMetadata};
 use burn::module::{Module, ModuleMapper, Param};
 use burn::tensor::{FloatDType, GradientCheckpointingStrategy, Shape, Tensor};
 
@@ -60,13 +64,81 @@ use crate::backend::{self, AdTensor, DispatchBackend, OnBackend};
 pub use segment::{floats, Segment};
 
 /// Runs `segment(module, input)` as a checkpointed segment when a float tensor of `input` is
-/// tracked (MMCV's guard: `x.requires_grad`), else as written.
+/// tracked (MMCV's guard: `x.requires_grad`), else as written: [`checkpoint_with`] with the
+/// default [`Options`].
 ///
-/// The rules (`torch.utils.checkpoint`'s): the segment must be deterministic given its input
-/// and the module, since it runs twice; tensors must enter it as its input or as the module's
-/// parameters (a tracked tensor captured otherwise cannot be recomputed from fresh leaves: such
-/// a segment runs plainly, with a warning naming it).
+/// The rules (`torch.utils.checkpoint`'s): the segment must be deterministic given its input,
+/// the module and the backend's random stream, since it runs twice; tensors must enter it as its
+/// input or as the module's parameters (a tracked tensor captured otherwise cannot be recomputed
+/// from fresh leaves: such a segment runs plainly, with a warning naming it).
 pub fn checkpoint<M, I, O, F>(module: &M, input: I, segment: F) -> O
+where
+    M: Module + 'static,
+    I: Segment,
+    O: Segment,
+    F: Fn(&M, I) -> O + Send + Sync + 'static,
+{
+    checkpoint_with(Options::new(), module, input, segment)
+}
+
+/// How [`checkpoint_with`] runs a segment.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Options {
+    /// The segment's name in messages (`#[with_cp]` passes its method's): `""` names it by its
+    /// module's type alone.
+    pub method: &'static str,
+    /// Whether to checkpoint at all (a model's `with_cp` switch); off, the segment runs as
+    /// written, under its own random stream all the same.
+    pub enabled: bool,
+    /// Whether the module's layers draw from the backend's random stream: `None` reads it from
+    /// the module (Burn's `Dropout`, training); `Some(true)` for a layer of the user's own that
+    /// calls `Tensor::random`.
+    pub random: Option<bool>,
+}
+
+impl Options {
+    /// Checkpointed, the module's random draws found from its layers.
+    pub const fn new() -> Self {
+        Options {
+            method: "",
+            enabled: true,
+            random: None,
+        }
+    }
+
+    /// Names the segment in messages: the method it runs.
+    pub const fn method(self, method: &'static str) -> Self {
+        Options { method, ..self }
+    }
+
+    /// Checkpointed only when `enabled` (the model's `with_cp` switch).
+    pub const fn enabled(self, enabled: bool) -> Self {
+        Options { enabled, ..self }
+    }
+
+    /// Whether the module's layers draw from the backend's random stream, where its layers do
+    /// not tell (a layer of the user's own that calls `Tensor::random`).
+    pub const fn random(self, draws: bool) -> Self {
+        Options {
+            random: Some(draws),
+            ..self
+        }
+    }
+}
+
+impl Default for Options {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+/// [`checkpoint`] as `options` say: the one entry point of segments.
+///
+/// A segment whose module draws from the backend's random stream runs under a stream of its own
+/// (a seed drawn from the global stream, given to the device), checkpointed or not, and its
+/// recomputation replays the same draws: the gradients equal the run without checkpointing's,
+/// bit for bit. A module's running statistics (Burn's `BatchNorm`) are updated once per step.
+pub fn checkpoint_with<M, I, O, F>(options: Options, module: &M, input: I, segment: F) -> O
 where
     M: Module + 'static,
     I: Segment,
@@ -89,6 +161,23 @@ where
         });
         return segment(module, input);
     }
+    // A stream of its own where the layers draw: in training only (Burn's draw only on an
+    // autodiff device).
+    let own_stream = floats.first().and_then(|first| {
+        let training = matches!(first.autodiff, DispatchAutodiffContext::Enabled(_));
+        let draws = training
+            && options
+                .random
+                .unwrap_or_else(|| state::draws_random(module));
+        draws.then(|| {
+            let device = state::device_of(first);
+            let seed = state::seed_own_stream(module, &device);
+            (device, seed)
+        })
+    });
+    if !options.enabled {
+        return segment(module, input);
+    }
     let Some(first) = floats.into_iter().find(backend::is_tracked) else {
         return segment(module, input);
     };
@@ -96,6 +185,8 @@ where
         module,
         input,
         segment,
+        own_stream,
+        method: options.method,
         output: PhantomData::<O>,
     };
     backend::on_backend(&first, op).expect("the backend was checked")
@@ -105,6 +196,9 @@ struct Checkpoint<'a, M, I, O, F> {
     module: &'a M,
     input: I,
     segment: F,
+    /// The segment's own random stream: its device and seed.
+    own_stream: Option<(DispatchDevice, u64)>,
+    method: &'static str,
     output: PhantomData<O>,
 }
 
@@ -179,8 +273,11 @@ where
         module,
         input,
         segment,
+        own_stream,
+        method,
         ..
     } = op;
+    let running = state::Running::save(module);
     let untracked_module = module.clone().no_grad();
     let untracked_input = input.clone().map_floats(&mut untracked::<B>);
     let output = segment(&untracked_module, untracked_input);
@@ -188,10 +285,18 @@ where
 
     if floats(&output).iter().any(backend::is_tracked) {
         // A tracked tensor entered other than as an input or a parameter: recomputing from fresh
-        // leaves would miss its gradient. Run plainly.
-        warn_once(std::any::type_name::<M>());
+        // leaves would miss its gradient. Run plainly, as the untracked forward did: the same
+        // draws, the running statistics as they were before it.
+        warn_once(std::any::type_name::<M>(), method);
+        if let Some(running) = running {
+            running.restore(module);
+        }
+        if let Some((device, seed)) = &own_stream {
+            state::reseed(device, *seed);
+        }
         return segment(module, input);
     }
+    drop(running);
     if floats(&output).is_empty() {
         return output;
     }
@@ -228,6 +333,7 @@ where
             input,
             &segment,
             &inputs,
+            own_stream,
             output_grads,
             grads,
             strategy,
@@ -253,13 +359,17 @@ where
     })
 }
 
-/// Says once per segment type that it runs without checkpointing (a tracked tensor enters it
-/// other than as its input or a parameter).
-fn warn_once(segment: &'static str) {
-    static SAID: Mutex<Vec<&'static str>> = Mutex::new(Vec::new());
+/// Says once per segment (its module's type and method) that it runs without checkpointing (a
+/// tracked tensor enters it other than as its input or a parameter).
+fn warn_once(module: &'static str, method: &'static str) {
+    static SAID: Mutex<Vec<(&'static str, &'static str)>> = Mutex::new(Vec::new());
     let mut said = nodes::lock(&SAID);
-    if !said.contains(&segment) {
-        said.push(segment);
+    if !said.contains(&(module, method)) {
+        said.push((module, method));
+        let segment = match method {
+            "" => module.to_string(),
+            method => format!("{module}::{method}"),
+        };
         tracing::warn!(
             target: "memsave",
             "`{segment}`: a tracked tensor enters this segment other than as its input or a \
@@ -278,6 +388,7 @@ fn recompute<B, C, M, I, O, F>(
     input: I,
     segment: &F,
     inputs: &[Option<TrackedInput>],
+    own_stream: Option<(DispatchDevice, u64)>,
     output_grads: Vec<Option<FloatTensor<B>>>,
     grads: &mut Gradients,
     strategy: GradientCheckpointingStrategy,
@@ -307,7 +418,14 @@ fn recompute<B, C, M, I, O, F>(
         strategy,
     };
     let fresh_module = module.clone().map(&mut fresh);
+    let running = state::Running::save(module);
+    if let Some((device, seed)) = &own_stream {
+        state::reseed(device, *seed);
+    }
     let output = segment(&fresh_module, fresh_input);
+    if let Some(running) = running {
+        running.restore(module);
+    }
 
     // The seed: d(sum_i sum(y_i * g_i)) / d y_i = g_i, bit for bit.
     let mut seed: Option<AdTensor<B>> = None;
@@ -397,4 +515,19 @@ impl<B: DispatchBackend> ModuleMapper for FreshParams<B> {
         let value = Tensor::from_dispatch(B::from_autodiff(fresh, self.strategy));
         param.map(|_| value)
     }
+}
+
+/// A module with a `with_cp` flag, read by its `#[with_cp]` methods (MMCV's `with_cp`).
+///
+/// For a struct with a field `with_cp: bool` (Burn's derive keeps a `bool` as a constant of the
+/// module): `impl HasWithCp for Block { fn with_cp(&self) -> bool { self.with_cp } }`.
+#[diagnostic::on_unimplemented(
+    message = "`{Self}` has no `with_cp` flag, so `#[with_cp]` cannot be used on its methods",
+    label = "this method reads the module's `with_cp` flag",
+    note = "give the struct a field `with_cp: bool` and implement \
+            `memsave_next::checkpoint::HasWithCp` for it, returning that field"
+)]
+pub trait HasWithCp {
+    /// The module's own flag.
+    fn with_cp(&self) -> bool;
 }

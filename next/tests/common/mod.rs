@@ -1,0 +1,123 @@
+//! What memsave-next's tests share: gradients as bits, Burn's two checkpointing strategies, and
+//! a watchdog (a backward inside a backward step waits on graph locks: a mistake there hangs).
+
+#![allow(dead_code)]
+
+use burn::module::{Module, ModuleVisitor, Param};
+use burn::prelude::*;
+use burn::tensor::Gradients;
+
+/// Every float parameter's gradient, as bits (`None` where it has none), in visiting order.
+struct GradBits<'a>(&'a Gradients, Vec<Option<Vec<u32>>>);
+
+impl ModuleVisitor for GradBits<'_> {
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+        self.1.push(param.val().grad(self.0).map(bits));
+    }
+}
+
+/// A tensor's values as f32 bits.
+pub fn bits<const D: usize>(tensor: Tensor<D>) -> Vec<u32> {
+    tensor
+        .into_data()
+        .convert::<f32>()
+        .as_slice::<f32>()
+        .expect("f32 data")
+        .iter()
+        .map(|value| value.to_bits())
+        .collect()
+}
+
+/// Every float parameter's gradient in `grads`, as bits, in `module`'s visiting order.
+pub fn grad_bits<M: Module>(module: &M, grads: &Gradients) -> Vec<Option<Vec<u32>>> {
+    let mut visitor = GradBits(grads, Vec::new());
+    module.visit(&mut visitor);
+    visitor.1
+}
+
+/// Flex with autodiff, under each of Burn's checkpointing strategies.
+pub fn devices() -> [(&'static str, Device); 2] {
+    [
+        ("Burn's checkpointing off", Device::flex().autodiff()),
+        (
+            "Burn's Balanced checkpointing",
+            Device::flex().autodiff().gradient_checkpointing(),
+        ),
+    ]
+}
+
+/// Runs `f` on a thread of its own and fails if it has not ended after `seconds`.
+///
+/// One test at a time: Flex's random generator is one for the process, and the tests compare
+/// runs that seed it.
+pub fn watchdog(seconds: u64, f: impl FnOnce() + Send + 'static) {
+    static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    let _turn = ONE_AT_A_TIME
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner());
+    let (sender, receiver) = std::sync::mpsc::channel();
+    let worker = std::thread::spawn(move || {
+        f();
+        let _ = sender.send(());
+    });
+    match receiver.recv_timeout(std::time::Duration::from_secs(seconds)) {
+        Ok(()) | Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => {
+            if let Err(panic) = worker.join() {
+                std::panic::resume_unwind(panic);
+            }
+        }
+        Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {
+            panic!("no result after {seconds} s: a hang")
+        }
+    }
+}
+
+/// Fails with where `actual` differs from `expected` (gradients as [`grad_bits`] gives them): the
+/// first parameter whose gradient differs, by its index, and how.
+#[track_caller]
+pub fn assert_same_bits(expected: &[Option<Vec<u32>>], actual: &[Option<Vec<u32>>], what: &str) {
+    assert_eq!(
+        expected.len(),
+        actual.len(),
+        "{what}: the number of parameters"
+    );
+    for (index, (expected, actual)) in expected.iter().zip(actual).enumerate() {
+        match (expected, actual) {
+            (None, None) => {}
+            (Some(_), None) => panic!("{what}: parameter {index} has no gradient"),
+            (None, Some(_)) => panic!("{what}: parameter {index} has a gradient it should not"),
+            (Some(expected), Some(actual)) => {
+                let differ = expected.iter().zip(actual).filter(|(a, b)| a != b).count();
+                assert!(
+                    differ == 0 && expected.len() == actual.len(),
+                    "{what}: parameter {index}: {differ} of {} values differ (first: {:?} against \
+                     {:?})",
+                    expected.len(),
+                    expected
+                        .iter()
+                        .zip(actual)
+                        .find(|(a, b)| a != b)
+                        .map(|(a, _)| f32::from_bits(*a)),
+                    expected
+                        .iter()
+                        .zip(actual)
+                        .find(|(a, b)| a != b)
+                        .map(|(_, b)| f32::from_bits(*b)),
+                );
+            }
+        }
+    }
+}
+
+/// Initializes `module`'s parameters now: Burn initializes one on its first use, drawing from the
+/// backend's random stream, so a test that compares two runs' streams does it before the first.
+pub fn initialized<M: Module>(module: M) -> M {
+    struct Read;
+    impl ModuleVisitor for Read {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            drop(param.val());
+        }
+    }
+    module.visit(&mut Read);
+    module
+}
