@@ -154,6 +154,48 @@ fn with_cp_on_burn_0_22() {
     insta::assert_snapshot!(pretty(quote!(impl Block { #expanded })));
 }
 
+/// On Burn 0.22: the checkpointing impls only, the marks in `checkpoint`.
+#[test]
+fn model_on_burn_0_22() {
+    insta::assert_snapshot!(pretty(crate::model::model_for(
+        (quote!(::memsave_next), crate::crate_path::Burn::V0_22),
+        quote!(),
+        quote! {
+            #[derive(Module, Debug)]
+            pub struct Encoder {
+                embed: Linear,
+                #[with_cp]
+                blocks: Vec<Block>,
+                with_cp: bool,
+            }
+        }
+    )));
+}
+
+/// On Burn 0.22, mixed precision's flag and islands are errors that say why.
+#[test]
+fn model_on_burn_0_22_refuses_fp16() {
+    let output = crate::model::model_for(
+        (quote!(::memsave_next), crate::crate_path::Burn::V0_22),
+        quote!(),
+        quote! {
+            #[derive(Module, Debug)]
+            pub struct Net {
+                #[fp16(fp32)]
+                head: Linear,
+                fp16_enabled: Fp16,
+            }
+        },
+    )
+    .to_string();
+    assert_eq!(output.matches("compile_error").count(), 2, "{output}");
+    assert!(
+        output.contains("`fp16_enabled`: memsave's mixed precision is not on Burn 0.22 yet"),
+        "{output}"
+    );
+    assert!(output.contains("`#[fp16(fp32)]`: memsave"), "{output}");
+}
+
 #[test]
 fn model_with_checkpointed_fields() {
     insta::assert_snapshot!(pretty(model_attribute(

@@ -8,10 +8,15 @@ use syn::Member;
 
 use super::ast::{Body, Field, Model, CP_FLAG, FP16_FLAG};
 use super::expand::{binding, impl_header, rebuild, variant_pattern};
+use crate::crate_path::Burn;
 
 /// `CheckpointModule`, when checkpointing can be switched on: the flag set, the marked fields
 /// switched in turn.
-pub(super) fn checkpoint_module(memsave: &TokenStream, model: &Model) -> Option<TokenStream> {
+pub(super) fn checkpoint_module(
+    memsave: &TokenStream,
+    burn: Burn,
+    model: &Model,
+) -> Option<TokenStream> {
     if !model.checkpointable() {
         return Some(not_checkpointable(memsave, model));
     }
@@ -82,9 +87,14 @@ pub(super) fn checkpoint_module(memsave: &TokenStream, model: &Model) -> Option<
     });
     // A segment itself (the flag, or an enum dispatching to blocks), or a container.
     let mark = if model.cp_flag().is_some() || matches!(model.body, Body::Enum(_)) {
-        quote!(#memsave::fp16::__private::Marked)
+        quote!(Marked)
     } else {
-        quote!(#memsave::fp16::__private::Unmarked)
+        quote!(Unmarked)
+    };
+    // Where the marks live: beside fp16's first-layer guard on 0.21, in `checkpoint` on 0.22.
+    let mark = match burn {
+        Burn::V0_21 => quote!(#memsave::fp16::__private::#mark),
+        Burn::V0_22 => quote!(#memsave::checkpoint::__private::#mark),
     };
     // A marked field's path: the struct's path and the field's name; an enum's variant adds
     // nothing (as in PyTorch's module paths).

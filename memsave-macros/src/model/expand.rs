@@ -7,13 +7,24 @@ use syn::spanned::Spanned;
 use syn::Member;
 
 use super::ast::{Body, Field, Model, Style, Variant, CP_FLAG, FP16_FLAG};
+use crate::crate_path::Burn;
 
-pub fn expand(memsave: &TokenStream, model: &Model) -> TokenStream {
+pub fn expand(memsave: &TokenStream, burn: Burn, model: &Model) -> TokenStream {
     let item = &model.item;
+    let checkpoint_module = super::checkpoint::checkpoint_module(memsave, burn, model);
+    let has_with_cp = super::checkpoint::has_with_cp(memsave, model);
+    if burn == Burn::V0_22 {
+        // Checkpointing only, so far (docs/src/port-0.22.md): fp16 comes with the port's slice 4
+        // (`valid.rs` refuses its flag and attributes), and Burn's own random layers need no
+        // probe or guard on 0.22 (the runtime replays their draws).
+        return quote! {
+            #item
+            #checkpoint_module
+            #has_with_cp
+        };
+    }
     let fp16_module = fp16_module(memsave, model);
     let has_flag = has_fp16_flag(memsave, model);
-    let checkpoint_module = super::checkpoint::checkpoint_module(memsave, model);
-    let has_with_cp = super::checkpoint::has_with_cp(memsave, model);
     let random_draws = random_draws(memsave, model);
     let consts = hidden_consts(memsave, model);
     quote! {

@@ -6,12 +6,17 @@ use proc_macro2::TokenStream;
 use quote::quote;
 
 use super::ast::Model;
+use crate::crate_path::Burn;
 
-pub fn fallback(memsave: &TokenStream, model: &Model) -> TokenStream {
+pub fn fallback(memsave: &TokenStream, burn: Burn, model: &Model) -> TokenStream {
     let item = &model.item;
     let (impl_generics, ty_generics, where_clause) = model.generics.split_for_impl();
     let name = &model.ident;
     let header = |trait_path: TokenStream| quote!(impl #impl_generics #trait_path for #name #ty_generics #where_clause);
+    let unmarked = match burn {
+        Burn::V0_21 => quote!(#memsave::fp16::__private::Unmarked),
+        Burn::V0_22 => quote!(#memsave::checkpoint::__private::Unmarked),
+    };
     let fp16_module = header(quote!(#memsave::fp16::Fp16Module));
     let has_flag = model.flag().map(|_| {
         let header = header(quote!(#memsave::fp16::HasFp16Flag));
@@ -27,7 +32,7 @@ pub fn fallback(memsave: &TokenStream, model: &Model) -> TokenStream {
         let header = header(quote!(#memsave::checkpoint::CheckpointModule));
         quote! {
             #header {
-                type Mark = #memsave::fp16::__private::Unmarked;
+                type Mark = #unmarked;
 
                 fn set_with_cp(self, _on: bool) -> Self {
                     self
@@ -45,6 +50,13 @@ pub fn fallback(memsave: &TokenStream, model: &Model) -> TokenStream {
             }
         }
     });
+    if burn == Burn::V0_22 {
+        return quote! {
+            #item
+            #checkpoint_module
+            #has_with_cp
+        };
+    }
     let random_draws = header(quote!(#memsave::checkpoint::RandomDraws));
     quote! {
         #item

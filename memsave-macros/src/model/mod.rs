@@ -9,11 +9,21 @@ mod valid;
 use proc_macro2::TokenStream;
 use quote::quote;
 
+use crate::crate_path::Burn;
 use crate::ctxt::Ctxt;
 
 /// The whole macro: the struct or enum (with memsave's field attributes removed) and its impls;
 /// on error, the item, fallback impls that keep the rest of the crate quiet, and every error.
 pub fn model_attribute(args: TokenStream, item: TokenStream) -> TokenStream {
+    model_for(crate::crate_path::runtime(), args, item)
+}
+
+/// [`model_attribute`] for the runtime at `memsave`, written for `burn`.
+pub fn model_for(
+    (memsave, burn): (TokenStream, Burn),
+    args: TokenStream,
+    item: TokenStream,
+) -> TokenStream {
     let mut cx = Ctxt::default();
     if !args.is_empty() {
         cx.error_spanned_by(
@@ -26,12 +36,11 @@ pub fn model_attribute(args: TokenStream, item: TokenStream) -> TokenStream {
         let errors = cx.check().unwrap_or_default();
         return quote!(#item #errors);
     };
-    valid::validate(&mut cx, &model);
-    let memsave = crate::crate_path::memsave();
+    valid::validate(&mut cx, burn, &model);
     match cx.check() {
-        None => expand::expand(&memsave, &model),
+        None => expand::expand(&memsave, burn, &model),
         Some(errors) => {
-            let fallback = fallback::fallback(&memsave, &model);
+            let fallback = fallback::fallback(&memsave, burn, &model);
             quote!(#fallback #errors)
         }
     }

@@ -39,6 +39,7 @@
 //! statistics are updated once per step (`state.rs`). Not here yet (the port's next slices):
 //! recomputation on helper threads, CPU staging of the kept inputs, profiling, the run's context.
 
+mod module;
 mod nodes;
 mod ours;
 mod segment;
@@ -61,6 +62,12 @@ use burn::tensor::{FloatDType, GradientCheckpointingStrategy, Shape, Tensor};
 
 use crate::backend::{self, AdTensor, DispatchBackend, OnBackend};
 
+#[doc(hidden)]
+pub use module::__private;
+pub use module::{
+    segment_paths, set_with_cp, set_with_cp_paths, CheckpointModule, HasWithCp, SegmentId,
+    UnknownSegment,
+};
 pub use segment::{floats, Segment};
 
 /// Runs `segment(module, input)` as a checkpointed segment when a float tensor of `input` is
@@ -515,19 +522,4 @@ impl<B: DispatchBackend> ModuleMapper for FreshParams<B> {
         let value = Tensor::from_dispatch(B::from_autodiff(fresh, self.strategy));
         param.map(|_| value)
     }
-}
-
-/// A module with a `with_cp` flag, read by its `#[with_cp]` methods (MMCV's `with_cp`).
-///
-/// For a struct with a field `with_cp: bool` (Burn's derive keeps a `bool` as a constant of the
-/// module): `impl HasWithCp for Block { fn with_cp(&self) -> bool { self.with_cp } }`.
-#[diagnostic::on_unimplemented(
-    message = "`{Self}` has no `with_cp` flag, so `#[with_cp]` cannot be used on its methods",
-    label = "this method reads the module's `with_cp` flag",
-    note = "give the struct a field `with_cp: bool` and implement \
-            `memsave_next::checkpoint::HasWithCp` for it, returning that field"
-)]
-pub trait HasWithCp {
-    /// The module's own flag.
-    fn with_cp(&self) -> bool;
 }

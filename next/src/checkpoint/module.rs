@@ -1,0 +1,262 @@
+//! The switches of checkpointing in a model: the `with_cp` flag a block carries
+//! ([`HasWithCp`]), the modules through which it is switched on ([`CheckpointModule`], which
+//! `#[memsave::model]` implements), and setting them by hand or by path. Burn-free: the port of
+//! `memsave-core`'s `checkpoint/module.rs`, the same on both Burns.
+
+/// A module with a `with_cp` flag, read by its `#[with_cp]` methods (MMCV's `with_cp`).
+///
+/// `#[memsave::model]` implements it for a struct with a field `with_cp: bool` (Burn's derive
+/// keeps a `bool` as a constant of the module); by hand:
+/// `impl HasWithCp for Block { fn with_cp(&self) -> bool { self.with_cp } }`.
+#[diagnostic::on_unimplemented(
+    message = "`{Self}` has no `with_cp` flag, so `#[with_cp]` cannot be used on its methods",
+    label = "this method reads the module's `with_cp` flag",
+    note = "put `#[memsave::model]` on the struct and give it a field `with_cp: bool` (start it \
+            at `false`; `set_with_cp` switches it on)"
+)]
+pub trait HasWithCp {
+    /// The module's own flag.
+    fn with_cp(&self) -> bool;
+}
+
+/// A module in which checkpointing can be switched on: it has a `with_cp` flag, or fields
+/// marked `#[with_cp]` that lead to one.
+#[diagnostic::on_unimplemented(
+    message = "`{Self}` cannot be checkpointed: nothing in it has a `with_cp` switch",
+    label = "checkpointing is switched on in this `{Self}`",
+    note = "a checkpointable block is a `#[memsave::model]` struct with a field `with_cp: bool` \
+            and a `#[with_cp]` method (its forward), and a model reaches its blocks through \
+            fields marked `#[with_cp]`; a Burn layer is checkpointed from the block that holds \
+            it (`#[with_cp]` on the block's method, or `checkpoint_with` around the layer's \
+            forward)"
+)]
+pub trait CheckpointModule: Sized {
+    /// Whether the module is itself a checkpointed segment (`Marked`: it has the `with_cp` flag,
+    /// or it is an enum of blocks) or only leads to some (`Unmarked`: a container).
+    type Mark: Default;
+
+    /// Sets every `with_cp` flag of this module and of its `#[with_cp]` fields to `on`.
+    fn set_with_cp(self, on: bool) -> Self;
+
+    /// Sets the `with_cp` flag of each segment below this module to `on(its path)`, where the
+    /// path of this module is `path` and a marked field's is `path.field` (`Vec` items by
+    /// index: `encoder.blocks.1`; an enum's variant adds nothing). See [`set_with_cp_paths`].
+    fn set_with_cp_by_path(self, _path: &str, _on: &dyn Fn(&str) -> bool) -> Self {
+        self
+    }
+
+    /// Calls `visit` with the path and identity of each segment (a module with a `with_cp`
+    /// flag) at or below this module, reached through `#[with_cp]` fields, in field order.
+    fn visit_segments(&self, _path: &str, _visit: &mut dyn FnMut(&str, SegmentId)) {}
+}
+
+/// Which module a segment runs: its address and type while the model is not moved.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct SegmentId {
+    address: usize,
+    type_name: &'static str,
+}
+
+impl SegmentId {
+    /// The identity of `module`.
+    pub fn of<M>(module: &M) -> SegmentId {
+        SegmentId {
+            address: module as *const M as usize,
+            type_name: std::any::type_name::<M>(),
+        }
+    }
+
+    /// The module's type, short (`Block`).
+    pub fn type_name(&self) -> String {
+        let mut depth = 0;
+        let mut outer = String::new();
+        for c in self.type_name.chars() {
+            match c {
+                '<' => depth += 1,
+                '>' => depth -= 1,
+                _ if depth == 0 => outer.push(c),
+                _ => {}
+            }
+        }
+        outer
+            .rsplit("::")
+            .next()
+            .unwrap_or(self.type_name)
+            .to_string()
+    }
+}
+
+/// The module paths of the segments of `model` (`blocks.0`, ...), in field order.
+pub fn segment_paths<M: CheckpointModule>(model: &M) -> Vec<String> {
+    let mut paths = Vec::new();
+    model.visit_segments("", &mut |path, _| paths.push(path.to_string()));
+    paths
+}
+
+/// A path given to [`set_with_cp_paths`] that names no segment of the model.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct UnknownSegment {
+    /// The path given.
+    pub path: String,
+    /// The model's segments closest to it (at most six).
+    pub close: Vec<String>,
+    /// How many segments the model has.
+    pub segments: usize,
+}
+
+impl std::fmt::Display for UnknownSegment {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let close: Vec<String> = self.close.iter().map(|p| format!("`{p}`")).collect();
+        write!(
+            f,
+            "with_cp: `{}` is not a checkpointable segment of this model; its {} segments include \
+             {}",
+            self.path,
+            self.segments,
+            if close.is_empty() {
+                "none".to_string()
+            } else {
+                close.join(", ")
+            }
+        )
+    }
+}
+
+impl std::error::Error for UnknownSegment {}
+
+/// Checkpoints exactly the segments of `model` whose paths are in `paths` (as
+/// [`segment_paths`] names them), and no other. A path that names no segment is an error that
+/// lists the closest ones, and `model` is not changed.
+pub fn set_with_cp_paths<M: CheckpointModule>(
+    model: M,
+    paths: &[String],
+) -> Result<M, UnknownSegment> {
+    let known = segment_paths(&model);
+    if let Some(path) = paths.iter().find(|path| !known.contains(path)) {
+        let mut close: Vec<String> = known
+            .iter()
+            .filter(|known| known.starts_with(path.as_str()) || path.starts_with(known.as_str()))
+            .take(6)
+            .cloned()
+            .collect();
+        if close.is_empty() {
+            close = known.iter().take(6).cloned().collect();
+        }
+        return Err(UnknownSegment {
+            path: path.clone(),
+            close,
+            segments: known.len(),
+        });
+    }
+    Ok(model.set_with_cp_by_path("", &|path| paths.iter().any(|p| p == path)))
+}
+
+/// Switches checkpointing on (or off) in `model`: its `with_cp` flag and, through every field
+/// marked `#[with_cp]`, the flags of the blocks below (MMCV's `with_cp=True` on a backbone).
+pub fn set_with_cp<M: CheckpointModule>(model: M, on: bool) -> M {
+    model.set_with_cp(on)
+}
+
+impl<T: CheckpointModule> CheckpointModule for Vec<T> {
+    type Mark = T::Mark;
+
+    fn set_with_cp(self, on: bool) -> Self {
+        self.into_iter()
+            .map(|module| module.set_with_cp(on))
+            .collect()
+    }
+
+    fn set_with_cp_by_path(self, path: &str, on: &dyn Fn(&str) -> bool) -> Self {
+        self.into_iter()
+            .enumerate()
+            .map(|(index, module)| module.set_with_cp_by_path(&join_index(path, index), on))
+            .collect()
+    }
+
+    fn visit_segments(&self, path: &str, visit: &mut dyn FnMut(&str, SegmentId)) {
+        for (index, module) in self.iter().enumerate() {
+            module.visit_segments(&join_index(path, index), visit);
+        }
+    }
+}
+
+impl<T: CheckpointModule> CheckpointModule for Option<T> {
+    type Mark = T::Mark;
+
+    fn set_with_cp(self, on: bool) -> Self {
+        self.map(|module| module.set_with_cp(on))
+    }
+
+    fn set_with_cp_by_path(self, path: &str, on: &dyn Fn(&str) -> bool) -> Self {
+        self.map(|module| module.set_with_cp_by_path(path, on))
+    }
+
+    fn visit_segments(&self, path: &str, visit: &mut dyn FnMut(&str, SegmentId)) {
+        if let Some(module) = self {
+            module.visit_segments(path, visit);
+        }
+    }
+}
+
+impl<T: CheckpointModule> CheckpointModule for Box<T> {
+    type Mark = T::Mark;
+
+    fn set_with_cp(self, on: bool) -> Self {
+        Box::new((*self).set_with_cp(on))
+    }
+
+    fn set_with_cp_by_path(self, path: &str, on: &dyn Fn(&str) -> bool) -> Self {
+        Box::new((*self).set_with_cp_by_path(path, on))
+    }
+
+    fn visit_segments(&self, path: &str, visit: &mut dyn FnMut(&str, SegmentId)) {
+        (**self).visit_segments(path, visit);
+    }
+}
+
+impl<T: CheckpointModule, const N: usize> CheckpointModule for [T; N] {
+    type Mark = T::Mark;
+
+    fn set_with_cp(self, on: bool) -> Self {
+        self.map(|module| module.set_with_cp(on))
+    }
+
+    fn set_with_cp_by_path(self, path: &str, on: &dyn Fn(&str) -> bool) -> Self {
+        let mut index = 0;
+        self.map(|module| {
+            index += 1;
+            module.set_with_cp_by_path(&join_index(path, index - 1), on)
+        })
+    }
+
+    fn visit_segments(&self, path: &str, visit: &mut dyn FnMut(&str, SegmentId)) {
+        for (index, module) in self.iter().enumerate() {
+            module.visit_segments(&join_index(path, index), visit);
+        }
+    }
+}
+
+/// What `#[memsave::model]`'s output names; not an API.
+#[doc(hidden)]
+pub mod __private {
+    /// `path.name`, or `name` at the root.
+    pub fn join_path(path: &str, name: &str) -> String {
+        if path.is_empty() {
+            name.to_string()
+        } else {
+            format!("{path}.{name}")
+        }
+    }
+
+    /// A module that is itself a segment.
+    #[derive(Default)]
+    pub struct Marked;
+
+    /// A module that only leads to segments.
+    #[derive(Default)]
+    pub struct Unmarked;
+}
+
+fn join_index(path: &str, index: usize) -> String {
+    __private::join_path(path, &index.to_string())
+}
