@@ -45,14 +45,14 @@ fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 pub(crate) fn note(id: SegmentId) {
     let reached = run::current().part::<Reached>();
     let mut types = lock(&reached.types);
-    if !types.contains(&id.type_name) {
-        types.push(id.type_name);
+    if !types.contains(&id.full_type_name()) {
+        types.push(id.full_type_name());
     }
 }
 
 /// Whether a `#[with_cp]` method of `id`'s type has run in the current run.
 pub fn reached(id: SegmentId) -> bool {
-    lock(&run::current().part::<Reached>().types).contains(&id.type_name)
+    lock(&run::current().part::<Reached>().types).contains(&id.full_type_name())
 }
 
 /// Sets what the current run does when a module is switched on without a `#[with_cp]` method

@@ -309,13 +309,9 @@ pub(crate) fn cast_leaf<B: Backend, const D: usize>(
 /// What the macros generate code against. Not a stable API.
 #[doc(hidden)]
 pub mod __private {
-    /// The answer of `__memsave_mark_FIELD` for a field marked `#[with_cp]`.
-    #[derive(Default)]
-    pub struct Marked;
-
-    /// The answer for any other field (the method macro's fallback).
-    #[derive(Default)]
-    pub struct Unmarked;
+    /// The answers of `__memsave_mark_FIELD`: `Marked` for a field marked `#[with_cp]`,
+    /// `Unmarked` for any other (the method macro's fallback); `CheckpointModule::Mark`'s.
+    pub use memsave_common::checkpoint::__private::{Marked, Unmarked};
 
     /// `(&MarkProbe(&self.field)).cp_mark()`: the field type's `CheckpointModule::Mark` if it
     /// has one, else `Unmarked` (autoref specialisation: [`MarkViaTrait`] is found first,

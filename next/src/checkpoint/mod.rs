@@ -39,7 +39,6 @@
 //! statistics are updated once per step (`state.rs`). Not here yet (the port's next slices):
 //! recomputation on helper threads, CPU staging of the kept inputs, profiling, the run's context.
 
-mod module;
 mod nodes;
 mod ours;
 mod segment;
@@ -63,8 +62,8 @@ use burn::tensor::{FloatDType, GradientCheckpointingStrategy, Shape, Tensor};
 use crate::backend::{self, AdTensor, DispatchBackend, OnBackend};
 
 #[doc(hidden)]
-pub use module::__private;
-pub use module::{
+pub use memsave_common::checkpoint::__private;
+pub use memsave_common::checkpoint::{
     segment_paths, set_with_cp, set_with_cp_paths, CheckpointModule, HasWithCp, SegmentId,
     UnknownSegment,
 };

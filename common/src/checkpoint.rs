@@ -1,7 +1,7 @@
 //! The switches of checkpointing in a model: the `with_cp` flag a block carries
 //! ([`HasWithCp`]), the modules through which it is switched on ([`CheckpointModule`], which
-//! `#[memsave::model]` implements), and setting them by hand or by path. Burn-free: the port of
-//! `memsave-core`'s `checkpoint/module.rs`, the same on both Burns.
+//! `#[memsave::model]` implements), the segments' identities and paths, and setting the flags by
+//! hand or by path. The same on both Burns.
 
 /// A module with a `with_cp` flag, read by its `#[with_cp]` methods (MMCV's `with_cp`).
 ///
@@ -10,9 +10,9 @@
 /// `impl HasWithCp for Block { fn with_cp(&self) -> bool { self.with_cp } }`.
 #[diagnostic::on_unimplemented(
     message = "`{Self}` has no `with_cp` flag, so `#[with_cp]` cannot be used on its methods",
-    label = "this method reads the module's `with_cp` flag",
+    label = "this method reads `self.with_cp`",
     note = "put `#[memsave::model]` on the struct and give it a field `with_cp: bool` (start it \
-            at `false`; `set_with_cp` switches it on)"
+            at `false`; `set_with_cp` or the config switches it on)"
 )]
 pub trait HasWithCp {
     /// The module's own flag.
@@ -26,13 +26,14 @@ pub trait HasWithCp {
     label = "checkpointing is switched on in this `{Self}`",
     note = "a checkpointable block is a `#[memsave::model]` struct with a field `with_cp: bool` \
             and a `#[with_cp]` method (its forward), and a model reaches its blocks through \
-            fields marked `#[with_cp]`; a Burn layer is checkpointed from the block that holds \
-            it (`#[with_cp]` on the block's method, or `checkpoint_with` around the layer's \
-            forward)"
+            fields marked `#[with_cp]`; Burn's layers have no such switch: checkpoint the block \
+            that contains them"
 )]
 pub trait CheckpointModule: Sized {
     /// Whether the module is itself a checkpointed segment (`Marked`: it has the `with_cp` flag,
-    /// or it is an enum of blocks) or only leads to some (`Unmarked`: a container).
+    /// or it is an enum of blocks) or only leads to some (`Unmarked`: a container, such as a
+    /// backbone whose stem runs plainly). On Burn 0.21 the first-layer guard of `#[auto_fp16]`
+    /// asks it of the field that receives the network's input.
     type Mark: Default;
 
     /// Sets every `with_cp` flag of this module and of its `#[with_cp]` fields to `on`.
@@ -66,23 +67,37 @@ impl SegmentId {
         }
     }
 
-    /// The module's type, short (`Block`).
+    /// The module's type, short (`Bottleneck`).
     pub fn type_name(&self) -> String {
-        let mut depth = 0;
-        let mut outer = String::new();
-        for c in self.type_name.chars() {
-            match c {
-                '<' => depth += 1,
-                '>' => depth -= 1,
-                _ if depth == 0 => outer.push(c),
-                _ => {}
-            }
+        short_name(self.type_name)
+    }
+
+    /// The module's type as `std::any::type_name` gives it.
+    pub fn full_type_name(&self) -> &'static str {
+        self.type_name
+    }
+}
+
+/// `a::b::Block<burn::X>` -> `Block`.
+pub fn short_name(name: &str) -> String {
+    let mut depth = 0;
+    let mut outer = String::new();
+    for c in name.chars() {
+        match c {
+            '<' => depth += 1,
+            '>' => depth -= 1,
+            _ if depth == 0 => outer.push(c),
+            _ => {}
         }
-        outer
-            .rsplit("::")
-            .next()
-            .unwrap_or(self.type_name)
-            .to_string()
+    }
+    outer.rsplit("::").next().unwrap_or(name).to_string()
+}
+
+/// `Type::method` (or `Type` for an unnamed segment), for messages.
+pub fn segment_name(module: &str, method: &str) -> String {
+    match method {
+        "" => short_name(module),
+        method => format!("{}::{method}", short_name(module)),
     }
 }
 
@@ -104,13 +119,13 @@ pub struct UnknownSegment {
     pub segments: usize,
 }
 
-impl std::fmt::Display for UnknownSegment {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+impl UnknownSegment {
+    /// What is wrong, without the key's name: "`x` is not a checkpointable segment of this
+    /// model; its N segments include `a`, `b`".
+    pub fn detail(&self) -> String {
         let close: Vec<String> = self.close.iter().map(|p| format!("`{p}`")).collect();
-        write!(
-            f,
-            "with_cp: `{}` is not a checkpointable segment of this model; its {} segments include \
-             {}",
+        format!(
+            "`{}` is not a checkpointable segment of this model; its {} segments include {}",
             self.path,
             self.segments,
             if close.is_empty() {
@@ -119,6 +134,13 @@ impl std::fmt::Display for UnknownSegment {
                 close.join(", ")
             }
         )
+    }
+}
+
+/// `with_cp: ` and [`UnknownSegment::detail`].
+impl std::fmt::Display for UnknownSegment {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "with_cp: {}", self.detail())
     }
 }
 
@@ -248,11 +270,12 @@ pub mod __private {
         }
     }
 
-    /// A module that is itself a segment.
+    /// A module that is itself a segment (the answer of `__memsave_mark_FIELD` for a field
+    /// marked `#[with_cp]`).
     #[derive(Default)]
     pub struct Marked;
 
-    /// A module that only leads to segments.
+    /// A module that only leads to segments (the answer for any other field).
     #[derive(Default)]
     pub struct Unmarked;
 }
