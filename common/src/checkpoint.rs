@@ -278,6 +278,11 @@ pub mod __private {
     /// A module that only leads to segments (the answer for any other field).
     #[derive(Default)]
     pub struct Unmarked;
+
+    /// The fields of a `#[memsave::model]` type `M` without a `with_cp` flag or a marked field:
+    /// the type its "no field marked" bound is on, so that the compiler reports that bound's
+    /// message (it names the fields) rather than `CheckpointModule`'s.
+    pub struct FieldsOf<M>(core::marker::PhantomData<M>);
 }
 
 fn join_index(path: &str, index: usize) -> String {

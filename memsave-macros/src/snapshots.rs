@@ -172,6 +172,58 @@ fn model_on_burn_0_22() {
     )));
 }
 
+/// On Burn 0.22, a model in which nothing can be switched: the bound that names its fields, on
+/// the runtime's own types.
+#[test]
+fn model_on_burn_0_22_without_a_switch() {
+    insta::assert_snapshot!(pretty(crate::model::model_for(
+        (quote!(::memsave_next), crate::crate_path::Burn::V0_22),
+        quote!(),
+        quote! {
+            #[derive(Module, Debug)]
+            pub struct Head {
+                fc: Linear,
+            }
+        }
+    )));
+}
+
+/// On Burn 0.22, `#[auto_fp16]` and `#[force_fp32]` are errors that say why; a crate that
+/// depends on memsave for both Burns gets an error that says so.
+#[test]
+fn fp16_attributes_on_burn_0_22_and_two_runtimes_are_errors() {
+    let method = quote! {
+        fn forward(&self, x: Tensor<4>) -> Tensor<4> {
+            x
+        }
+    };
+    for kind in [crate::fp16::Kind::AutoFp16, crate::fp16::Kind::ForceFp32] {
+        let output = crate::fp16::cast_attribute_for(
+            crate::crate_path::Burn::V0_22,
+            kind,
+            quote!(),
+            method.clone(),
+        )
+        .to_string();
+        assert!(
+            output.contains("memsave's mixed precision is not on Burn 0.22 yet"),
+            "{output}"
+        );
+        assert!(
+            output.contains(&format!("`#[{}]`", kind.name())),
+            "{output}"
+        );
+        // The method is kept as written (the rest of the crate still type-checks).
+        assert!(output.starts_with("fn forward"), "{output}");
+    }
+    let output =
+        crate::with_cp::with_cp_in(Err("two runtimes".to_string()), quote!(), method).to_string();
+    assert!(
+        output.contains("compile_error") && output.contains("two runtimes"),
+        "{output}"
+    );
+}
+
 /// On Burn 0.22, mixed precision's flag and islands are errors that say why.
 #[test]
 fn model_on_burn_0_22_refuses_fp16() {

@@ -4,10 +4,14 @@
 //! against the same model with checkpointing off, bit for bit, under both of Burn's strategies.
 
 use burn::module::Module;
+use burn::nn::activation::{RRelu, RReluConfig};
 use burn::nn::conv::{Conv2d, Conv2dConfig};
 use burn::nn::transformer::TransformerEncoderLayer;
 use burn::nn::transformer::{TransformerEncoder, TransformerEncoderConfig};
-use burn::nn::{BatchNorm, BatchNormConfig, Linear, LinearConfig, PaddingConfig2d};
+use burn::nn::{
+    BatchNorm, BatchNormConfig, GaussianNoise, GaussianNoiseConfig, Linear, LinearConfig,
+    PaddingConfig2d,
+};
 use burn::prelude::*;
 use burn::tensor::{Bool, Distribution};
 use memsave_macros::with_cp;
@@ -195,6 +199,67 @@ fn with_cp_on_a_burn_0_22_module_checkpoints_its_forward_when_the_flag_is_on() {
     });
 }
 
+/// Values that depend on no random stream.
+fn fixed<const D: usize>(device: &Device, shape: [usize; D]) -> Tensor<D> {
+    let count = shape.iter().product::<usize>();
+    let values: Vec<f32> = (0..count)
+        .map(|i| ((i as u64 * 2_654_435_761) % 1000) as f32 / 500.0 - 1.0)
+        .collect();
+    Tensor::from_data(TensorData::new(values, shape), device)
+}
+
+/// Burn's other random layers: Gaussian noise and a randomized leaky ReLU.
+#[derive(Module, Debug)]
+struct NoisyBlock {
+    fc: Linear,
+    noise: GaussianNoise,
+    rrelu: RRelu,
+}
+
+#[test]
+fn burn_gaussian_noise_and_rrelu_in_a_segment_are_replayed() {
+    watchdog(120, || {
+        for (strategy, device) in devices() {
+            device.seed(3);
+            let blocks = initialized(vec![
+                NoisyBlock {
+                    fc: LinearConfig::new(8, 8).init(&device),
+                    noise: GaussianNoiseConfig::new(0.5).init(),
+                    rrelu: RReluConfig::new().init(),
+                },
+                NoisyBlock {
+                    fc: LinearConfig::new(8, 8).init(&device),
+                    noise: GaussianNoiseConfig::new(0.5).init(),
+                    rrelu: RReluConfig::new().init(),
+                },
+            ]);
+            let step = |checkpointed: bool, seed: u64| {
+                device.seed(seed);
+                let mut x = fixed(&device, [4, 8]).require_grad();
+                for block in &blocks {
+                    x = checkpoint_with(
+                        Options::new().enabled(checkpointed),
+                        block,
+                        x,
+                        |block, x| {
+                            block
+                                .rrelu
+                                .forward(block.noise.forward(block.fc.forward(x)))
+                        },
+                    );
+                }
+                let grads = x.powi_scalar(2).sum().backward();
+                blocks
+                    .iter()
+                    .flat_map(|block| grad_bits(block, &grads))
+                    .collect::<Vec<_>>()
+            };
+            assert_same_bits(&step(false, 5), &step(true, 5), strategy);
+            assert_ne!(step(false, 5), step(false, 6), "{strategy}: nothing drawn");
+        }
+    });
+}
+
 /// A layer of the user's own that draws with `Tensor::random`: multiplicative noise.
 #[derive(Module, Debug)]
 struct Noisy {
@@ -224,7 +289,9 @@ fn a_users_layer_that_draws_says_so_and_its_draws_are_replayed() {
             ]);
             let step = |checkpointed: bool, seed: u64| {
                 device.seed(seed);
-                let mut x = Tensor::<2>::random([4, 8], Distribution::Default, &device);
+                // Fixed, and tracked so that both layers are checkpointed: only the noise
+                // depends on the stream.
+                let mut x = fixed(&device, [4, 8]).require_grad();
                 for layer in &layers {
                     x = checkpoint_with(
                         Options::new().enabled(checkpointed).random(true),
@@ -287,7 +354,8 @@ fn batch_norm_steps(device: &Device, run: Run) -> (Vec<Option<Vec<u32>>>, Vec<Op
     let mut last = Vec::new();
     for step in 0..2 {
         device.seed(10 + step);
-        let mut x = Tensor::<4>::random([2, 4, 6, 6], Distribution::Default, device);
+        // Tracked, so that both blocks are checkpointed (MMCV's guard).
+        let mut x = Tensor::<4>::random([2, 4, 6, 6], Distribution::Default, device).require_grad();
         for block in &blocks {
             x = match run {
                 Run::Plain => block.plain(x),

@@ -89,11 +89,7 @@ pub(crate) fn abandon_step() {
 pub mod __private {
     pub use super::module::join_path;
     pub use super::stream::__private::*;
-
-    /// The fields of a `#[memsave::model]` type `M` without a `with_cp` flag or a marked field:
-    /// the type its "no field marked" bound is on, so that the compiler reports that bound's
-    /// message (it names the fields) rather than `CheckpointModule`'s.
-    pub struct FieldsOf<M>(core::marker::PhantomData<M>);
+    pub use memsave_common::checkpoint::__private::FieldsOf;
 }
 
 /// A backend on which memsave can checkpoint segments. In generic model code, bound the backend

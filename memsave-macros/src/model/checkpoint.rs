@@ -18,7 +18,7 @@ pub(super) fn checkpoint_module(
     model: &Model,
 ) -> Option<TokenStream> {
     if !model.checkpointable() {
-        return Some(not_checkpointable(memsave, model));
+        return Some(not_checkpointable(memsave, burn, model));
     }
     let header = impl_header(model, quote!(#memsave::checkpoint::CheckpointModule));
     // Each marked field is switched through a trait of its own, whose error names the field
@@ -91,11 +91,7 @@ pub(super) fn checkpoint_module(
     } else {
         quote!(Unmarked)
     };
-    // Where the marks live: beside fp16's first-layer guard on 0.21, in `checkpoint` on 0.22.
-    let mark = match burn {
-        Burn::V0_21 => quote!(#memsave::fp16::__private::#mark),
-        Burn::V0_22 => quote!(#memsave::checkpoint::__private::#mark),
-    };
+    let mark = mark_path(memsave, burn, mark);
     // A marked field's path: the struct's path and the field's name; an enum's variant adds
     // nothing (as in PyTorch's module paths).
     let sub_path = |field: &Field| {
@@ -195,7 +191,7 @@ fn marked_fields(model: &Model) -> Vec<(&Field, String)> {
 /// own holds, and none does: switching checkpointing on in it (`set_with_cp(model, true)`, or a
 /// parent's `#[with_cp]` field of this type) is an error that names its fields, one of which
 /// should be marked `#[with_cp]`, instead of Burn's generic "not implemented".
-fn not_checkpointable(memsave: &TokenStream, model: &Model) -> TokenStream {
+fn not_checkpointable(memsave: &TokenStream, burn: Burn, model: &Model) -> TokenStream {
     let name = &model.ident;
     let vis = match &model.item {
         syn::Item::Struct(item) => &item.vis,
@@ -245,6 +241,7 @@ fn not_checkpointable(memsave: &TokenStream, model: &Model) -> TokenStream {
     predicates.push(quote! {
         for<'__memsave> #memsave::checkpoint::__private::FieldsOf<#name #ty_generics>: #guard
     });
+    let unmarked = unmarked(memsave, burn);
     quote! {
         #[doc(hidden)]
         #[allow(non_camel_case_types)]
@@ -254,13 +251,27 @@ fn not_checkpointable(memsave: &TokenStream, model: &Model) -> TokenStream {
         impl #impl_generics #memsave::checkpoint::CheckpointModule for #name #ty_generics
         where #(#predicates),*
         {
-            type Mark = #memsave::fp16::__private::Unmarked;
+            type Mark = #unmarked;
 
             fn set_with_cp(self, _on: bool) -> Self {
                 self
             }
         }
     }
+}
+
+/// Where `CheckpointModule::Mark`'s answers live: beside fp16's first-layer guard on Burn 0.21,
+/// in `checkpoint` on 0.22 (no fp16 there yet).
+fn mark_path(memsave: &TokenStream, burn: Burn, mark: TokenStream) -> TokenStream {
+    match burn {
+        Burn::V0_21 => quote!(#memsave::fp16::__private::#mark),
+        Burn::V0_22 => quote!(#memsave::checkpoint::__private::#mark),
+    }
+}
+
+/// `Unmarked`, where the runtime has it.
+pub(super) fn unmarked(memsave: &TokenStream, burn: Burn) -> TokenStream {
+    mark_path(memsave, burn, quote!(Unmarked))
 }
 
 /// A struct field's name in a module path: its name, or its position in a tuple struct.

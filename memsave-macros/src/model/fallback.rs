@@ -13,10 +13,7 @@ pub fn fallback(memsave: &TokenStream, burn: Burn, model: &Model) -> TokenStream
     let (impl_generics, ty_generics, where_clause) = model.generics.split_for_impl();
     let name = &model.ident;
     let header = |trait_path: TokenStream| quote!(impl #impl_generics #trait_path for #name #ty_generics #where_clause);
-    let unmarked = match burn {
-        Burn::V0_21 => quote!(#memsave::fp16::__private::Unmarked),
-        Burn::V0_22 => quote!(#memsave::checkpoint::__private::Unmarked),
-    };
+    let unmarked = super::checkpoint::unmarked(memsave, burn);
     let fp16_module = header(quote!(#memsave::fp16::Fp16Module));
     let has_flag = model.flag().map(|_| {
         let header = header(quote!(#memsave::fp16::HasFp16Flag));

@@ -15,7 +15,13 @@ use crate::ctxt::Ctxt;
 /// The whole macro: the struct or enum (with memsave's field attributes removed) and its impls;
 /// on error, the item, fallback impls that keep the rest of the crate quiet, and every error.
 pub fn model_attribute(args: TokenStream, item: TokenStream) -> TokenStream {
-    model_for(crate::crate_path::runtime(), args, item)
+    match crate::crate_path::runtime() {
+        Ok(runtime) => model_for(runtime, args, item),
+        Err(message) => {
+            let error = syn::Error::new(proc_macro2::Span::call_site(), message).to_compile_error();
+            quote!(#item #error)
+        }
+    }
 }
 
 /// [`model_attribute`] for the runtime at `memsave`, written for `burn`.

@@ -13,7 +13,22 @@ use crate::ctxt::Ctxt;
 /// The whole macro: the method split in a dispatcher and its segment, or the method as written
 /// plus every error.
 pub fn with_cp_attribute(args: TokenStream, item: TokenStream) -> TokenStream {
-    with_cp_for(crate::crate_path::runtime(), args, item)
+    with_cp_in(crate::crate_path::runtime(), args, item)
+}
+
+/// [`with_cp_attribute`] for the runtime found (or the reason none could be chosen).
+pub fn with_cp_in(
+    runtime: Result<(TokenStream, Burn), String>,
+    args: TokenStream,
+    item: TokenStream,
+) -> TokenStream {
+    match runtime {
+        Ok(runtime) => with_cp_for(runtime, args, item),
+        Err(message) => {
+            let error = syn::Error::new(proc_macro2::Span::call_site(), message).to_compile_error();
+            quote!(#item #error)
+        }
+    }
 }
 
 /// [`with_cp_attribute`] for the runtime at `memsave`, written for `burn`.

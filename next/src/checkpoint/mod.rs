@@ -96,10 +96,10 @@ pub struct Options {
     /// Whether to checkpoint at all (a model's `with_cp` switch); off, the segment runs as
     /// written, under its own random stream all the same.
     pub enabled: bool,
-    /// Whether the module's layers draw from the backend's random stream: `None` reads it from
-    /// the module (Burn's `Dropout`, training); `Some(true)` for a layer of the user's own that
-    /// calls `Tensor::random`.
-    pub random: Option<bool>,
+    /// Whether the module draws from the backend's random stream where its layers do not tell (a
+    /// layer of the user's own that calls `Tensor::random` and has no training switch). Burn's
+    /// random layers are found from the module whatever this says.
+    pub random: bool,
 }
 
 impl Options {
@@ -108,7 +108,7 @@ impl Options {
         Options {
             method: "",
             enabled: true,
-            random: None,
+            random: false,
         }
     }
 
@@ -122,11 +122,11 @@ impl Options {
         Options { enabled, ..self }
     }
 
-    /// Whether the module's layers draw from the backend's random stream, where its layers do
-    /// not tell (a layer of the user's own that calls `Tensor::random`).
+    /// Says that the module draws from the backend's random stream where its layers do not
+    /// tell (a layer of the user's own that calls `Tensor::random` and has no training switch).
     pub const fn random(self, draws: bool) -> Self {
         Options {
-            random: Some(draws),
+            random: draws,
             ..self
         }
     }
@@ -140,7 +140,8 @@ impl Default for Options {
 
 /// [`checkpoint`] as `options` say: the one entry point of segments.
 ///
-/// A segment whose module draws from the backend's random stream runs under a stream of its own
+/// A segment whose module draws from the backend's random stream (Burn's `Dropout`,
+/// `GaussianNoise` and `RRelu`, or [`Options::random`]) runs under a stream of its own
 /// (a seed drawn from the global stream, given to the device), checkpointed or not, and its
 /// recomputation replays the same draws: the gradients equal the run without checkpointing's,
 /// bit for bit. A module's running statistics (Burn's `BatchNorm`) are updated once per step.
@@ -167,17 +168,19 @@ where
         });
         return segment(module, input);
     }
-    // A stream of its own where the layers draw: in training only (Burn's draw only on an
-    // autodiff device).
-    let own_stream = floats.first().and_then(|first| {
-        let training = matches!(first.autodiff, DispatchAutodiffContext::Enabled(_));
-        let draws = training
-            && options
-                .random
-                .unwrap_or_else(|| state::draws_random(module));
+    // In training only (Burn's layers draw and update statistics only on an autodiff device):
+    // the parameters initialized at a fixed point, and a stream of its own where the layers draw.
+    let training = floats
+        .first()
+        .filter(|first| matches!(first.autodiff, DispatchAutodiffContext::Enabled(_)));
+    if training.is_some() {
+        state::initialize(module);
+    }
+    let own_stream = training.and_then(|first| {
+        let draws = options.random || state::draws_random(module);
         draws.then(|| {
             let device = state::device_of(first);
-            let seed = state::seed_own_stream(module, &device);
+            let seed = state::seed_own_stream(&device);
             (device, seed)
         })
     });

@@ -8,10 +8,11 @@
 //! whose module draws runs under a stream of its own: at its start it draws a seed from the
 //! global stream and seeds the device with it (checkpointed or not, so that the plain run and
 //! the checkpointed one draw alike); its recomputation seeds the device with the same seed again
-//! and its layers draw the same masks. Whether a module draws is read from its submodules' types
-//! (`ModuleVisitor::enter_module` names each field's container, `"Struct:Dropout"` for a field of
-//! Burn's `Dropout`, whose `training` flag is then visited): no trait to implement. A layer of the
-//! user's own that calls `Tensor::random` says so with [`super::Options::random`].
+//! and its layers draw the same masks. Whether a module draws is read from its layers' training
+//! switches (`Param<Flag>`: Burn's `Dropout`, `GaussianNoise` and `RRelu` have one; `BatchNorm`'s
+//! draws nothing, and `ModuleVisitor::enter_module` names the struct holding each field): no
+//! trait to implement. A layer of the user's own that calls `Tensor::random` without a switch
+//! says so with [`super::Options::random`].
 //! After a recomputation the global stream is where the recomputation left it: the next step
 //! draws other masks than without checkpointing (a different, equally random, sequence).
 //!
@@ -20,7 +21,11 @@
 //! its value by the next read. A recomputation is a second forward: left alone, it would move the
 //! statistics twice per step. Its module's states are merged (`Module::valid`, which syncs them)
 //! and saved before the recomputation, and merged and put back after it; the same before a
-//! segment that falls back to running plainly after its untracked forward.
+//! segment that falls back to running plainly after its untracked forward. This assumes one
+//! training thread per module: where several threads' forwards share a module's states (Burn
+//! averages their updates), the merge takes another thread's pending update alone and the write
+//! back drops one made meanwhile. memsave's data parallelism gives each device a module of its
+//! own; the port's slice that brings it checks this.
 
 use burn::backend::{Dispatch, DispatchDevice, DispatchTensor, TensorMetadata};
 use burn::module::{Flag, Module, ModuleMapper, ModuleVisitor, Param, ParamId};
@@ -28,8 +33,11 @@ use burn::tensor::{Distribution, Int, Tensor};
 
 use crate::backend;
 
-/// Whether a training forward of `module` draws from the backend's global random stream: it
-/// holds one of Burn's `Dropout`s with its training flag on.
+/// Whether a training forward of `module` may draw from the backend's global random stream: it
+/// holds a layer with an enabled training switch (a `Param<Flag>`) other than Burn's
+/// `BatchNorm`, whose switch picks batch statistics and draws nothing. In burn-nn 0.22.1 those
+/// layers are `Dropout`, `GaussianNoise` and `RRelu`; a user's layer with a switch of its own is
+/// taken as drawing too (it costs the seed's two draws, the same checkpointed or not).
 pub(crate) fn draws_random<M: Module>(module: &M) -> bool {
     let mut visitor = Draws::default();
     module.visit(&mut visitor);
@@ -38,7 +46,7 @@ pub(crate) fn draws_random<M: Module>(module: &M) -> bool {
 
 #[derive(Default)]
 struct Draws {
-    /// The containers entered, innermost last.
+    /// Whether each container entered is a `BatchNorm`, innermost last.
     path: Vec<bool>,
     draws: bool,
 }
@@ -46,7 +54,7 @@ struct Draws {
 impl ModuleVisitor for Draws {
     fn enter_module(&mut self, _name: &str, container_type: &str) {
         // Burn's derive names the struct that holds the field being entered.
-        self.path.push(container_type == "Struct:Dropout");
+        self.path.push(container_type == "Struct:BatchNorm");
     }
 
     fn exit_module(&mut self, _name: &str, _container_type: &str) {
@@ -54,20 +62,25 @@ impl ModuleVisitor for Draws {
     }
 
     fn visit_flag(&mut self, flag: &Param<Flag>) {
-        if self.path.last() == Some(&true) && flag.val().is_enabled() {
+        if self.path.last() != Some(&true) && flag.val().is_enabled() {
             self.draws = true;
         }
     }
 }
 
+/// Initializes `module`'s parameters now, at a fixed point of the stream (before a segment's
+/// seed is drawn). Burn initializes a parameter on its first use, from the global random stream:
+/// first used inside a segment, it would draw from the segment's stream in the first forward and
+/// not in the recomputation, and in another order with checkpointing than without. And
+/// `no_grad()` on a parameter not yet initialized would freeze it for good (its switch is shared
+/// by every clone until it is initialized).
+pub(crate) fn initialize<M: Module>(module: &M) {
+    module.visit(&mut Initialize);
+}
+
 /// A seed for a segment's own stream, drawn from the global stream of `device` (as much of it as
 /// two draws), and given to the device.
-///
-/// `module`'s parameters are initialized first: Burn initializes a parameter on its first use,
-/// from the same global stream, so a parameter first used inside the segment would draw from the
-/// segment's stream in its first forward and not in its recomputation.
-pub(crate) fn seed_own_stream<M: Module>(module: &M, device: &DispatchDevice) -> u64 {
-    module.visit(&mut Initialize);
+pub(crate) fn seed_own_stream(device: &DispatchDevice) -> u64 {
     let halves = Tensor::<1, Int>::random(
         [2],
         Distribution::Uniform(0.0, 2147483647.0),
