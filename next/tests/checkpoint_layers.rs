@@ -208,6 +208,28 @@ fn fixed<const D: usize>(device: &Device, shape: [usize; D]) -> Tensor<D> {
     Tensor::from_data(TensorData::new(values, shape), device)
 }
 
+/// One step through `layers`, each a segment running `forward` as `options` say, from the stream
+/// `seed` on a fixed, tracked input (so that every layer is checkpointed and only the layers'
+/// draws depend on the stream): the layers' gradients.
+fn noisy_step<M: Module + 'static>(
+    layers: &[M],
+    device: &Device,
+    options: Options,
+    seed: u64,
+    forward: fn(&M, Tensor<2>) -> Tensor<2>,
+) -> Vec<Option<Vec<u32>>> {
+    device.seed(seed);
+    let mut x = fixed(device, [4, 8]).require_grad();
+    for layer in layers {
+        x = checkpoint_with(options, layer, x, forward);
+    }
+    let grads = x.powi_scalar(2).sum().backward();
+    layers
+        .iter()
+        .flat_map(|layer| grad_bits(layer, &grads))
+        .collect()
+}
+
 /// Burn's other random layers: Gaussian noise and a randomized leaky ReLU.
 #[derive(Module, Debug)]
 struct NoisyBlock {
@@ -233,26 +255,13 @@ fn burn_gaussian_noise_and_rrelu_in_a_segment_are_replayed() {
                     rrelu: RReluConfig::new().init(),
                 },
             ]);
+            let forward: fn(&NoisyBlock, Tensor<2>) -> Tensor<2> = |block, x| {
+                let h = block.noise.forward(block.fc.forward(x));
+                block.rrelu.forward(h)
+            };
             let step = |checkpointed: bool, seed: u64| {
-                device.seed(seed);
-                let mut x = fixed(&device, [4, 8]).require_grad();
-                for block in &blocks {
-                    x = checkpoint_with(
-                        Options::new().enabled(checkpointed),
-                        block,
-                        x,
-                        |block, x| {
-                            block
-                                .rrelu
-                                .forward(block.noise.forward(block.fc.forward(x)))
-                        },
-                    );
-                }
-                let grads = x.powi_scalar(2).sum().backward();
-                blocks
-                    .iter()
-                    .flat_map(|block| grad_bits(block, &grads))
-                    .collect::<Vec<_>>()
+                let options = Options::new().enabled(checkpointed);
+                noisy_step(&blocks, &device, options, seed, forward)
             };
             assert_same_bits(&step(false, 5), &step(true, 5), strategy);
             assert_ne!(step(false, 5), step(false, 6), "{strategy}: nothing drawn");
@@ -288,23 +297,8 @@ fn a_users_layer_that_draws_says_so_and_its_draws_are_replayed() {
                 },
             ]);
             let step = |checkpointed: bool, seed: u64| {
-                device.seed(seed);
-                // Fixed, and tracked so that both layers are checkpointed: only the noise
-                // depends on the stream.
-                let mut x = fixed(&device, [4, 8]).require_grad();
-                for layer in &layers {
-                    x = checkpoint_with(
-                        Options::new().enabled(checkpointed).random(true),
-                        layer,
-                        x,
-                        |layer, x| layer.noisy(x),
-                    );
-                }
-                let grads = x.sum().backward();
-                layers
-                    .iter()
-                    .flat_map(|layer| grad_bits(layer, &grads))
-                    .collect::<Vec<_>>()
+                let options = Options::new().enabled(checkpointed).random(true);
+                noisy_step(&layers, &device, options, seed, Noisy::noisy)
             };
             assert_same_bits(&step(false, 5), &step(true, 5), strategy);
             assert_ne!(step(false, 5), step(false, 6), "{strategy}: no noise drawn");
