@@ -343,6 +343,7 @@ where
             &segment,
             &inputs,
             own_stream,
+            method,
             output_grads,
             grads,
             strategy,
@@ -375,10 +376,7 @@ fn warn_once(module: &'static str, method: &'static str) {
     let mut said = nodes::lock(&SAID);
     if !said.contains(&(module, method)) {
         said.push((module, method));
-        let segment = match method {
-            "" => module.to_string(),
-            method => format!("{module}::{method}"),
-        };
+        let segment = memsave_common::checkpoint::segment_name(module, method);
         tracing::warn!(
             target: "memsave",
             "`{segment}`: a tracked tensor enters this segment other than as its input or a \
@@ -398,6 +396,7 @@ fn recompute<B, C, M, I, O, F>(
     segment: &F,
     inputs: &[Option<TrackedInput>],
     own_stream: Option<(DispatchDevice, u64)>,
+    method: &'static str,
     output_grads: Vec<Option<FloatTensor<B>>>,
     grads: &mut Gradients,
     strategy: GradientCheckpointingStrategy,
@@ -431,10 +430,29 @@ fn recompute<B, C, M, I, O, F>(
     if let Some((device, seed)) = &own_stream {
         state::reseed(device, *seed);
     }
-    let output = segment(&fresh_module, fresh_input);
+    let output = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        segment(&fresh_module, fresh_input)
+    }));
     if let Some(running) = running {
         running.restore(module);
     }
+    let output = match output {
+        Ok(output) => output,
+        // Said with the segment's name: the backtrace of a panic inside Burn's backward names
+        // Burn's frames first.
+        Err(payload) => {
+            let message = payload
+                .downcast_ref::<String>()
+                .map(String::as_str)
+                .or_else(|| payload.downcast_ref::<&str>().copied())
+                .unwrap_or("(no message)");
+            panic!(
+                "the checkpointed segment `{}` panicked while it was recomputed in backward: \
+                 {message}",
+                memsave_common::checkpoint::segment_name(std::any::type_name::<M>(), method)
+            )
+        }
+    };
 
     // The seed: d(sum_i sum(y_i * g_i)) / d y_i = g_i, bit for bit.
     let mut seed: Option<AdTensor<B>> = None;

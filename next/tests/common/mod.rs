@@ -121,3 +121,39 @@ pub fn initialized<M: Module>(module: M) -> M {
     module.visit(&mut Read);
     module
 }
+
+/// Fails where `actual` differs from `expected` by more than `tolerance`, relative to the larger
+/// magnitude of the two (with a floor of 1), or where one has a gradient and the other none;
+/// returns the largest difference.
+#[track_caller]
+pub fn assert_close(
+    expected: &[Option<Vec<u32>>],
+    actual: &[Option<Vec<u32>>],
+    tolerance: f32,
+    what: &str,
+) -> f32 {
+    assert_eq!(
+        expected.len(),
+        actual.len(),
+        "{what}: the number of parameters"
+    );
+    let mut worst = 0.0_f32;
+    for (index, (expected, actual)) in expected.iter().zip(actual).enumerate() {
+        match (expected, actual) {
+            (None, None) => {}
+            (Some(expected), Some(actual)) => {
+                for (a, b) in expected.iter().zip(actual) {
+                    let (a, b) = (f32::from_bits(*a), f32::from_bits(*b));
+                    let difference = (a - b).abs() / a.abs().max(b.abs()).max(1.0);
+                    assert!(
+                        difference <= tolerance,
+                        "{what}: parameter {index}: {a} against {b}"
+                    );
+                    worst = worst.max(difference);
+                }
+            }
+            _ => panic!("{what}: parameter {index}: a gradient on one side only"),
+        }
+    }
+    worst
+}
