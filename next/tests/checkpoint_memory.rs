@@ -1,7 +1,8 @@
 //! Checkpointing saves memory on Burn 0.22.1 (Flex): a stack of wide blocks, its step's peak
 //! above the step's start (the model and input made) with every block checkpointed against the
-//! plain run, measured by a counting allocator (this binary's only test: nothing else
-//! allocates while it runs).
+//! plain run, measured by a counting allocator (the tests of this binary take turns through the
+//! watchdog: nothing else allocates while one runs); and a hundred and fifty checkpointed steps leave
+//! nothing behind.
 
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -52,6 +53,21 @@ impl Block {
     }
 }
 
+/// Six blocks 64-512-64 and an input of `batch` rows.
+fn model_and_input(device: &Device, batch: usize) -> (Vec<Block>, Tensor<2>) {
+    let blocks: Vec<Block> = (0..6)
+        .map(|_| Block {
+            expand: LinearConfig::new(64, 512).init(device),
+            reduce: LinearConfig::new(512, 64).init(device),
+        })
+        .collect();
+    let values: Vec<f32> = (0..batch * 64)
+        .map(|i| (i % 97) as f32 / 97.0 - 0.5)
+        .collect();
+    let x = Tensor::<2>::from_data(TensorData::new(values, [batch, 64]), device).require_grad();
+    (blocks, x)
+}
+
 /// The step's peak above its start, in bytes, and the loss.
 fn step_peak(blocks: &[Block], x: &Tensor<2>, checkpointed: bool) -> (usize, f32) {
     let start = LIVE.load(Ordering::Relaxed);
@@ -75,16 +91,7 @@ fn step_peak(blocks: &[Block], x: &Tensor<2>, checkpointed: bool) -> (usize, f32
 fn every_block_checkpointed_keeps_less_than_half_the_plain_steps_peak() {
     watchdog(120, || {
         let device = Device::flex().autodiff();
-        let blocks: Vec<Block> = (0..6)
-            .map(|_| Block {
-                expand: LinearConfig::new(64, 512).init(&device),
-                reduce: LinearConfig::new(512, 64).init(&device),
-            })
-            .collect();
-        let values: Vec<f32> = (0..512 * 64)
-            .map(|i| (i % 97) as f32 / 97.0 - 0.5)
-            .collect();
-        let x = Tensor::<2>::from_data(TensorData::new(values, [512, 64]), &device).require_grad();
+        let (blocks, x) = model_and_input(&device, 512);
         // A first step of each, for the allocator's and Flex's first-use costs.
         let _ = step_peak(&blocks, &x, false);
         let _ = step_peak(&blocks, &x, true);
@@ -102,5 +109,26 @@ fn every_block_checkpointed_keeps_less_than_half_the_plain_steps_peak() {
             (checkpointed as f64) < 0.5 * plain as f64,
             "plain {plain} B, checkpointed {checkpointed} B"
         );
+    });
+}
+
+#[test]
+fn many_checkpointed_steps_leave_nothing_behind() {
+    watchdog(300, || {
+        let device = Device::flex().autodiff();
+        let (blocks, x) = model_and_input(&device, 64);
+        for _ in 0..10 {
+            let _ = step_peak(&blocks, &x, true);
+        }
+        let start = LIVE.load(Ordering::Relaxed);
+        for _ in 0..150 {
+            let _ = step_peak(&blocks, &x, true);
+        }
+        let grown = LIVE.load(Ordering::Relaxed) as isize - start as isize;
+        println!("live bytes after 150 more checkpointed steps: {grown:+} B");
+        // One step's activations are 6 x 64 x 512 floats (768 KiB): a tensor kept per step would
+        // be tens of MiB. What may grow: the set of segment outputs' node ids (900 more ids,
+        // bounded at 65,536).
+        assert!(grown < 256 * 1024, "{grown} B more after 150 steps");
     });
 }
