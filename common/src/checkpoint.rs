@@ -283,6 +283,65 @@ pub mod __private {
     /// the type its "no field marked" bound is on, so that the compiler reports that bound's
     /// message (it names the fields) rather than `CheckpointModule`'s.
     pub struct FieldsOf<M>(core::marker::PhantomData<M>);
+
+    /// `(&MarkProbe(&self.field)).cp_mark()`: the field type's `CheckpointModule::Mark` if it
+    /// has one, else `Unmarked` (autoref specialisation: [`MarkViaTrait`] is found first,
+    /// [`MarkViaFallback`] one reference deeper). `#[auto_fp16]`'s first-layer guard asks it.
+    pub struct MarkProbe<'a, T: ?Sized>(pub &'a T);
+
+    /// The probe's answer for a type that is a [`CheckpointModule`](super::CheckpointModule).
+    pub trait MarkViaTrait {
+        /// The type's mark.
+        type Mark: Default;
+        /// The mark.
+        fn cp_mark(&self) -> Self::Mark {
+            Default::default()
+        }
+    }
+
+    impl<T: super::CheckpointModule> MarkViaTrait for MarkProbe<'_, T> {
+        type Mark = T::Mark;
+    }
+
+    /// The probe's answer for any other type.
+    pub trait MarkViaFallback {
+        /// `Unmarked`.
+        fn cp_mark(&self) -> Unmarked {
+            Unmarked
+        }
+    }
+
+    impl<T: ?Sized> MarkViaFallback for &MarkProbe<'_, T> {}
+
+    /// `Marked` only when both are.
+    pub trait Both {
+        /// `Marked` or `Unmarked`.
+        type Out: Default;
+    }
+
+    impl Both for (Marked, Marked) {
+        type Out = Marked;
+    }
+
+    impl Both for (Marked, Unmarked) {
+        type Out = Unmarked;
+    }
+
+    impl Both for (Unmarked, Marked) {
+        type Out = Unmarked;
+    }
+
+    impl Both for (Unmarked, Unmarked) {
+        type Out = Unmarked;
+    }
+
+    /// The field is marked `#[with_cp]` (`field`) and its type is a segment (`ty`).
+    pub fn both<A, B>(_field: A, _ty: B) -> <(A, B) as Both>::Out
+    where
+        (A, B): Both,
+    {
+        Default::default()
+    }
 }
 
 fn join_index(path: &str, index: usize) -> String {

@@ -14,24 +14,14 @@ pub enum Burn {
     V0_22,
 }
 
-/// `::memsave_core` for a crate that depends on the runtime directly (memsave's own crates),
-/// else `::memsave` (or the user's rename of it). For the fp16 macros, which exist on Burn 0.21
-/// only (`fp16/mod.rs` refuses them on 0.22).
-///
-/// The runtime is looked up first because it is always a normal dependency where it appears,
-/// while `memsave` may be a dev-dependency only (of `memsave-models`), unusable in a library
-/// build.
-pub fn memsave() -> TokenStream {
-    match runtime() {
-        Ok((path, _)) => path,
-        Err(_) => quote!(::memsave),
-    }
-}
-
 /// The runtime crate's path in generated code, and the Burn its code is written for: Burn 0.21
 /// for `memsave-core` or `memsave`, Burn 0.22 for `memsave-next` (the port's runtime, growing
 /// beside `memsave-core`: docs/src/port-0.22.md). A crate that depends on runtimes for both Burns
 /// is an error: the macros cannot tell which Burn a module is written for.
+///
+/// `memsave-core` is looked up before `memsave` because the runtime is always a normal
+/// dependency where it appears, while `memsave` may be a dev-dependency only (of
+/// `memsave-models`), unusable in a library build.
 pub fn runtime() -> Result<(TokenStream, Burn), String> {
     let found = |package: &str| match crate_name(package) {
         Ok(FoundCrate::Name(name)) => {

@@ -154,7 +154,8 @@ fn with_cp_on_burn_0_22() {
     insta::assert_snapshot!(pretty(quote!(impl Block { #expanded })));
 }
 
-/// On Burn 0.22: the checkpointing impls only, the marks in `checkpoint`.
+/// On Burn 0.22: a model without the fp16 flag (its `Fp16Module` bound on its fields), the
+/// checkpointing impls with the marks in `checkpoint`.
 #[test]
 fn model_on_burn_0_22() {
     insta::assert_snapshot!(pretty(crate::model::model_for(
@@ -188,33 +189,46 @@ fn model_on_burn_0_22_without_a_switch() {
     )));
 }
 
-/// On Burn 0.22, `#[auto_fp16]` and `#[force_fp32]` are errors that say why; a crate that
-/// depends on memsave for both Burns gets an error that says so.
+/// On Burn 0.22: `#[auto_fp16]` on a module without a backend parameter, the runtime
+/// `memsave-next`, the first-layer guard asking the marks.
 #[test]
-fn fp16_attributes_on_burn_0_22_and_two_runtimes_are_errors() {
+fn auto_fp16_on_burn_0_22() {
+    let expanded = crate::fp16::cast_attribute_for(
+        &quote!(::memsave_next),
+        Kind::AutoFp16,
+        quote!(apply_to = (x), out_fp32 = true),
+        quote! {
+            fn forward(&self, x: Tensor<3>, mask_pad: Option<Tensor<2, Bool>>) -> Tensor<3> {
+                let x = self.embed.forward(x);
+                self.blocks.forward(x, mask_pad)
+            }
+        },
+    );
+    insta::assert_snapshot!(pretty(quote!(impl Encoder { #expanded })));
+}
+
+/// A crate that depends on memsave for both Burns: the fp16 attributes and `#[with_cp]` say so,
+/// keeping the method as written (the rest of the crate still type-checks).
+#[test]
+fn two_runtimes_are_an_error() {
     let method = quote! {
         fn forward(&self, x: Tensor<4>) -> Tensor<4> {
             x
         }
     };
-    for kind in [crate::fp16::Kind::AutoFp16, crate::fp16::Kind::ForceFp32] {
-        let output = crate::fp16::cast_attribute_for(
-            crate::crate_path::Burn::V0_22,
+    for kind in [Kind::AutoFp16, Kind::ForceFp32] {
+        let output = crate::fp16::cast_attribute_in(
+            Err("two runtimes".to_string()),
             kind,
             quote!(),
             method.clone(),
         )
         .to_string();
-        assert!(
-            output.contains("memsave's mixed precision is not on Burn 0.22 yet"),
-            "{output}"
-        );
-        assert!(
-            output.contains(&format!("`#[{}]`", kind.name())),
-            "{output}"
-        );
-        // The method is kept as written (the rest of the crate still type-checks).
         assert!(output.starts_with("fn forward"), "{output}");
+        assert!(
+            output.contains("compile_error") && output.contains("two runtimes"),
+            "{output}"
+        );
     }
     let output =
         crate::with_cp::with_cp_in(Err("two runtimes".to_string()), quote!(), method).to_string();
@@ -224,28 +238,29 @@ fn fp16_attributes_on_burn_0_22_and_two_runtimes_are_errors() {
     );
 }
 
-/// On Burn 0.22, mixed precision's flag and islands are errors that say why.
+/// On Burn 0.22, a mixed-precision model: the flag, an fp32 island (`memsave_next`'s `Fp32`),
+/// a skipped field, a checkpointed one; no random-draw probe or segment guard (the runtime
+/// replays Burn's draws).
 #[test]
-fn model_on_burn_0_22_refuses_fp16() {
-    let output = crate::model::model_for(
+fn model_on_burn_0_22_with_fp16() {
+    insta::assert_snapshot!(pretty(crate::model::model_for(
         (quote!(::memsave_next), crate::crate_path::Burn::V0_22),
         quote!(),
         quote! {
             #[derive(Module, Debug)]
             pub struct Net {
+                embed: Linear,
+                #[with_cp]
+                blocks: Vec<Block>,
                 #[fp16(fp32)]
-                head: Linear,
+                norm: LayerNorm,
+                #[fp16(skip)]
+                scale: f32,
                 fp16_enabled: Fp16,
+                with_cp: bool,
             }
-        },
-    )
-    .to_string();
-    assert_eq!(output.matches("compile_error").count(), 2, "{output}");
-    assert!(
-        output.contains("`fp16_enabled`: memsave's mixed precision is not on Burn 0.22 yet"),
-        "{output}"
-    );
-    assert!(output.contains("`#[fp16(fp32)]`: memsave"), "{output}");
+        }
+    )));
 }
 
 #[test]

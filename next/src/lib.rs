@@ -6,7 +6,12 @@
 //! - [`backend`]: the one place that knows Burn's dispatch: a tensor's backend found from its
 //!   kind, and generic code run on it (a trait impl per backend, never a type check);
 //! - [`checkpoint`]: recompute-in-backward segments (`torch.utils.checkpoint`, MMCV's `with_cp`)
-//!   as burn-autodiff ops, under both of Burn's checkpointing strategies.
+//!   as burn-autodiff ops, under both of Burn's checkpointing strategies;
+//! - [`fp16`] and [`cast`]: mixed precision as MMCV 1.x writes it (`wrap_fp16_model`, the
+//!   `fp16_enabled` flag read by `#[auto_fp16]` and `#[force_fp32]`, fp32 islands), on Burn
+//!   0.22's layers.
 
 pub mod backend;
+pub mod cast;
 pub mod checkpoint;
+pub mod fp16;

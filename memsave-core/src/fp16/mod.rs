@@ -309,60 +309,9 @@ pub(crate) fn cast_leaf<B: Backend, const D: usize>(
 /// What the macros generate code against. Not a stable API.
 #[doc(hidden)]
 pub mod __private {
-    /// The answers of `__memsave_mark_FIELD`: `Marked` for a field marked `#[with_cp]`,
-    /// `Unmarked` for any other (the method macro's fallback); `CheckpointModule::Mark`'s.
-    pub use memsave_common::checkpoint::__private::{Marked, Unmarked};
-
-    /// `(&MarkProbe(&self.field)).cp_mark()`: the field type's `CheckpointModule::Mark` if it
-    /// has one, else `Unmarked` (autoref specialisation: [`MarkViaTrait`] is found first,
-    /// [`MarkViaFallback`] one reference deeper).
-    pub struct MarkProbe<'a, T: ?Sized>(pub &'a T);
-
-    pub trait MarkViaTrait {
-        type Mark: Default;
-        fn cp_mark(&self) -> Self::Mark {
-            Default::default()
-        }
-    }
-
-    impl<T: crate::checkpoint::CheckpointModule> MarkViaTrait for MarkProbe<'_, T> {
-        type Mark = T::Mark;
-    }
-
-    pub trait MarkViaFallback {
-        fn cp_mark(&self) -> Unmarked {
-            Unmarked
-        }
-    }
-
-    impl<T: ?Sized> MarkViaFallback for &MarkProbe<'_, T> {}
-
-    /// `Marked` only when both are.
-    pub trait Both {
-        type Out: Default;
-    }
-
-    impl Both for (Marked, Marked) {
-        type Out = Marked;
-    }
-
-    impl Both for (Marked, Unmarked) {
-        type Out = Unmarked;
-    }
-
-    impl Both for (Unmarked, Marked) {
-        type Out = Unmarked;
-    }
-
-    impl Both for (Unmarked, Unmarked) {
-        type Out = Unmarked;
-    }
-
-    /// The field is marked `#[with_cp]` (`field`) and its type is a segment (`ty`).
-    pub fn both<A, B>(_field: A, _ty: B) -> <(A, B) as Both>::Out
-    where
-        (A, B): Both,
-    {
-        Default::default()
-    }
+    /// The answers of `__memsave_mark_FIELD` and of the mark probe that `#[auto_fp16]`'s
+    /// first-layer guard asks (memsave-common: they name nothing of Burn's).
+    pub use memsave_common::checkpoint::__private::{
+        both, Both, MarkProbe, MarkViaFallback, MarkViaTrait, Marked, Unmarked,
+    };
 }

@@ -15,13 +15,29 @@ use crate::ctxt::Ctxt;
 
 /// The whole macro: the rewritten method, or the method as written plus every error.
 pub fn cast_attribute(kind: Kind, args: TokenStream, item: TokenStream) -> TokenStream {
-    let burn = crate::crate_path::runtime().map_or(Burn::V0_21, |(_, burn)| burn);
-    cast_attribute_for(burn, kind, args, item)
+    cast_attribute_in(crate::crate_path::runtime(), kind, args, item)
 }
 
-/// [`cast_attribute`] for a crate whose modules are written for `burn`.
+/// [`cast_attribute`] for the runtime found (or the reason none could be chosen).
+pub fn cast_attribute_in(
+    runtime: Result<(TokenStream, Burn), String>,
+    kind: Kind,
+    args: TokenStream,
+    item: TokenStream,
+) -> TokenStream {
+    match runtime {
+        Ok((memsave, _)) => cast_attribute_for(&memsave, kind, args, item),
+        Err(message) => {
+            let error = syn::Error::new(proc_macro2::Span::call_site(), message).to_compile_error();
+            quote!(#item #error)
+        }
+    }
+}
+
+/// [`cast_attribute`] for the runtime at `memsave`. The expansion is the same for either Burn:
+/// it names only the runtime's `fp16` items, whose types follow the runtime's Burn.
 pub fn cast_attribute_for(
-    burn: Burn,
+    memsave: &TokenStream,
     kind: Kind,
     args: TokenStream,
     item: TokenStream,
@@ -38,16 +54,6 @@ pub fn cast_attribute_for(
         }
     };
 
-    if burn == Burn::V0_22 {
-        let message = format!(
-            "`#[{}]`: memsave's mixed precision is not on Burn 0.22 yet (the port's next slices, \
-             docs/src/port-0.22.md); on `memsave-next` only checkpointing is; remove the \
-             attribute, or depend on `memsave` (Burn 0.21)",
-            kind.name()
-        );
-        let error = syn::Error::new(proc_macro2::Span::call_site(), message).to_compile_error();
-        return quote!(#method #error);
-    }
     let mut cx = Ctxt::default();
     let attr = attr::parse(&mut cx, kind, args);
     let plan = valid::validate(&mut cx, kind, &attr, &method);
@@ -58,10 +64,9 @@ pub fn cast_attribute_for(
             .retain(|attr| !valid::is_attr(attr, kind.other().name()));
         return quote!(#method #errors);
     }
-    let memsave = crate::crate_path::memsave();
     let guards = match kind {
-        Kind::AutoFp16 => input_guard::checks(&memsave, &method),
+        Kind::AutoFp16 => input_guard::checks(memsave, &method),
         Kind::ForceFp32 => Vec::new(),
     };
-    expand::expand(&memsave, kind, &plan, &guards, method)
+    expand::expand(memsave, kind, &plan, &guards, method)
 }

@@ -70,7 +70,7 @@ impl Field {
 }
 
 impl Model {
-    pub fn parse(cx: &mut Ctxt, tokens: TokenStream) -> Option<Model> {
+    pub fn parse(cx: &mut Ctxt, memsave: &TokenStream, tokens: TokenStream) -> Option<Model> {
         let mut item: Item = match syn::parse2(tokens) {
             Ok(item @ (Item::Struct(_) | Item::Enum(_))) => item,
             _ => {
@@ -92,7 +92,7 @@ impl Model {
                     );
                     return None;
                 };
-                Body::Struct(parse_fields(cx, named.named.iter_mut()))
+                Body::Struct(parse_fields(cx, memsave, named.named.iter_mut()))
             }
             Item::Enum(item) => Body::Enum(
                 item.variants
@@ -106,7 +106,7 @@ impl Model {
                         Variant {
                             ident: variant.ident.clone(),
                             style,
-                            fields: parse_fields(cx, variant.fields.iter_mut()),
+                            fields: parse_fields(cx, memsave, variant.fields.iter_mut()),
                         }
                     })
                     .collect(),
@@ -165,7 +165,11 @@ impl Model {
     }
 }
 
-fn parse_fields<'a>(cx: &mut Ctxt, fields: impl Iterator<Item = &'a mut syn::Field>) -> Vec<Field> {
+fn parse_fields<'a>(
+    cx: &mut Ctxt,
+    memsave: &TokenStream,
+    fields: impl Iterator<Item = &'a mut syn::Field>,
+) -> Vec<Field> {
     let mut out = Vec::new();
     for (index, field) in fields.enumerate() {
         let member = match &field.ident {
@@ -204,7 +208,6 @@ fn parse_fields<'a>(cx: &mut Ctxt, fields: impl Iterator<Item = &'a mut syn::Fie
         });
         if fp32.is_some() && !module_skip {
             // The island: `T` becomes `Fp32<T>`, spanned on the type as written.
-            let memsave = crate::crate_path::memsave();
             let ty = &field.ty;
             field.ty = syn::parse_quote_spanned!(ty.span()=> #memsave::fp16::Fp32<#ty>);
         }

@@ -13,20 +13,14 @@ pub fn expand(memsave: &TokenStream, burn: Burn, model: &Model) -> TokenStream {
     let item = &model.item;
     let checkpoint_module = super::checkpoint::checkpoint_module(memsave, burn, model);
     let has_with_cp = super::checkpoint::has_with_cp(memsave, model);
-    if burn == Burn::V0_22 {
-        // Checkpointing only, so far (docs/src/port-0.22.md): fp16 comes with the port's slice 4
-        // (`valid.rs` refuses its flag and attributes), and Burn's own random layers need no
-        // probe or guard on 0.22 (the runtime replays their draws).
-        return quote! {
-            #item
-            #checkpoint_module
-            #has_with_cp
-        };
-    }
     let fp16_module = fp16_module(memsave, model);
     let has_flag = has_fp16_flag(memsave, model);
-    let random_draws = random_draws(memsave, model);
-    let consts = hidden_consts(memsave, model);
+    // On Burn 0.22 the runtime replays the draws of Burn's own random layers: no probe of a
+    // module's draws and no guard against Burn's `Dropout` in a segment there.
+    let v0_21 = burn == Burn::V0_21;
+    let random_draws = v0_21.then(|| random_draws(memsave, model));
+    let marks = marks(memsave, model);
+    let segment_safe = v0_21.then(|| segment_safe(memsave, model)).flatten();
     quote! {
         #item
         #fp16_module
@@ -34,7 +28,8 @@ pub fn expand(memsave: &TokenStream, burn: Burn, model: &Model) -> TokenStream {
         #checkpoint_module
         #has_with_cp
         #random_draws
-        #consts
+        #marks
+        #segment_safe
     }
 }
 
@@ -284,17 +279,12 @@ fn random_draws(memsave: &TokenStream, model: &Model) -> TokenStream {
     }
 }
 
-/// What the method macros and the compiler read across the two macros:
-/// - per field marked `#[with_cp]`, a hidden method `__memsave_mark_FIELD` returning
-///   `Marked`: `#[auto_fp16]` asks it of a field that receives the forward's own input (a field
-///   without one answers `Unmarked` through the method macro's fallback), together with the
-///   field type's `CheckpointModule::Mark` (`Unmarked` for a container of segments, such as a
-///   backbone whose stem runs plainly), a type-checked, so pre-monomorphisation, question;
-/// - with the `with_cp` flag, a constant per field whose type names no generic parameter: its
-///   evaluation fails, naming memsave's replacement, if the field is a layer that a
-///   checkpointed segment would get wrong (Burn's `Dropout` and `GaussianNoise`, whose
-///   recomputation would draw anew). Generic field types cannot be those layers.
-fn hidden_consts(memsave: &TokenStream, model: &Model) -> Option<TokenStream> {
+/// Per field marked `#[with_cp]`, a hidden method `__memsave_mark_FIELD` returning `Marked`:
+/// `#[auto_fp16]` asks it of a field that receives the forward's own input (a field without one
+/// answers `Unmarked` through the method macro's fallback), together with the field type's
+/// `CheckpointModule::Mark` (`Unmarked` for a container of segments, such as a backbone whose
+/// stem runs plainly), a type-checked, so pre-monomorphisation, question.
+fn marks(memsave: &TokenStream, model: &Model) -> Option<TokenStream> {
     let Body::Struct(fields) = &model.body else {
         return None;
     };
@@ -314,13 +304,24 @@ fn hidden_consts(memsave: &TokenStream, model: &Model) -> Option<TokenStream> {
             })
         })
         .collect();
-    let marks = (!marks.is_empty()).then(|| {
+    (!marks.is_empty()).then(|| {
         quote! {
             impl #impl_generics #name #ty_generics #where_clause {
                 #(#marks)*
             }
         }
-    });
+    })
+}
+
+/// Burn 0.21: with the `with_cp` flag, a constant per field whose type names no generic
+/// parameter: its evaluation fails, naming memsave's replacement, if the field is a layer that a
+/// checkpointed segment would get wrong (Burn's `Dropout` and `GaussianNoise`, whose
+/// recomputation would draw anew). Generic field types cannot be those layers.
+fn segment_safe(memsave: &TokenStream, model: &Model) -> Option<TokenStream> {
+    let Body::Struct(fields) = &model.body else {
+        return None;
+    };
+    model.cp_flag()?;
     let generic_names: Vec<String> = model
         .generics
         .params
@@ -332,32 +333,26 @@ fn hidden_consts(memsave: &TokenStream, model: &Model) -> Option<TokenStream> {
         })
         .chain(std::iter::once("Self".to_string()))
         .collect();
-    let segment_safe = model.cp_flag().map(|_| {
-        let checks = fields
-            .iter()
-            .filter(|field| {
-                let ty = &field.ty;
-                !mentions(&quote!(#ty), &generic_names)
-            })
-            .map(|field| {
-                let ty = &field.ty;
-                quote_spanned! {ty.span()=>
-                    const _: () = {
-                        #[allow(unused_imports)]
-                        use #memsave::checkpoint::__private::SegmentFallback as _;
-                        let message = #memsave::checkpoint::__private::SegmentProbe::<#ty>::UNSAFE_IN_SEGMENT;
-                        if !message.is_empty() {
-                            ::core::panic!("{}", message);
-                        }
-                    };
-                }
-            });
-        quote!(#(#checks)*)
-    });
-    Some(quote! {
-        #marks
-        #segment_safe
-    })
+    let checks = fields
+        .iter()
+        .filter(|field| {
+            let ty = &field.ty;
+            !mentions(&quote!(#ty), &generic_names)
+        })
+        .map(|field| {
+            let ty = &field.ty;
+            quote_spanned! {ty.span()=>
+                const _: () = {
+                    #[allow(unused_imports)]
+                    use #memsave::checkpoint::__private::SegmentFallback as _;
+                    let message = #memsave::checkpoint::__private::SegmentProbe::<#ty>::UNSAFE_IN_SEGMENT;
+                    if !message.is_empty() {
+                        ::core::panic!("{}", message);
+                    }
+                };
+            }
+        });
+    Some(quote!(#(#checks)*))
 }
 
 /// Whether `tokens` name one of `names` (a generic parameter, or `Self`).

@@ -47,21 +47,20 @@ pub fn fallback(memsave: &TokenStream, burn: Burn, model: &Model) -> TokenStream
             }
         }
     });
-    if burn == Burn::V0_22 {
-        return quote! {
-            #item
-            #checkpoint_module
-            #has_with_cp
-        };
-    }
-    let random_draws = header(quote!(#memsave::checkpoint::RandomDraws));
-    quote! {
-        #item
-        #random_draws {
-            fn draws_random(&self) -> bool {
-                false
+    // Burn 0.22's runtime replays random draws by itself: no `RandomDraws` there.
+    let random_draws = (burn == Burn::V0_21).then(|| {
+        let header = header(quote!(#memsave::checkpoint::RandomDraws));
+        quote! {
+            #header {
+                fn draws_random(&self) -> bool {
+                    false
+                }
             }
         }
+    });
+    quote! {
+        #item
+        #random_draws
         #fp16_module {
             fn wrap_fp16(self, _precision: #memsave::fp16::Precision) -> Self {
                 self

@@ -38,11 +38,11 @@ pub fn model_for(
              (`#[with_cp]`, `#[fp16(skip)]`) or in the config",
         );
     }
-    let Some(model) = ast::Model::parse(&mut cx, item.clone()) else {
+    let Some(model) = ast::Model::parse(&mut cx, &memsave, item.clone()) else {
         let errors = cx.check().unwrap_or_default();
         return quote!(#item #errors);
     };
-    valid::validate(&mut cx, burn, &model);
+    valid::validate(&mut cx, &model);
     match cx.check() {
         None => expand::expand(&memsave, burn, &model),
         Some(errors) => {

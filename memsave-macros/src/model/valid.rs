@@ -3,38 +3,11 @@
 use syn::Type;
 
 use super::ast::{Model, CP_FLAG, FP16_FLAG};
-use crate::crate_path::Burn;
 use crate::ctxt::Ctxt;
 
-pub fn validate(cx: &mut Ctxt, burn: Burn, model: &Model) {
-    if burn == Burn::V0_22 {
-        refuse_fp16_on_0_22(cx, model);
-    } else {
-        validate_fp16(cx, model);
-    }
+pub fn validate(cx: &mut Ctxt, model: &Model) {
+    validate_fp16(cx, model);
     validate_with_cp(cx, model);
-}
-
-/// Mixed precision on Burn 0.22 comes with the port's slice 4 (docs/src/port-0.22.md): until
-/// then its flag and islands are errors that say so, never silently ignored.
-fn refuse_fp16_on_0_22(cx: &mut Ctxt, model: &Model) {
-    const WHY: &str = "memsave's mixed precision is not on Burn 0.22 yet (the port's next slices, \
-                       docs/src/port-0.22.md): on `memsave-next`, `#[memsave::model]` switches \
-                       checkpointing only";
-    if let Some(flag) = model.flag() {
-        cx.error_spanned_by(
-            &flag.member,
-            format!("`{FP16_FLAG}`: {WHY}; remove the field, or depend on `memsave` (Burn 0.21)"),
-        );
-    }
-    for field in model.all_fields() {
-        if let Some(attr) = &field.fp32 {
-            cx.error_spanned_by(
-                attr,
-                format!("`#[fp16(fp32)]`: {WHY}; remove the attribute"),
-            );
-        }
-    }
 }
 
 fn validate_with_cp(cx: &mut Ctxt, model: &Model) {
