@@ -4,8 +4,35 @@
 //! items where they stood (`checkpoint::CheckpointModule`, ...): users never name this crate.
 //!
 //! - [`checkpoint`]: the switches of checkpointing in a model (the `with_cp` flags, the paths
-//!   of its segments, setting them whole or by path).
+//!   of its segments, setting them whole or by path);
+//! - [`error`]: memsave's [`Error`], every error a user can meet, named by field, file, peer or
+//!   device;
+//! - [`scaler`]: the loss scaler of mixed precision (MMCV's `LossScaler`);
+//! - [`clip`]: clipping by the global norm, as configured (PyTorch's `clip_grad_norm_`);
+//! - [`snapshot`]: the snapshot format's version and errors.
 
 #![warn(missing_docs)]
 
 pub mod checkpoint;
+pub mod clip;
+pub mod error;
+pub mod scaler;
+pub mod snapshot;
+
+pub use error::{panic_text, Error, Result};
+
+/// `bytes` in the largest binary unit that keeps the number at or above 1 (`894.1 GiB`).
+pub fn human_bytes(bytes: u64) -> String {
+    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let mut value = bytes as f64;
+    let mut unit = 0;
+    while value >= 1024.0 && unit + 1 < UNITS.len() {
+        value /= 1024.0;
+        unit += 1;
+    }
+    if unit == 0 {
+        format!("{bytes} B")
+    } else {
+        format!("{value:.1} {}", UNITS[unit])
+    }
+}

@@ -35,7 +35,8 @@ pub mod nn;
 pub mod parallel;
 pub mod planner;
 pub mod run;
-pub mod scaler;
+/// The loss scaler of mixed precision (memsave-common's: it names nothing of Burn's).
+pub use memsave_common::scaler;
 pub mod train;
 
 pub use error::{panic_text, Error, Result};

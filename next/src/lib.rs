@@ -9,9 +9,16 @@
 //!   as burn-autodiff ops, under both of Burn's checkpointing strategies;
 //! - [`fp16`] and [`cast`]: mixed precision as MMCV 1.x writes it (`wrap_fp16_model`, the
 //!   `fp16_enabled` flag read by `#[auto_fp16]` and `#[force_fp32]`, fp32 islands), on Burn
-//!   0.22's layers.
+//!   0.22's layers;
+//! - [`amp`] and [`grads`]: the step of mixed precision in a user's own loop (the loss scaled,
+//!   the gradients unscaled onto fp32 masters, overflow skipped, clipping by the global norm).
 
+pub mod amp;
 pub mod backend;
 pub mod cast;
 pub mod checkpoint;
 pub mod fp16;
+pub mod grads;
+
+pub use memsave_common::error::{Error, Result};
+pub use memsave_common::scaler;

@@ -159,7 +159,8 @@ fn a_snapshot_whose_model_record_is_damaged_keeps_the_codecs_error() {
     assert!(
         matches!(
             causes[0].downcast_ref::<SnapshotCause>(),
-            Some(SnapshotCause::Codec(CodecError::Decode(_)))
+            Some(SnapshotCause::Codec(cause))
+                if matches!(cause.downcast_ref::<CodecError>(), Some(CodecError::Decode(_)))
         ),
         "{said}"
     );

@@ -65,20 +65,7 @@ pub fn mib(bytes: usize) -> f64 {
 }
 
 /// `bytes` in the largest binary unit that keeps the number at or above 1 (`894.1 GiB`).
-pub fn human(bytes: u64) -> String {
-    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
-    let mut value = bytes as f64;
-    let mut unit = 0;
-    while value >= 1024.0 && unit + 1 < UNITS.len() {
-        value /= 1024.0;
-        unit += 1;
-    }
-    if unit == 0 {
-        format!("{bytes} B")
-    } else {
-        format!("{value:.1} {}", UNITS[unit])
-    }
-}
+pub use memsave_common::human_bytes as human;
 
 /// Bytes of host memory available to this process now (Linux: `MemAvailable` of
 /// `/proc/meminfo`, capped by a cgroup limit when one is set), or `None` elsewhere.

@@ -21,57 +21,11 @@ use crate::{Error, Result};
 
 pub mod codec;
 
-const MAGIC: &[u8; 8] = b"MEMSAVE\0";
-const FORMAT: u32 = 1;
+pub use memsave_common::snapshot::{FormatError, SnapshotCause, FORMAT, MAGIC};
 
-/// What is wrong with a file in memsave's snapshot format.
-#[derive(Debug, thiserror::Error)]
-pub enum FormatError {
-    /// It does not start with memsave's magic bytes.
-    #[error("not a memsave checkpoint (wrong magic bytes)")]
-    NotASnapshot,
-    /// Its checksum does not match its bytes.
-    #[error(
-        "corrupt or truncated (checksum mismatch: {stored:#010x} stored, {computed:#010x} \
-         computed); resume from an earlier checkpoint"
-    )]
-    Checksum {
-        /// The checksum the file holds.
-        stored: u32,
-        /// The checksum of its bytes.
-        computed: u32,
-    },
-    /// Another version of the format.
-    #[error("format version {found}, this memsave reads version {FORMAT}")]
-    Version {
-        /// The file's version.
-        found: u32,
-    },
-    /// It ends before a section it announces: which.
-    #[error("truncated {0}")]
-    Truncated(&'static str),
-    /// Its JSON header cannot be read or written.
-    #[error("unreadable header: {0}")]
-    Header(#[source] serde_json::Error),
-}
-
-/// The typed cause of an [`Error::Snapshot`].
-#[derive(Debug, thiserror::Error)]
-pub enum SnapshotCause {
-    /// The file's format.
-    #[error("{0}")]
-    Format(#[from] FormatError),
-    /// A record's bytes inside it (the model's, the optimizer's).
-    #[error("{0}")]
-    Codec(#[from] codec::CodecError),
-    /// What it holds, read by another reader: a hook's state, a store of weights.
-    #[error("{0}")]
-    Other(#[source] Box<dyn std::error::Error + Send + Sync>),
-}
-
-impl From<Error> for SnapshotCause {
-    fn from(error: Error) -> Self {
-        SnapshotCause::Other(Box::new(error))
+impl From<codec::CodecError> for SnapshotCause {
+    fn from(error: codec::CodecError) -> Self {
+        SnapshotCause::Codec(Box::new(error))
     }
 }
 

@@ -13,7 +13,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::{Error, Result};
+use crate::error::{Error, Result};
 
 /// Whether the scale adapts.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -159,7 +159,7 @@ impl LossScaler {
 
     /// A scaler from its stored state (as `serde_json` wrote it), checked as [`LossScaler::new`]
     /// checks its arguments; errors name the field.
-    pub(crate) fn from_state(state: serde_json::Value) -> Result<Self> {
+    pub fn from_state(state: serde_json::Value) -> Result<Self> {
         let state: ScalerState = serde_json::from_value(state)
             .map_err(|error| Error::state("loss scaler state", error))?;
         Self::try_from(state)

@@ -1,0 +1,103 @@
+//! The operations a mixed-precision step applies to its gradients, parameter by parameter:
+//! scaling (unscaling by the loss scale), the cast onto fp32 master weights, the global norm
+//! and clipping by it (PyTorch's `clip_grad_norm_`; Burn's own clipping is per tensor).
+
+use burn::module::{Module, ModuleVisitor, Param};
+use burn::optim::GradientsParams;
+use burn::tensor::{DType, Tensor};
+
+pub use memsave_common::clip::GradClip;
+
+/// Applies `f` to every gradient of `model`'s parameters in `grads`, in place (flattened).
+fn map_grads<M: Module>(
+    model: &M,
+    grads: &mut GradientsParams,
+    f: &mut dyn FnMut(Tensor<1>) -> Tensor<1>,
+) {
+    struct Map<'a> {
+        grads: &'a mut GradientsParams,
+        f: &'a mut dyn FnMut(Tensor<1>) -> Tensor<1>,
+    }
+    impl ModuleVisitor for Map<'_> {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            if let Some(grad) = self.grads.remove::<D>(param.id) {
+                let shape = grad.shape();
+                let flat: Tensor<1> = grad.reshape([shape.num_elements()]);
+                self.grads
+                    .register::<D>(param.id, (self.f)(flat).reshape(shape));
+            }
+        }
+    }
+    model.visit(&mut Map { grads, f });
+}
+
+/// Multiplies every gradient by `factor` (unscaling: `1 / loss_scale`).
+pub fn scale<M: Module>(model: &M, grads: &mut GradientsParams, factor: f64) {
+    map_grads(model, grads, &mut |grad| grad.mul_scalar(factor));
+}
+
+/// Casts every gradient to fp32 (half gradients onto the fp32 master weights).
+pub fn to_f32<M: Module>(model: &M, grads: &mut GradientsParams) {
+    map_grads(model, grads, &mut |grad| grad.cast(DType::F32));
+}
+
+/// The `p`-norm of every gradient together (PyTorch's `clip_grad_norm_` total norm), in fp32;
+/// `norm_type = inf` for the largest magnitude. `None` when there is no gradient. Not finite
+/// when a gradient holds an inf or a NaN: the overflow test of mixed precision.
+pub fn global_norm<M: Module>(model: &M, grads: &GradientsParams, norm_type: f64) -> Option<f64> {
+    struct Parts<'a> {
+        grads: &'a GradientsParams,
+        norm_type: f64,
+        total: Option<Tensor<1>>,
+    }
+    impl ModuleVisitor for Parts<'_> {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            let Some(grad) = self.grads.get::<D>(param.id) else {
+                return;
+            };
+            let grad = grad.cast(DType::F32);
+            let part = if self.norm_type.is_infinite() {
+                grad.abs().max()
+            } else if self.norm_type == 2.0 {
+                // No `abs` pass: squares are non-negative anyway.
+                grad.square().sum()
+            } else {
+                grad.abs().powf_scalar(self.norm_type).sum()
+            };
+            // Added in the model's order: the same bits wherever the parts were computed.
+            self.total = Some(match self.total.take() {
+                None => part,
+                Some(total) if self.norm_type.is_infinite() => total.max_pair(part),
+                Some(total) => total + part,
+            });
+        }
+    }
+    let mut parts = Parts {
+        grads,
+        norm_type,
+        total: None,
+    };
+    model.visit(&mut parts);
+    let total = parts.total?.into_scalar::<f32>() as f64;
+    Some(if norm_type.is_infinite() {
+        total
+    } else {
+        total.powf(1.0 / norm_type)
+    })
+}
+
+/// The global norm of `grads` (`clip`'s `p`), clipping them to `clip.max_norm` (PyTorch's
+/// coefficient `max_norm / (norm + 1e-6)`, applied when below 1). The norm before clipping is
+/// returned; a norm that is not finite clips nothing.
+pub fn clip_by_global_norm<M: Module>(
+    model: &M,
+    grads: &mut GradientsParams,
+    clip: &GradClip,
+) -> Option<f64> {
+    let norm = global_norm(model, grads, clip.norm_type)?;
+    let coefficient = clip.max_norm / (norm + 1e-6);
+    if norm.is_finite() && coefficient < 1.0 {
+        scale(model, grads, coefficient);
+    }
+    Some(norm)
+}
