@@ -11,7 +11,9 @@
 //!   `fp16_enabled` flag read by `#[auto_fp16]` and `#[force_fp32]`, fp32 islands), on Burn
 //!   0.22's layers;
 //! - [`amp`] and [`grads`]: the step of mixed precision in a user's own loop (the loss scaled,
-//!   the gradients unscaled onto fp32 masters, overflow skipped, clipping by the global norm).
+//!   the gradients unscaled onto fp32 masters, overflow skipped, clipping by the global norm);
+//! - [`optim8`] and [`quant`]: SGD, Adam and AdamW with their state in 8 bits, as burn-optim
+//!   0.22 optimizers.
 
 pub mod amp;
 pub mod backend;
@@ -19,6 +21,8 @@ pub mod cast;
 pub mod checkpoint;
 pub mod fp16;
 pub mod grads;
+pub mod optim8;
+pub mod quant;
 
 pub use memsave_common::error::{Error, Result};
 pub use memsave_common::scaler;

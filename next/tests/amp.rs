@@ -14,11 +14,7 @@ use memsave_next::grads::{global_norm, GradClip};
 use memsave_next::scaler::{LossScaler, ScaleMode};
 
 mod common;
-use common::{initialized, watchdog};
-
-fn device() -> Device {
-    Device::flex().autodiff()
-}
+use common::{device, initialized, watchdog};
 
 #[model]
 #[derive(Module, Debug)]

@@ -21,11 +21,7 @@ use memsave_next::checkpoint::set_with_cp;
 use memsave_next::fp16::{cast_params, wrap_fp16_model, Fp16, Fp16Module, HasFp16Flag, Precision};
 
 mod common;
-use common::{assert_same_bits, devices, grad_bits, initialized, watchdog};
-
-fn device() -> Device {
-    Device::flex().autodiff()
-}
+use common::{assert_same_bits, device, devices, grad_bits, initialized, watchdog};
 
 /// Burn's conv, Burn's `BatchNorm` as an fp32 island (its statistics would overflow f16), ReLU.
 #[model]

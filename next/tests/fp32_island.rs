@@ -11,11 +11,7 @@ use memsave_macros::{auto_fp16, model};
 use memsave_next::fp16::{wrap_fp16_model, Fp16, Fp16Module, Fp32, MhaInput, Precision};
 
 mod common;
-use common::{grad_bits, initialized, watchdog};
-
-fn device() -> Device {
-    Device::flex().autodiff()
-}
+use common::{device, grad_bits, initialized, watchdog};
 
 /// A sequence encoder whose attention, RNN and BatchNorm stay fp32 in a half model.
 #[model]

@@ -35,6 +35,11 @@ pub fn grad_bits<M: Module>(module: &M, grads: &Gradients) -> Vec<Option<Vec<u32
     visitor.1
 }
 
+/// Flex with autodiff (Burn's checkpointing off): the device of the tests that vary nothing else.
+pub fn device() -> Device {
+    Device::flex().autodiff()
+}
+
 /// Flex with autodiff, under each of Burn's checkpointing strategies.
 pub fn devices() -> [(&'static str, Device); 2] {
     [

@@ -1,0 +1,278 @@
+//! 8-bit optimizer state on burn-optim 0.22 (`memsave_next::optim8`, `memsave_next::quant`):
+//! in fp32 the same bits as Burn's SGD, Adam and AdamW; in 8 bits a quarter of the bytes, the
+//! training cost measured against fp32 state, and a resumed optimizer continuing bit for bit.
+
+use burn::module::{Module, ModuleVisitor, Param};
+use burn::nn::{Linear, LinearConfig, Relu};
+use burn::optim::decay::WeightDecayConfig;
+use burn::optim::momentum::MomentumConfig;
+use burn::optim::{
+    AdamConfig, AdamWConfig, GradientsParams, ModuleOptimizer, Optimizer, SgdConfig,
+};
+use burn::prelude::*;
+use burn::tensor::{DType, Distribution};
+use memsave_next::optim8::{Adam8, Sgd8};
+use memsave_next::quant::{dynamic_map, StateTensor, BLOCK, MIN_ELEMENTS, UNSIGNED_FLOOR};
+
+mod common;
+use common::{device, initialized, watchdog};
+
+/// Five per-tensor steps of `a` and `b` from the same tensor and gradients: the same bits.
+fn same_steps<A: Optimizer, O: Optimizer>(a: &A, b: &O) {
+    let device = Device::flex();
+    device.seed(1);
+    let mut x = Tensor::<2>::random([8, 16], Distribution::Normal(0.0, 1.0), &device);
+    let mut y = x.clone();
+    let (mut sa, mut sb) = (None, None);
+    for step in 0..5 {
+        let grad = Tensor::<2>::random([8, 16], Distribution::Normal(0.0, 1.0), &device);
+        let (nx, na) = a.step(0.01, x, grad.clone(), sa);
+        let (ny, nb) = b.step(0.01, y, grad, sb);
+        assert_eq!(
+            common::bits(nx.clone()),
+            common::bits(ny.clone()),
+            "step {step}"
+        );
+        (x, y, sa, sb) = (nx, ny, na, nb);
+    }
+}
+
+/// Reaches the per-tensor optimizer inside `ModuleOptimizer::from` (the builders' `init`).
+fn sgd8(momentum: f64, nesterov: bool, decay: f32) -> Sgd8 {
+    let mut sgd = Sgd8::new().with_eight_bit(false);
+    if momentum > 0.0 {
+        sgd = sgd.with_momentum(momentum, 0.0, nesterov);
+    }
+    if decay > 0.0 {
+        sgd = sgd.with_weight_decay(decay);
+    }
+    sgd
+}
+
+#[test]
+fn in_fp32_the_8_bit_optimizers_are_burns_own_bit_for_bit() {
+    watchdog(120, || {
+        for (momentum, nesterov, decay) in [(0.9, false, 1e-4), (0.9, true, 0.0), (0.0, false, 0.0)]
+        {
+            let burn = SgdConfig::new()
+                .with_momentum((momentum > 0.0).then_some(MomentumConfig {
+                    momentum,
+                    dampening: 0.0,
+                    nesterov,
+                }))
+                .with_weight_decay((decay > 0.0).then(|| WeightDecayConfig::new(decay)))
+                .build();
+            same_steps(&sgd8(momentum, nesterov, decay), &burn);
+        }
+        for decay in [0.0, 1e-2] {
+            let burn = AdamConfig::new()
+                .with_weight_decay((decay > 0.0).then(|| WeightDecayConfig::new(decay)))
+                .build();
+            let ours = Adam8::adam().with_weight_decay(decay).with_eight_bit(false);
+            same_steps(&ours, &burn);
+            let burn = AdamWConfig::new().with_weight_decay(decay).build();
+            let ours = Adam8::adamw()
+                .with_weight_decay(decay)
+                .with_eight_bit(false);
+            same_steps(&ours, &burn);
+        }
+    });
+}
+
+#[test]
+fn values_on_the_map_round_trip_and_others_go_to_their_nearest() {
+    let device = Device::flex();
+    let map = dynamic_map(true);
+    // One block of 4096 values: every map value times 3 (the block's scale), repeated.
+    let values: Vec<f32> = (0..4096).map(|i| map[i % 256] * 3.0).collect();
+    let tensor = Tensor::<1>::from_data(TensorData::new(values.clone(), [4096]), &device);
+    let stored = StateTensor::store(tensor, true, true);
+    assert!(matches!(stored, StateTensor::Blocks { .. }));
+    let back = floats(stored.load());
+    for (a, b) in values.iter().zip(&back) {
+        assert!((a - b).abs() <= 3e-7 * a.abs().max(1.0), "{a} -> {b}");
+    }
+    // Other values: within half the widest gap of the map (0.9 / 64 near 1), block by block.
+    let mut state = 7u64;
+    let values: Vec<f32> = (0..10_000)
+        .map(|_| {
+            state = state
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            ((state >> 33) as f32 / (1u64 << 31) as f32 - 0.5) * 10.0
+        })
+        .collect();
+    let tensor = Tensor::<2>::from_data(TensorData::new(values.clone(), [100, 100]), &device);
+    let back = floats(StateTensor::store(tensor, true, true).load());
+    for (block, (a, b)) in values.chunks(BLOCK).zip(back.chunks(BLOCK)).enumerate() {
+        let absmax = a.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+        let worst = a
+            .iter()
+            .zip(b)
+            .fold(0.0f32, |m, (x, y)| m.max((x - y).abs()));
+        assert!(
+            worst <= absmax * 0.9 / 64.0 / 2.0 * 1.001,
+            "block {block}: {worst}"
+        );
+    }
+}
+
+#[test]
+fn a_zero_second_moment_beside_a_large_one_is_the_floor_not_zero() {
+    let mut values = vec![0.0f32; MIN_ELEMENTS];
+    values[0] = 4.0;
+    values[1] = 4e-9;
+    let tensor = Tensor::<1>::from_data(TensorData::new(values, [MIN_ELEMENTS]), &Device::flex());
+    let back = floats(StateTensor::store(tensor, true, false).load());
+    assert_eq!(back[0], 4.0);
+    // Adam divides by sqrt(v) + eps: the floor times the block's scale keeps that step bounded.
+    assert_eq!(back[1], UNSIGNED_FLOOR * 4.0);
+    assert_eq!(back[2], UNSIGNED_FLOOR * 4.0);
+    assert!(back[BLOCK..].iter().all(|v| *v <= UNSIGNED_FLOOR * 1e-12));
+}
+
+#[test]
+fn small_tensors_stay_fp32_and_8_bits_take_a_quarter() {
+    let device = Device::flex();
+    let small = Tensor::<1>::ones([MIN_ELEMENTS - 1], &device);
+    assert!(matches!(
+        StateTensor::store(small, true, true),
+        StateTensor::Full(_)
+    ));
+    let large = Tensor::<1>::ones([1 << 16], &device);
+    let stored = StateTensor::store(large, true, false);
+    assert_eq!(stored.bytes(), (1 << 16) + (1 << 16) / BLOCK * 4);
+    let StateTensor::Blocks { codes, .. } = &stored else {
+        panic!("8 bits")
+    };
+    assert_eq!(codes.dtype(), DType::U8);
+}
+
+#[test]
+fn wrong_settings_are_errors_naming_them() {
+    let said = |result: memsave_next::Result<ModuleOptimizer>| match result {
+        Ok(_) => panic!("accepted"),
+        Err(error) => error.to_string(),
+    };
+    assert_eq!(
+        said(Adam8::adam().with_betas(0.9, 1.5).init()),
+        "invalid value for `beta_2`: must be in [0, 1), got 1.5"
+    );
+    assert!(said(Adam8::adamw().with_epsilon(0.0).init()).contains("`epsilon`"));
+    assert!(said(Adam8::adam().with_weight_decay(-1.0).init()).contains("`weight_decay`"));
+    assert!(said(Sgd8::new().with_momentum(1.2, 0.0, false).init()).contains("`momentum`"));
+    assert!(said(Sgd8::new().with_momentum(0.9, 0.1, true).init()).contains("`nesterov`"));
+}
+
+/// A model large enough for 8-bit state: 64 x 96 weights (6144 values, past `MIN_ELEMENTS`).
+#[derive(Module, Debug)]
+struct Mlp {
+    fc1: Linear,
+    relu: Relu,
+    fc2: Linear,
+}
+
+impl Mlp {
+    fn new(device: &Device) -> Self {
+        Mlp {
+            fc1: LinearConfig::new(64, 96).init(device),
+            relu: Relu::new(),
+            fc2: LinearConfig::new(96, 8).init(device),
+        }
+    }
+
+    fn loss(&self, step: usize) -> Tensor<1> {
+        let device = self.fc1.weight.val().device();
+        let values = |n: usize, salt: usize| -> Vec<f32> {
+            (0..n)
+                .map(|i| (((i + salt) * 37 % 29) as f32 / 29.0 - 0.5) * 2.0)
+                .collect()
+        };
+        let x = Tensor::<2>::from_data(
+            TensorData::new(values(32 * 64, step % 3), [32, 64]),
+            &device,
+        );
+        let y = Tensor::<2>::from_data(TensorData::new(values(32 * 8, 11), [32, 8]), &device);
+        (self.fc2.forward(self.relu.forward(self.fc1.forward(x))) - y)
+            .powi_scalar(2)
+            .mean()
+    }
+}
+
+fn train(
+    mut model: Mlp,
+    optimizer: &mut ModuleOptimizer,
+    steps: std::ops::Range<usize>,
+) -> (Mlp, f32) {
+    let mut last = 0.0;
+    for step in steps {
+        let loss = model.loss(step);
+        last = loss.clone().into_scalar::<f32>();
+        let grads = GradientsParams::from_grads(loss.backward(), &model);
+        model = optimizer.step(1e-3, model, grads);
+    }
+    (model, last)
+}
+
+/// AdamW with 8-bit moments trains the MLP to the loss of fp32 moments within 2%.
+#[test]
+fn adamw_in_8_bits_trains_as_fp32_state_does() {
+    watchdog(300, || {
+        device().seed(2);
+        let model = initialized(Mlp::new(&device()));
+        let (_, fp32) = train(model.clone(), &mut AdamWConfig::new().init(), 0..60);
+        let (_, eight) = train(model.clone(), &mut Adam8::adamw().init().unwrap(), 0..60);
+        let (_, start) = train(model, &mut AdamWConfig::new().init(), 0..1);
+        eprintln!("loss: start {start:.6}, fp32 state {fp32:.6}, 8-bit state {eight:.6}");
+        assert!(fp32 < 0.6 * start, "it learns: {start} -> {fp32}");
+        assert!(
+            (eight - fp32).abs() <= 0.02 * fp32,
+            "8-bit {eight} against fp32 {fp32}"
+        );
+        assert_ne!(eight, fp32, "the state really is 8-bit");
+    });
+}
+
+/// The optimizer's record holds the 8-bit state as it is: a run resumed from it continues with
+/// the same bits as the run that never stopped.
+#[test]
+fn a_resumed_8_bit_optimizer_continues_bit_for_bit() {
+    watchdog(300, || {
+        for optimizer in [
+            Adam8::adamw().init().unwrap(),
+            Sgd8::new().with_momentum(0.9, 0.0, false).init().unwrap(),
+        ] {
+            device().seed(3);
+            let model = initialized(Mlp::new(&device()));
+            let mut whole = optimizer.clone();
+            let (straight, _) = train(model.clone(), &mut whole, 0..6);
+
+            let mut first = optimizer.clone();
+            let (half, _) = train(model, &mut first, 0..3);
+            let bytes = first.into_bytes().expect("the record writes");
+            let mut resumed = optimizer.from_bytes(bytes).expect("the record reads");
+            let (resumed_model, _) = train(half, &mut resumed, 3..6);
+            assert_eq!(weights(&resumed_model), weights(&straight));
+        }
+    });
+}
+
+fn weights(model: &Mlp) -> Vec<Vec<u32>> {
+    struct Values(Vec<Vec<u32>>);
+    impl ModuleVisitor for Values {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            self.0.push(common::bits(param.val()));
+        }
+    }
+    let mut values = Values(Vec::new());
+    model.visit(&mut values);
+    values.0
+}
+
+fn floats<const D: usize>(tensor: Tensor<D>) -> Vec<f32> {
+    tensor
+        .into_data()
+        .convert::<f32>()
+        .try_to_vec::<f32>()
+        .unwrap()
+}
