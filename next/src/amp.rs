@@ -6,7 +6,9 @@
 //! norm, steps the user's optimizer and updates the scale.
 //!
 //! The half copy takes half inputs: a `#[memsave::model]` whose forward is `#[auto_fp16]` casts
-//! them itself; a bare Burn layer, as here, is given them cast (`Precision::dtype`).
+//! them itself; a bare Burn layer, as here, is given them cast (`Precision::dtype`). The loss is
+//! computed in fp32 (MMCV's `#[force_fp32]` on the loss, `out_fp32` on the forward, or a cast):
+//! an f16 loss's own gradient is the loss scale, which f16 cannot hold past 65504.
 //!
 //! ```
 //! use burn::nn::{Linear, LinearConfig};
@@ -23,7 +25,7 @@
 //! for _ in 0..3 {
 //!     let half = amp.half_model(&model);
 //!     let x = Tensor::<2>::ones([8, 4], &device).cast(amp.precision().dtype());
-//!     let loss = half.forward(x).powi_scalar(2).mean();
+//!     let loss = half.forward(x).cast(DType::F32).powi_scalar(2).mean();
 //!     let grads = amp.backward(loss);
 //!     let (stepped, report) = amp.step(&mut optimizer, 0.1, model, &half, grads);
 //!     model = stepped;
@@ -106,11 +108,20 @@ impl MixedPrecision {
     }
 
     /// Backward of `loss` times the loss scale, in fp32 (so that the scaled loss itself cannot
-    /// overflow).
+    /// overflow). Compute the loss in fp32: the gradient that reaches an f16 loss is the loss
+    /// scale itself, in f16, which overflows past 65504 (PyTorch's default scale is 65536), so
+    /// such a step is skipped; an f16 loss is warned about (a `memsave` event).
     pub fn backward(&self, loss: Tensor<1>) -> Gradients {
-        loss.cast(DType::F32)
-            .mul_scalar(self.scaler.loss_scale())
-            .backward()
+        let scale = self.scaler.loss_scale();
+        if loss.dtype() == DType::F16 && scale > 65504.0 {
+            tracing::warn!(
+                target: "memsave",
+                "the loss is f16: its gradient, the loss scale {scale}, overflows f16 and the step \
+                 will be skipped; compute the loss in fp32 (`#[force_fp32]` on the loss, \
+                 `out_fp32` on the forward, or `.cast(DType::F32)`)"
+            );
+        }
+        loss.cast(DType::F32).mul_scalar(scale).backward()
     }
 
     /// Steps `optimizer` on the fp32 `masters` with the gradients of `half` (the copy
@@ -127,7 +138,7 @@ impl MixedPrecision {
     ) -> (M, StepReport) {
         let loss_scale = self.scaler.loss_scale();
         let mut grads = GradientsParams::from_grads(grads, half);
-        grads::to_f32(&masters, &mut grads);
+        grads::to_master_dtypes(&masters, &mut grads);
         grads::scale(&masters, &mut grads, 1.0 / loss_scale);
         let norm_type = self.grad_clip.map_or(2.0, |clip| clip.norm_type);
         let grad_norm = grads::global_norm(&masters, &grads, norm_type);
@@ -137,11 +148,16 @@ impl MixedPrecision {
                 tracing::warn!(target: "memsave", "{advice}");
             }
             self.scaler.update_scale(true);
+            let after = match self.scaler.mode() {
+                ScaleMode::Dynamic => {
+                    format!("the loss scale lowered to {}", self.scaler.loss_scale())
+                }
+                ScaleMode::Static => "the loss scale is static and stays".to_string(),
+            };
             tracing::warn!(
                 target: "memsave",
                 "gradient overflow (inf or NaN) at loss scale {loss_scale}; the step is skipped \
-                 and the loss scale lowered to {}",
-                self.scaler.loss_scale()
+                 and {after}"
             );
             let report = StepReport {
                 skipped: true,

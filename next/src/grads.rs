@@ -36,9 +36,19 @@ pub fn scale<M: Module>(model: &M, grads: &mut GradientsParams, factor: f64) {
     map_grads(model, grads, &mut |grad| grad.mul_scalar(factor));
 }
 
-/// Casts every gradient to fp32 (half gradients onto the fp32 master weights).
-pub fn to_f32<M: Module>(model: &M, grads: &mut GradientsParams) {
-    map_grads(model, grads, &mut |grad| grad.cast(DType::F32));
+/// Casts every gradient to its parameter's dtype in `model` (half gradients onto fp32 master
+/// weights; a master kept in another dtype gets its own).
+pub fn to_master_dtypes<M: Module>(model: &M, grads: &mut GradientsParams) {
+    struct Cast<'a>(&'a mut GradientsParams);
+    impl ModuleVisitor for Cast<'_> {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            if let Some(grad) = self.0.remove::<D>(param.id) {
+                let dtype: DType = param.val().dtype();
+                self.0.register::<D>(param.id, grad.cast(dtype));
+            }
+        }
+    }
+    model.visit(&mut Cast(grads));
 }
 
 /// The `p`-norm of every gradient together (PyTorch's `clip_grad_norm_` total norm), in fp32;
@@ -57,7 +67,10 @@ pub fn global_norm<M: Module>(model: &M, grads: &GradientsParams, norm_type: f64
             };
             let grad = grad.cast(DType::F32);
             let part = if self.norm_type.is_infinite() {
-                grad.abs().max()
+                // `max` may pass over a NaN on some backends; the sum cannot, and times zero it
+                // is 0, or NaN where a value is inf or NaN: the overflow test reads this norm.
+                let nan_if_not_finite = grad.clone().sum().mul_scalar(0.0);
+                grad.abs().max().add(nan_if_not_finite)
             } else if self.norm_type == 2.0 {
                 // No `abs` pass: squares are non-negative anyway.
                 grad.square().sum()
@@ -67,7 +80,11 @@ pub fn global_norm<M: Module>(model: &M, grads: &GradientsParams, norm_type: f64
             // Added in the model's order: the same bits wherever the parts were computed.
             self.total = Some(match self.total.take() {
                 None => part,
-                Some(total) if self.norm_type.is_infinite() => total.max_pair(part),
+                // `max_pair` keeps the finite side of a NaN: `part - part` (0, or NaN) keeps it.
+                Some(total) if self.norm_type.is_infinite() => {
+                    let nan_if_not_finite = part.clone().sub(part.clone());
+                    total.max_pair(part).add(nan_if_not_finite)
+                }
                 Some(total) => total + part,
             });
         }

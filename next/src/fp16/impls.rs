@@ -4,7 +4,7 @@ use burn::module::Param;
 use burn::nn;
 use burn::tensor::{Bool, DType, Int, Tensor};
 
-use super::{cast_leaf, cast_params, Fp16, Fp16Module, Precision};
+use super::{cast_params, Fp16, Fp16Module, Precision};
 use crate::cast::cast_tensor_type;
 
 /// Values with nothing to cast and no flag: left as they are.
@@ -126,9 +126,10 @@ impl<const D: usize> Fp16Module for Tensor<D, Bool> {
 }
 
 /// A float parameter held directly by a model is cast to half, as `model.half()` would.
+/// Through Burn's module map, which keeps an attached reparameterization (a LoRA adapter).
 impl<const D: usize> Fp16Module for Param<Tensor<D>> {
     fn wrap_fp16(self, precision: Precision) -> Self {
-        self.map(|tensor| cast_leaf(tensor, DType::F32, precision.dtype()))
+        cast_params(self, precision)
     }
 }
 
@@ -251,12 +252,13 @@ half_layer!(nn::RmsNorm);
 half_layer!(nn::LayerNorm);
 half_layer!(nn::GroupNorm);
 half_layer!(nn::InstanceNorm);
-// Attention: Burn's softmax subtracts the row maximum and the mask fill (-1e4) fits f16; it
-// makes no tensor of its own.
+// Attention: Burn's softmax subtracts the row maximum and the default mask fill (-1e4) fits f16
+// (a `min_float` below -65504 is -inf in f16, and a row masked whole is NaN); it makes no tensor
+// of its own.
 half_layer!(nn::attention::CrossAttention);
 
-/// Attention: Burn's softmax subtracts the row maximum and the mask fill (-1e4) fits f16. Its
-/// dropout and activation have no parameters.
+/// Attention: Burn's softmax subtracts the row maximum and the default mask fill (-1e4) fits f16
+/// (keep `min_float` above -65504). Its dropout and activation have no parameters.
 impl Fp16Module for nn::attention::MultiHeadAttention {
     fn wrap_fp16(self, precision: Precision) -> Self {
         cast_params(self, precision)

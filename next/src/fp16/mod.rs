@@ -342,6 +342,10 @@ pub fn wrap_fp16_model<M: Fp16Module>(model: M, precision: Precision) -> M {
 
 /// Casts every fp32 float parameter of `module` to `precision`, keeping ids and `require_grad`
 /// (the half parameters are new leaves of the autodiff graph).
+///
+/// Burn 0.22's running statistics (`RunningState`, BatchNorm's) are shared between a module and
+/// its clones and are cast in place: cast a module holding them only where the original goes
+/// too (`wrap_fp16_model` never reaches them: BatchNorm is an island).
 pub fn cast_params<M: Module>(module: M, precision: Precision) -> M {
     module.map(&mut ParamCaster {
         from: DType::F32,

@@ -47,7 +47,10 @@ pub(crate) fn norm_part<K: Backend, const D: usize>(
 ) -> Tensor<K, 1> {
     let grad = grad.cast(DType::F32);
     if norm_type.is_infinite() {
-        grad.abs().max()
+        // `max` may pass over a NaN on some backends; the sum cannot, and times zero it is 0,
+        // or NaN where a value is inf or NaN: the overflow test reads this norm.
+        let nan_if_not_finite = grad.clone().sum().mul_scalar(0.0);
+        grad.abs().max().add(nan_if_not_finite)
     } else if norm_type == 2.0 {
         // No `abs` pass: squares are non-negative anyway.
         grad.square().sum()
@@ -66,7 +69,11 @@ pub(crate) fn combine_norm<K: Backend>(
     for part in parts {
         total = Some(match total.take() {
             None => part,
-            Some(total) if norm_type.is_infinite() => total.max_pair(part),
+            // `max_pair` keeps the finite side of a NaN: `part - part` (0, or NaN) keeps it.
+            Some(total) if norm_type.is_infinite() => {
+                let nan_if_not_finite = part.clone().sub(part.clone());
+                total.max_pair(part).add(nan_if_not_finite)
+            }
             Some(total) => total + part,
         });
     }
