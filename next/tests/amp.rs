@@ -56,19 +56,6 @@ fn loss(model: &Mlp, x: Tensor<2>, y: Tensor<2>) -> Tensor<1> {
     (model.forward(x) - y).powi_scalar(2).mean()
 }
 
-/// Every parameter's value, as f32 bits, in visiting order.
-fn weights(model: &Mlp) -> Vec<Vec<u32>> {
-    struct Values(Vec<Vec<u32>>);
-    impl ModuleVisitor for Values {
-        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
-            self.0.push(common::bits(param.val()));
-        }
-    }
-    let mut values = Values(Vec::new());
-    model.visit(&mut values);
-    values.0
-}
-
 /// The step of mixed precision written out by hand: the half copy, the loss times `scale` in
 /// fp32, the half gradients cast to fp32 and divided by `scale`, Adam on the masters.
 fn by_hand(steps: usize, scale: f64) -> Vec<Vec<u32>> {
@@ -92,7 +79,7 @@ fn by_hand(steps: usize, scale: f64) -> Vec<Vec<u32>> {
         masters.visit(&mut ToF32(&mut grads, scale));
         masters = optimizer.step(1e-2, masters, grads);
     }
-    weights(&masters)
+    common::param_bits(&masters)
 }
 
 #[test]
@@ -116,10 +103,10 @@ fn steps_are_the_hand_written_mixed_precision_step_bit_for_bit() {
             assert!(!report.skipped && report.loss_scale == scale, "{report:?}");
         }
         assert_eq!(masters.fc1.weight.val().dtype(), DType::F32, "fp32 masters");
-        assert_eq!(weights(&masters), by_hand(5, scale));
+        assert_eq!(common::param_bits(&masters), by_hand(5, scale));
         // The scale is read: another scale is another computation (the hand-written step with a
         // scale of 1 rounds differently in f16).
-        assert_ne!(weights(&masters), by_hand(5, 1.0 / 1024.0));
+        assert_ne!(common::param_bits(&masters), by_hand(5, 1.0 / 1024.0));
     });
 }
 
@@ -132,7 +119,7 @@ fn an_overflow_skips_the_step_and_the_scale_backs_off_then_grows() {
         // Window 2: two clean steps double the scale.
         let scaler = LossScaler::new(65536.0, ScaleMode::Dynamic, 2.0, 2).unwrap();
         let mut amp = MixedPrecision::new(Precision::F16, scaler);
-        let before = weights(&masters);
+        let before = common::param_bits(&masters);
 
         // Inputs of 100: the loss is about 1e4, its gradient times 65536 is past f16's 65504.
         let half = amp.half_model(&masters);
@@ -142,7 +129,7 @@ fn an_overflow_skips_the_step_and_the_scale_backs_off_then_grows() {
         assert!(report.skipped, "{report:?}");
         assert!(!report.grad_norm.unwrap().is_finite());
         assert_eq!(
-            weights(&masters),
+            common::param_bits(&masters),
             before,
             "a skipped step changes no weight"
         );
@@ -159,7 +146,7 @@ fn an_overflow_skips_the_step_and_the_scale_backs_off_then_grows() {
             assert!(!report.skipped, "step {step}: {report:?}");
             scales.push(amp.scaler().loss_scale());
         }
-        assert_ne!(weights(&masters), before);
+        assert_ne!(common::param_bits(&masters), before);
         // MMCV's rule: `scale_window` clean updates after the overflow double the scale.
         assert_eq!(scales, [32768.0, 65536.0, 65536.0]);
     });

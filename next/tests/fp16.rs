@@ -545,3 +545,42 @@ fn a_half_model_checkpointed_has_the_plain_half_gradients() {
         }
     });
 }
+
+/// What a Burn 0.22 user's own loop does with both strategies on: fp32 masters, the forward on a
+/// half copy with every block checkpointed, the loss scaled, AdamW stepped by
+/// `MixedPrecision`. Four steps train the same weights, bit for bit, as the same loop without
+/// checkpointing (the blocks' dropout replayed), under both of Burn's strategies.
+#[test]
+fn a_user_loop_with_mixed_precision_and_checkpointing_trains_exactly() {
+    use memsave_next::amp::MixedPrecision;
+    watchdog(300, || {
+        for (strategy, device) in devices() {
+            let train = |checkpointed: bool| {
+                device.seed(5);
+                let mut masters = initialized(HalfEncoder::new(&device));
+                masters = set_with_cp(masters, checkpointed);
+                let mut optimizer = burn::optim::AdamWConfig::new().init();
+                let mut amp = MixedPrecision::for_precision(Precision::F16);
+                let mut runs = 0;
+                for step in 0..4 {
+                    device.seed(100 + step);
+                    RUNS.with(|runs| runs.set(0));
+                    let half = amp.half_model(&masters);
+                    let x = Tensor::<3>::random([2, 6, 8], Distribution::Default, &device);
+                    let loss = half.forward(x).cast(DType::F32).powi_scalar(2).mean();
+                    let grads = amp.backward(loss);
+                    runs += RUNS.with(std::cell::Cell::get);
+                    let (stepped, report) = amp.step(&mut optimizer, 1e-3, masters, &half, grads);
+                    masters = stepped;
+                    assert!(!report.skipped, "{strategy}: step {step}: {report:?}");
+                }
+                (common::param_bits(&masters), runs)
+            };
+            let (plain, plain_runs) = train(false);
+            let (checkpointed, runs) = train(true);
+            assert_eq!(plain, checkpointed, "{strategy}: the trained weights");
+            // Three blocks, four steps: each block recomputed once a step when checkpointed.
+            assert_eq!((plain_runs, runs), (12, 24), "{strategy}");
+        }
+    });
+}

@@ -28,6 +28,19 @@ pub fn bits<const D: usize>(tensor: Tensor<D>) -> Vec<u32> {
         .collect()
 }
 
+/// Every float parameter's value, as bits, in `module`'s visiting order.
+pub fn param_bits<M: Module>(module: &M) -> Vec<Vec<u32>> {
+    struct Values(Vec<Vec<u32>>);
+    impl ModuleVisitor for Values {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            self.0.push(bits(param.val()));
+        }
+    }
+    let mut values = Values(Vec::new());
+    module.visit(&mut values);
+    values.0
+}
+
 /// Every float parameter's gradient in `grads`, as bits, in `module`'s visiting order.
 pub fn grad_bits<M: Module>(module: &M, grads: &Gradients) -> Vec<Option<Vec<u32>>> {
     let mut visitor = GradBits(grads, Vec::new());
