@@ -237,31 +237,35 @@ fn clipping_limits_the_global_norm_of_the_unscaled_gradients() {
 /// The infinity norm is the largest magnitude; a model without gradients has no norm.
 #[test]
 fn global_norm_of_each_type() {
-    let model: Linear = initialized(LinearConfig::new(2, 2).init(&device()));
-    let mut grads = GradientsParams::new();
-    grads.register::<2>(
-        model.weight.id,
-        Tensor::from_data([[3.0, -4.0], [0.0, 0.0]], &Device::flex()),
-    );
-    assert_eq!(global_norm(&model, &grads, 2.0), Some(5.0));
-    assert_eq!(global_norm(&model, &grads, f64::INFINITY), Some(4.0));
-    assert_eq!(global_norm(&model, &grads, 1.0), Some(7.0));
-    assert_eq!(global_norm(&model, &GradientsParams::new(), 2.0), None);
-    // A NaN or an inf in a later parameter's gradient makes every norm not finite (the overflow
-    // test): `max` of a finite total and a NaN part would keep the total.
-    for bad in [f32::NAN, f32::INFINITY] {
+    // Under the watchdog's turn: building the model draws from Flex's one random stream,
+    // which the other tests seed.
+    watchdog(120, || {
+        let model: Linear = initialized(LinearConfig::new(2, 2).init(&device()));
         let mut grads = GradientsParams::new();
         grads.register::<2>(
             model.weight.id,
             Tensor::from_data([[3.0, -4.0], [0.0, 0.0]], &Device::flex()),
         );
-        grads.register::<1>(
-            model.bias.as_ref().unwrap().id,
-            Tensor::from_data([bad, 1.0], &Device::flex()),
-        );
-        for norm_type in [2.0, 1.0, f64::INFINITY] {
-            let norm = global_norm(&model, &grads, norm_type).unwrap();
-            assert!(!norm.is_finite(), "{bad} with p = {norm_type}: {norm}");
+        assert_eq!(global_norm(&model, &grads, 2.0), Some(5.0));
+        assert_eq!(global_norm(&model, &grads, f64::INFINITY), Some(4.0));
+        assert_eq!(global_norm(&model, &grads, 1.0), Some(7.0));
+        assert_eq!(global_norm(&model, &GradientsParams::new(), 2.0), None);
+        // A NaN or an inf in a later parameter's gradient makes every norm not finite (the overflow
+        // test): `max` of a finite total and a NaN part would keep the total.
+        for bad in [f32::NAN, f32::INFINITY] {
+            let mut grads = GradientsParams::new();
+            grads.register::<2>(
+                model.weight.id,
+                Tensor::from_data([[3.0, -4.0], [0.0, 0.0]], &Device::flex()),
+            );
+            grads.register::<1>(
+                model.bias.as_ref().unwrap().id,
+                Tensor::from_data([bad, 1.0], &Device::flex()),
+            );
+            for norm_type in [2.0, 1.0, f64::INFINITY] {
+                let norm = global_norm(&model, &grads, norm_type).unwrap();
+                assert!(!norm.is_finite(), "{bad} with p = {norm_type}: {norm}");
+            }
         }
-    }
+    });
 }

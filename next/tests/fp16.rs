@@ -199,52 +199,60 @@ fn relative_error<const D: usize>(a: Tensor<D>, b: Tensor<D>) -> f32 {
 
 #[test]
 fn flags_are_set_through_three_levels() {
-    let model = Net::new(&device());
-    assert_eq!(model.fp16_enabled(), Fp16::Off);
-    let model = wrap_fp16_model(model, Precision::F16);
-    let on = Fp16::On(Precision::F16);
-    assert_eq!(model.fp16_enabled, on);
-    assert_eq!(model.stem.fp16_enabled, on);
-    assert_eq!(model.stage.fp16_enabled, on);
-    for block in &model.stage.blocks {
-        assert_eq!(block.fp16_enabled, on);
-        assert_eq!(block.bn.precision(), Some(Precision::F16));
-    }
-    assert_eq!(model.head.as_ref().unwrap().fp16_enabled, on);
-    // A constant to Burn: kept by `valid()` and `train()`.
-    assert_eq!(model.valid().stage.blocks[1].fp16_enabled, on);
-    assert_eq!(model.valid().train().fp16_enabled, on);
+    // Under the watchdog's turn: building the model draws from Flex's one random stream,
+    // which the other tests seed.
+    watchdog(120, || {
+        let model = Net::new(&device());
+        assert_eq!(model.fp16_enabled(), Fp16::Off);
+        let model = wrap_fp16_model(model, Precision::F16);
+        let on = Fp16::On(Precision::F16);
+        assert_eq!(model.fp16_enabled, on);
+        assert_eq!(model.stem.fp16_enabled, on);
+        assert_eq!(model.stage.fp16_enabled, on);
+        for block in &model.stage.blocks {
+            assert_eq!(block.fp16_enabled, on);
+            assert_eq!(block.bn.precision(), Some(Precision::F16));
+        }
+        assert_eq!(model.head.as_ref().unwrap().fp16_enabled, on);
+        // A constant to Burn: kept by `valid()` and `train()`.
+        assert_eq!(model.valid().stage.blocks[1].fp16_enabled, on);
+        assert_eq!(model.valid().train().fp16_enabled, on);
 
-    let bf16 = wrap_fp16_model(Net::new(&device()), Precision::Bf16);
-    assert_eq!(bf16.stage.blocks[1].fp16_enabled, Fp16::On(Precision::Bf16));
+        let bf16 = wrap_fp16_model(Net::new(&device()), Precision::Bf16);
+        assert_eq!(bf16.stage.blocks[1].fp16_enabled, Fp16::On(Precision::Bf16));
+    });
 }
 
 #[test]
 fn weights_are_half_except_islands_and_skipped_fields() {
-    let model = Net::new(&device());
-    let ids = (model.stem.conv.weight.id, model.stem.bn.inner().gamma.id);
-    let model = wrap_fp16_model(model, Precision::F16);
-    assert_eq!(model.stem.conv.weight.val().dtype(), DType::F16);
-    assert_eq!(model.stage.blocks[1].conv.weight.val().dtype(), DType::F16);
-    assert_eq!(
-        model.head.as_ref().unwrap().linear.weight.val().dtype(),
-        DType::F16
-    );
-    // Burn 0.22's GroupNorm runs its affine step in the input's dtype: half.
-    let norm = &model.stage.norm;
-    assert_eq!(norm.gamma.as_ref().unwrap().val().dtype(), DType::F16);
-    // The island: weights and running statistics fp32.
-    let bn = model.stem.bn.inner();
-    assert_eq!(bn.gamma.val().dtype(), DType::F32);
-    assert_eq!(bn.running_var.value().dtype(), DType::F32);
-    // `#[fp16(skip)]`: as it was.
-    assert_eq!(model.untouched.weight.val().dtype(), DType::F32);
-    // Still trainable leaves, with their ids.
-    assert!(model.stem.conv.weight.val().is_require_grad());
-    assert_eq!(
-        (model.stem.conv.weight.id, model.stem.bn.inner().gamma.id),
-        ids
-    );
+    // Under the watchdog's turn: building the model draws from Flex's one random stream,
+    // which the other tests seed.
+    watchdog(120, || {
+        let model = Net::new(&device());
+        let ids = (model.stem.conv.weight.id, model.stem.bn.inner().gamma.id);
+        let model = wrap_fp16_model(model, Precision::F16);
+        assert_eq!(model.stem.conv.weight.val().dtype(), DType::F16);
+        assert_eq!(model.stage.blocks[1].conv.weight.val().dtype(), DType::F16);
+        assert_eq!(
+            model.head.as_ref().unwrap().linear.weight.val().dtype(),
+            DType::F16
+        );
+        // Burn 0.22's GroupNorm runs its affine step in the input's dtype: half.
+        let norm = &model.stage.norm;
+        assert_eq!(norm.gamma.as_ref().unwrap().val().dtype(), DType::F16);
+        // The island: weights and running statistics fp32.
+        let bn = model.stem.bn.inner();
+        assert_eq!(bn.gamma.val().dtype(), DType::F32);
+        assert_eq!(bn.running_var.value().dtype(), DType::F32);
+        // `#[fp16(skip)]`: as it was.
+        assert_eq!(model.untouched.weight.val().dtype(), DType::F32);
+        // Still trainable leaves, with their ids.
+        assert!(model.stem.conv.weight.val().is_require_grad());
+        assert_eq!(
+            (model.stem.conv.weight.id, model.stem.bn.inner().gamma.id),
+            ids
+        );
+    });
 }
 
 /// The half gradients of a conv-BN-ReLU net (Burn's layers, BatchNorm an island) against the

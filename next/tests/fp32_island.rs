@@ -140,35 +140,43 @@ fn half_model_with_islands_trains_close_to_fp32() {
 /// An island's record is the layer's record: a file saved without it loads into it, and back.
 #[test]
 fn an_island_has_its_layers_record() {
-    let linear: Linear = initialized(LinearConfig::new(3, 2).init(&device()));
-    let island: Fp32<Linear> = LinearConfig::new(3, 2).init(&device()).into();
-    let island = island.load_record(linear.clone().into_record());
-    let same = |a: Tensor<2>, b: Tensor<2>| common::bits(a) == common::bits(b);
-    assert!(same(island.inner().weight.val(), linear.weight.val()));
-    let back: Linear = LinearConfig::new(3, 2)
-        .init(&device())
-        .load_record(island.clone().into_record());
-    assert!(same(back.weight.val(), linear.weight.val()));
-    assert_eq!(island.num_params(), linear.num_params());
+    // Under the watchdog's turn: building the model draws from Flex's one random stream,
+    // which the other tests seed.
+    watchdog(120, || {
+        let linear: Linear = initialized(LinearConfig::new(3, 2).init(&device()));
+        let island: Fp32<Linear> = LinearConfig::new(3, 2).init(&device()).into();
+        let island = island.load_record(linear.clone().into_record());
+        let same = |a: Tensor<2>, b: Tensor<2>| common::bits(a) == common::bits(b);
+        assert!(same(island.inner().weight.val(), linear.weight.val()));
+        let back: Linear = LinearConfig::new(3, 2)
+            .init(&device())
+            .load_record(island.clone().into_record());
+        assert!(same(back.weight.val(), linear.weight.val()));
+        assert_eq!(island.num_params(), linear.num_params());
+    });
 }
 
 /// `Fp32::run` for any module: half in, fp32 inside, half out; fp32 in, fp32 out.
 #[test]
 fn run_casts_around_any_module() {
-    let island = Fp32::from(LinearConfig::new(4, 2).init(&device())).wrap_fp16(Precision::Bf16);
-    let x = Tensor::<2>::ones([3, 4], &device());
-    let seen = std::cell::Cell::new(DType::U8);
-    let out = island.run(
-        x.clone().cast(DType::BF16),
-        |linear: &Linear, x: Tensor<2>| {
-            seen.set(x.dtype());
-            linear.forward(x)
-        },
-    );
-    assert_eq!(seen.get(), DType::F32);
-    assert_eq!(out.dtype(), DType::BF16);
-    assert_eq!(
-        island.run(x, |linear, x| linear.forward(x)).dtype(),
-        DType::F32
-    );
+    // Under the watchdog's turn: building the model draws from Flex's one random stream,
+    // which the other tests seed.
+    watchdog(120, || {
+        let island = Fp32::from(LinearConfig::new(4, 2).init(&device())).wrap_fp16(Precision::Bf16);
+        let x = Tensor::<2>::ones([3, 4], &device());
+        let seen = std::cell::Cell::new(DType::U8);
+        let out = island.run(
+            x.clone().cast(DType::BF16),
+            |linear: &Linear, x: Tensor<2>| {
+                seen.set(x.dtype());
+                linear.forward(x)
+            },
+        );
+        assert_eq!(seen.get(), DType::F32);
+        assert_eq!(out.dtype(), DType::BF16);
+        assert_eq!(
+            island.run(x, |linear, x| linear.forward(x)).dtype(),
+            DType::F32
+        );
+    });
 }
