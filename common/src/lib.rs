@@ -10,12 +10,14 @@
 //! - [`scaler`]: the loss scaler of mixed precision (MMCV's `LossScaler`);
 //! - [`clip`]: clipping by the global norm, as configured (PyTorch's `clip_grad_norm_`);
 //! - [`snapshot`]: the snapshot format's version and errors;
-//! - [`quant`]: the numbers of the 8-bit optimizer state (its block, its dynamic map).
+//! - [`quant`]: the numbers of the 8-bit optimizer state (its block, its dynamic map);
+//! - [`draws`]: counter-based uniform draws (the stochastic rounding of 16-bit weights).
 
 #![warn(missing_docs)]
 
 pub mod checkpoint;
 pub mod clip;
+pub mod draws;
 pub mod error;
 pub mod quant;
 pub mod scaler;

@@ -13,7 +13,9 @@
 //! - [`amp`] and [`grads`]: the step of mixed precision in a user's own loop (the loss scaled,
 //!   the gradients unscaled onto fp32 masters, overflow skipped, clipping by the global norm);
 //! - [`optim8`] and [`quant`]: SGD, Adam and AdamW with their state in 8 bits, as burn-optim
-//!   0.22 optimizers.
+//!   0.22 optimizers;
+//! - [`weights16`]: the weights kept in 16 bits as their only copy, any optimizer stepping them
+//!   in fp32 and rounding back (stochastically, to nearest, or with Kahan's compensation).
 
 pub mod amp;
 pub mod backend;
@@ -23,6 +25,7 @@ pub mod fp16;
 pub mod grads;
 pub mod optim8;
 pub mod quant;
+pub mod weights16;
 
 pub use memsave_common::error::{Error, Result};
 pub use memsave_common::scaler;
