@@ -5,6 +5,11 @@
 //! dequantizes the parameter's state, updates it in fp32 with the operations of
 //! `burn::optim::{Sgd, Adam, AdamW}` in the same order (with the state kept in fp32, as it is for
 //! tensors under [`crate::quant::MIN_ELEMENTS`] values, the same bits), and quantizes it again.
+//! Nesterov momentum asks for zero dampening (PyTorch's rule; Burn's default dampening is 0.1).
+//!
+//! Their state is not Burn's: a record of Burn's own `Adam`, `AdamW` or `Sgd` does not load into
+//! them (or back), and Burn's `ModuleOptimizer::load_record` drops a state it cannot read without
+//! an error (Adam would start again at step 1). Switch optimizers between runs, not within one.
 //!
 //! ```
 //! use memsave_next::optim8::Adam8;
@@ -79,6 +84,12 @@ impl Sgd8 {
         in_range("dampening", self.dampening, 0.0, 1.0, true)?;
         if let Some(penalty) = self.weight_decay {
             in_range("weight_decay", penalty as f64, 0.0, f64::INFINITY, false)?;
+        }
+        if self.momentum == 0.0 && self.dampening != 0.0 {
+            return Err(Error::invalid(
+                "dampening",
+                "needs a momentum (without one there is no velocity to dampen)",
+            ));
         }
         if self.nesterov && (self.momentum == 0.0 || self.dampening != 0.0) {
             return Err(Error::invalid(

@@ -8,9 +8,17 @@
 //! stepped as the wrapped optimizer steps it.
 //!
 //! The stochastic draws are counter-based ([`memsave_common::draws`]): a parameter's stream is a
-//! function of the seed, the parameter's number (the order in which it was first stepped: the
-//! model's order) and its step count, both kept in its state, so a resumed optimizer draws the
-//! same numbers. One `Weights16` per run: its clones share the count of parameters.
+//! function of the seed, the parameter's number (the order in which parameters were first
+//! stepped, Burn's module order when each has a gradient at the first step) and its step count,
+//! both kept in its state, so a resumed optimizer draws the same numbers; a resumed optimizer
+//! numbers a parameter first stepped after the resume past every number it restored. Use one
+//! `Weights16` per run (its clones share the numbering: clone it for `ModuleOptimizer::with_group`
+//! rather than making another). The rounding goes a slice of 2^18 values at a time, so that its
+//! temporaries stay about a MiB whatever the parameter's size.
+//!
+//! Its state is not Burn's: a record of Burn's own optimizer does not load into a `Weights16`
+//! (or back), and Burn's `ModuleOptimizer::load_record` drops a state it cannot read without an
+//! error. Switch optimizers between runs, not within one.
 //!
 //! ```
 //! use burn::nn::{Linear, LinearConfig};
@@ -130,7 +138,11 @@ impl<O: Optimizer> Optimizer for Weights16<O> {
         state: Option<Self::State<D>>,
     ) -> (Tensor<D>, Option<Self::State<D>>) {
         let (inner, steps, stream, carry) = match state {
-            Some(state) => (state.inner, state.steps, state.stream, state.carry),
+            Some(state) => {
+                // A resumed optimizer numbers new parameters past the numbers it restored.
+                self.streams.fetch_max(state.stream + 1, Ordering::Relaxed);
+                (state.inner, state.steps, state.stream, state.carry)
+            }
             None => (None, 0, self.streams.fetch_add(1, Ordering::Relaxed), None),
         };
         let dtype = tensor.dtype();
@@ -153,11 +165,7 @@ impl<O: Optimizer> Optimizer for Weights16<O> {
             WeightRounding::Nearest => (nearest(new, dtype), None),
             WeightRounding::Stochastic => {
                 let key = splitmix64(self.seed ^ splitmix64(stream ^ splitmix64(steps)));
-                let n = new.shape().num_elements();
-                let draws = TensorData::new(uniforms(key, 0, n), [n]);
-                let u = Tensor::<1>::from_data(draws, (&new.device(), DType::F32));
-                let u = u.reshape(new.shape());
-                (stochastic(new, u, dtype), None)
+                (stochastic_in_slices(new, key, dtype), None)
             }
             WeightRounding::Kahan => {
                 let carry = match carry {
@@ -223,6 +231,34 @@ impl<S: RecordState, const D: usize> RecordState for Weights16State<S, D> {
             carry,
         })
     }
+}
+
+/// Values rounded at once: bounds the rounding's temporaries (the draws and about eight fp32
+/// tensors of the slice's size) to a few MiB.
+const SLICE: usize = 1 << 18;
+
+/// [`stochastic`] on `new` with the draws of stream `key`, a slice of [`SLICE`] values at a
+/// time (value `i` takes draw `i` of the stream, whatever the slicing).
+fn stochastic_in_slices<const D: usize>(new: Tensor<D>, key: u64, dtype: DType) -> Tensor<D> {
+    let shape = new.shape();
+    let n = shape.num_elements();
+    let device = new.device();
+    let flat: Tensor<1> = new.reshape([n]);
+    let mut parts = Vec::with_capacity(n.div_ceil(SLICE));
+    for start in (0..n).step_by(SLICE) {
+        let len = SLICE.min(n - start);
+        let part = flat.clone().slice([start..start + len]);
+        let draws = TensorData::new(uniforms(key, start, len), [len]);
+        let u = Tensor::<1>::from_data(draws, (&device, DType::F32));
+        // Each slice in the weight's type: what is kept of it until the whole is joined.
+        parts.push(stochastic(part, u, dtype).cast(dtype));
+    }
+    let joined = if parts.len() == 1 {
+        parts.pop().expect("one slice")
+    } else {
+        Tensor::cat(parts, 0)
+    };
+    joined.cast(DType::F32).reshape(shape)
 }
 
 /// The two constants of a 16-bit type: 0.7 times 2 to the minus its mantissa bits, and 0.7 times

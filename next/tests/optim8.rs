@@ -21,11 +21,12 @@ use common::{device, initialized, watchdog};
 fn same_steps<A: Optimizer, O: Optimizer>(a: &A, b: &O) {
     let device = Device::flex();
     device.seed(1);
-    let mut x = Tensor::<2>::random([8, 16], Distribution::Normal(0.0, 1.0), &device);
+    // 6144 values: past `MIN_ELEMENTS`, so that the fp32 path is the one a large tensor takes.
+    let mut x = Tensor::<2>::random([64, 96], Distribution::Normal(0.0, 1.0), &device);
     let mut y = x.clone();
     let (mut sa, mut sb) = (None, None);
     for step in 0..5 {
-        let grad = Tensor::<2>::random([8, 16], Distribution::Normal(0.0, 1.0), &device);
+        let grad = Tensor::<2>::random([64, 96], Distribution::Normal(0.0, 1.0), &device);
         let (nx, na) = a.step(0.01, x, grad.clone(), sa);
         let (ny, nb) = b.step(0.01, y, grad, sb);
         assert_eq!(
@@ -38,10 +39,10 @@ fn same_steps<A: Optimizer, O: Optimizer>(a: &A, b: &O) {
 }
 
 /// Reaches the per-tensor optimizer inside `ModuleOptimizer::from` (the builders' `init`).
-fn sgd8(momentum: f64, nesterov: bool, decay: f32) -> Sgd8 {
+fn sgd8(momentum: f64, dampening: f64, nesterov: bool, decay: f32) -> Sgd8 {
     let mut sgd = Sgd8::new().with_eight_bit(false);
     if momentum > 0.0 {
-        sgd = sgd.with_momentum(momentum, 0.0, nesterov);
+        sgd = sgd.with_momentum(momentum, dampening, nesterov);
     }
     if decay > 0.0 {
         sgd = sgd.with_weight_decay(decay);
@@ -52,17 +53,21 @@ fn sgd8(momentum: f64, nesterov: bool, decay: f32) -> Sgd8 {
 #[test]
 fn in_fp32_the_8_bit_optimizers_are_burns_own_bit_for_bit() {
     watchdog(120, || {
-        for (momentum, nesterov, decay) in [(0.9, false, 1e-4), (0.9, true, 0.0), (0.0, false, 0.0)]
-        {
+        for (momentum, dampening, nesterov, decay) in [
+            (0.9, 0.0, false, 1e-4),
+            (0.9, 0.1, false, 0.0),
+            (0.9, 0.0, true, 0.0),
+            (0.0, 0.0, false, 0.0),
+        ] {
             let burn = SgdConfig::new()
                 .with_momentum((momentum > 0.0).then_some(MomentumConfig {
                     momentum,
-                    dampening: 0.0,
+                    dampening,
                     nesterov,
                 }))
                 .with_weight_decay((decay > 0.0).then(|| WeightDecayConfig::new(decay)))
                 .build();
-            same_steps(&sgd8(momentum, nesterov, decay), &burn);
+            same_steps(&sgd8(momentum, dampening, nesterov, decay), &burn);
         }
         for decay in [0.0, 1e-2] {
             let burn = AdamConfig::new()
@@ -162,6 +167,7 @@ fn wrong_settings_are_errors_naming_them() {
     assert!(said(Adam8::adam().with_weight_decay(-1.0).init()).contains("`weight_decay`"));
     assert!(said(Sgd8::new().with_momentum(1.2, 0.0, false).init()).contains("`momentum`"));
     assert!(said(Sgd8::new().with_momentum(0.9, 0.1, true).init()).contains("`nesterov`"));
+    assert!(said(Sgd8::new().with_momentum(0.0, 0.1, false).init()).contains("`dampening`"));
 }
 
 /// A model large enough for 8-bit state: 64 x 96 weights (6144 values, past `MIN_ELEMENTS`).

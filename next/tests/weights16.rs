@@ -278,3 +278,71 @@ fn fp32_parameters_are_stepped_as_the_wrapped_optimizer_steps_them() {
         assert_eq!(param_bits(&ours), param_bits(&burns));
     });
 }
+
+/// A parameter larger than the rounding's slice (600 x 600, 360,000 values) takes draw `i` of its
+/// stream for value `i`, as one whole rounding would: one SGD step against the rounding written
+/// out (the stream of the first parameter stepped, 0, at step 0, seed 5: 0.21's key).
+#[test]
+fn a_large_parameter_is_rounded_in_slices_as_a_whole() {
+    use memsave_common::draws::splitmix64;
+    watchdog(300, || {
+        device().seed(11);
+        let layer: Linear =
+            initialized(LinearConfig::new(600, 600).with_bias(false).init(&device()));
+        let layer = wrap_fp16_model(layer, Precision::Bf16);
+        let x = Tensor::<2>::ones([2, 600], &device()).cast(DType::BF16);
+        let loss = layer.forward(x).cast(DType::F32).powi_scalar(2).mean();
+        let grads = GradientsParams::from_grads(loss.backward(), &layer);
+        let grad = grads.get::<2>(layer.weight.id).unwrap();
+        let old = layer.weight.val().inner().cast(DType::F32);
+        let expected_new = old - grad.cast(DType::F32).mul_scalar(0.1);
+        let n = 600 * 600;
+        let key = splitmix64(5 ^ splitmix64(0 ^ splitmix64(0)));
+        let u = Tensor::<1>::from_data(TensorData::new(uniforms(key, 0, n), [n]), &Device::flex())
+            .reshape([600, 600]);
+        let expected = stochastic(expected_new, u, DType::BF16).cast(DType::BF16);
+
+        let mut optimizer = Weights16::new(burn::optim::SgdConfig::new().build())
+            .with_seed(5)
+            .init();
+        let stepped = optimizer.step(0.1, layer, grads);
+        assert_eq!(
+            common::bits(stepped.weight.val()),
+            common::bits(expected),
+            "the sliced rounding against the whole"
+        );
+    });
+}
+
+/// A model half bf16, half an fp32 island: the island's weights stay fp32 and move by the wrapped
+/// rule, the others stay bf16.
+#[model]
+#[derive(Module, Debug)]
+struct Mixed {
+    fc1: Linear,
+    #[fp16(fp32)]
+    fc2: Linear,
+    fp16_enabled: Fp16,
+}
+
+#[test]
+fn an_fp32_island_in_a_bf16_model_keeps_fp32_weights() {
+    watchdog(300, || {
+        device().seed(12);
+        let model = Mixed {
+            fc1: LinearConfig::new(8, 8).init(&device()),
+            fc2: LinearConfig::new(8, 2).init(&device()).into(),
+            fp16_enabled: Fp16::Off,
+        };
+        let model = wrap_fp16_model(initialized(model), Precision::Bf16);
+        let before = param_bits(&model);
+        let mut optimizer = Weights16::new(AdamWConfig::new().build()).init();
+        let x = Tensor::<2>::ones([4, 8], &device()).cast(DType::BF16);
+        let out = model.fc2.forward(model.fc1.forward(x));
+        let grads = GradientsParams::from_grads(out.cast(DType::F32).sum().backward(), &model);
+        let model = optimizer.step(1e-2, model, grads);
+        assert_eq!(model.fc1.weight.val().dtype(), DType::BF16);
+        assert_eq!(model.fc2.inner().weight.val().dtype(), DType::F32);
+        assert_ne!(param_bits(&model), before, "both moved");
+    });
+}
