@@ -3,57 +3,29 @@
 //! overflow skipped, gradients that underflow f16 kept by the scale, and global-norm clipping.
 
 use burn::module::{Module, ModuleVisitor, Param};
-use burn::nn::{Linear, LinearConfig, Relu};
+use burn::nn::{Linear, LinearConfig};
 use burn::optim::{AdamConfig, GradientsParams, SgdConfig};
 use burn::prelude::*;
 use burn::tensor::DType;
-use memsave_macros::{auto_fp16, model};
 use memsave_next::amp::MixedPrecision;
-use memsave_next::fp16::{wrap_fp16_model, Fp16, Precision};
+use memsave_next::fp16::{wrap_fp16_model, Precision};
 use memsave_next::grads::{global_norm, GradClip};
 use memsave_next::scaler::{LossScaler, ScaleMode};
 
 mod common;
+use common::mlp::{batch, Mlp};
 use common::{device, initialized, watchdog};
 
-#[model]
-#[derive(Module, Debug)]
-struct Mlp {
-    fc1: Linear,
-    relu: Relu,
-    fc2: Linear,
-    fp16_enabled: Fp16,
-}
-
-impl Mlp {
-    fn new(device: &Device) -> Self {
-        Mlp {
-            fc1: LinearConfig::new(6, 16).init(device),
-            relu: Relu::new(),
-            fc2: LinearConfig::new(16, 3).init(device),
-            fp16_enabled: Fp16::Off,
-        }
-    }
-
-    #[auto_fp16(out_fp32 = true)]
-    fn forward(&self, x: Tensor<2>) -> Tensor<2> {
-        self.fc2.forward(self.relu.forward(self.fc1.forward(x)))
-    }
+fn mlp() -> Mlp {
+    Mlp::new(&device(), [6, 16, 3])
 }
 
 fn input(step: usize, scale: f32) -> (Tensor<2>, Tensor<2>) {
-    let values = |n: usize, salt: usize| -> Vec<f32> {
-        (0..n)
-            .map(|i| (((i + salt) * 37 % 29) as f32 / 29.0 - 0.5) * scale)
-            .collect()
-    };
-    let x = Tensor::from_data(TensorData::new(values(8 * 6, step), [8, 6]), &device());
-    let y = Tensor::from_data(TensorData::new(values(8 * 3, step + 5), [8, 3]), &device());
-    (x, y)
+    batch(&device(), 8, [6, 3], [step, step + 5], scale)
 }
 
 fn loss(model: &Mlp, x: Tensor<2>, y: Tensor<2>) -> Tensor<1> {
-    (model.forward(x) - y).powi_scalar(2).mean()
+    model.loss(x, y)
 }
 
 /// The step of mixed precision written out by hand: the half copy, the loss times `scale` in
@@ -69,7 +41,7 @@ fn by_hand(steps: usize, scale: f64) -> Vec<Vec<u32>> {
         }
     }
     device().seed(3);
-    let mut masters = initialized(Mlp::new(&device()));
+    let mut masters = initialized(mlp());
     let mut optimizer = AdamConfig::new().init();
     for step in 0..steps {
         let half = wrap_fp16_model(masters.clone(), Precision::F16);
@@ -87,7 +59,7 @@ fn steps_are_the_hand_written_mixed_precision_step_bit_for_bit() {
     watchdog(300, || {
         let scale = 256.0;
         device().seed(3);
-        let mut masters = initialized(Mlp::new(&device()));
+        let mut masters = initialized(mlp());
         let mut optimizer = AdamConfig::new().init();
         let mut amp = MixedPrecision::new(
             Precision::F16,
@@ -114,7 +86,7 @@ fn steps_are_the_hand_written_mixed_precision_step_bit_for_bit() {
 fn an_overflow_skips_the_step_and_the_scale_backs_off_then_grows() {
     watchdog(300, || {
         device().seed(4);
-        let masters = initialized(Mlp::new(&device()));
+        let masters = initialized(mlp());
         let mut optimizer = SgdConfig::new().init();
         // Window 2: two clean steps double the scale.
         let scaler = LossScaler::new(65536.0, ScaleMode::Dynamic, 2.0, 2).unwrap();
@@ -158,7 +130,7 @@ fn an_overflow_skips_the_step_and_the_scale_backs_off_then_grows() {
 fn the_scale_keeps_gradients_that_underflow_f16() {
     watchdog(300, || {
         device().seed(5);
-        let masters = initialized(Mlp::new(&device()));
+        let masters = initialized(mlp());
         let tiny = |model: &Mlp| {
             let (x, y) = input(0, 1.0);
             loss(model, x, y).mul_scalar(1e-7)
@@ -197,7 +169,7 @@ fn the_scale_keeps_gradients_that_underflow_f16() {
 fn clipping_limits_the_global_norm_of_the_unscaled_gradients() {
     watchdog(300, || {
         device().seed(6);
-        let masters = initialized(Mlp::new(&device()));
+        let masters = initialized(mlp());
         let clip = GradClip::new(0.01, 2.0).unwrap();
         let mut amp = MixedPrecision::for_precision(Precision::Bf16).with_grad_clip(clip);
         assert_eq!(amp.scaler().loss_scale(), 1.0, "bf16: no scaling");

@@ -2,8 +2,6 @@
 //! in fp32 the same bits as Burn's SGD, Adam and AdamW; in 8 bits a quarter of the bytes, the
 //! training cost measured against fp32 state, and a resumed optimizer continuing bit for bit.
 
-use burn::module::Module;
-use burn::nn::{Linear, LinearConfig, Relu};
 use burn::optim::decay::WeightDecayConfig;
 use burn::optim::momentum::MomentumConfig;
 use burn::optim::{
@@ -15,6 +13,7 @@ use memsave_next::optim8::{Adam8, Sgd8};
 use memsave_next::quant::{dynamic_map, StateTensor, BLOCK, MIN_ELEMENTS, UNSIGNED_FLOOR};
 
 mod common;
+use common::mlp::{batch, Mlp};
 use common::{device, initialized, watchdog};
 
 /// Five per-tensor steps of `a` and `b` from the same tensor and gradients: the same bits.
@@ -171,38 +170,13 @@ fn wrong_settings_are_errors_naming_them() {
 }
 
 /// A model large enough for 8-bit state: 64 x 96 weights (6144 values, past `MIN_ELEMENTS`).
-#[derive(Module, Debug)]
-struct Mlp {
-    fc1: Linear,
-    relu: Relu,
-    fc2: Linear,
+fn mlp() -> Mlp {
+    Mlp::new(&device(), [64, 96, 8])
 }
 
-impl Mlp {
-    fn new(device: &Device) -> Self {
-        Mlp {
-            fc1: LinearConfig::new(64, 96).init(device),
-            relu: Relu::new(),
-            fc2: LinearConfig::new(96, 8).init(device),
-        }
-    }
-
-    fn loss(&self, step: usize) -> Tensor<1> {
-        let device = self.fc1.weight.val().device();
-        let values = |n: usize, salt: usize| -> Vec<f32> {
-            (0..n)
-                .map(|i| (((i + salt) * 37 % 29) as f32 / 29.0 - 0.5) * 2.0)
-                .collect()
-        };
-        let x = Tensor::<2>::from_data(
-            TensorData::new(values(32 * 64, step % 3), [32, 64]),
-            &device,
-        );
-        let y = Tensor::<2>::from_data(TensorData::new(values(32 * 8, 11), [32, 8]), &device);
-        (self.fc2.forward(self.relu.forward(self.fc1.forward(x))) - y)
-            .powi_scalar(2)
-            .mean()
-    }
+fn loss(model: &Mlp, step: usize) -> Tensor<1> {
+    let (x, y) = batch(&device(), 32, [64, 8], [step % 3, 11], 2.0);
+    model.loss(x, y)
 }
 
 fn train(
@@ -212,7 +186,7 @@ fn train(
 ) -> (Mlp, f32) {
     let mut last = 0.0;
     for step in steps {
-        let loss = model.loss(step);
+        let loss = loss(&model, step);
         last = loss.clone().into_scalar::<f32>();
         let grads = GradientsParams::from_grads(loss.backward(), &model);
         model = optimizer.step(1e-3, model, grads);
@@ -225,7 +199,7 @@ fn train(
 fn adamw_in_8_bits_trains_as_fp32_state_does() {
     watchdog(300, || {
         device().seed(2);
-        let model = initialized(Mlp::new(&device()));
+        let model = initialized(mlp());
         let (_, fp32) = train(model.clone(), &mut AdamWConfig::new().init(), 0..60);
         let (_, eight) = train(model.clone(), &mut Adam8::adamw().init().unwrap(), 0..60);
         let (_, start) = train(model, &mut AdamWConfig::new().init(), 0..1);
@@ -249,7 +223,7 @@ fn a_resumed_8_bit_optimizer_continues_bit_for_bit() {
             Sgd8::new().with_momentum(0.9, 0.0, false).init().unwrap(),
         ] {
             device().seed(3);
-            let model = initialized(Mlp::new(&device()));
+            let model = initialized(mlp());
             let mut whole = optimizer.clone();
             let (straight, _) = train(model.clone(), &mut whole, 0..6);
 

@@ -4,16 +4,17 @@
 //! parameters stepped as the wrapped optimizer steps them.
 
 use burn::module::Module;
-use burn::nn::{Linear, LinearConfig, Relu};
+use burn::nn::{Linear, LinearConfig};
 use burn::optim::{AdamWConfig, GradientsParams, ModuleOptimizer};
 use burn::prelude::*;
 use burn::tensor::DType;
 use memsave_common::draws::uniforms;
-use memsave_macros::{auto_fp16, model};
+use memsave_macros::model;
 use memsave_next::fp16::{wrap_fp16_model, Fp16, Precision};
 use memsave_next::weights16::{kahan, nearest, stochastic, WeightRounding, Weights16};
 
 mod common;
+use common::mlp::{batch, Mlp};
 use common::{device, initialized, param_bits, watchdog};
 
 fn tensor(values: &[f32]) -> Tensor<1> {
@@ -132,43 +133,13 @@ fn kahan_keeps_updates_below_the_spacing() {
     assert!((moved - 1.01).abs() < 1e-3, "{moved}");
 }
 
-#[model]
-#[derive(Module, Debug)]
-struct Mlp {
-    fc1: Linear,
-    relu: Relu,
-    fc2: Linear,
-    fp16_enabled: Fp16,
+fn mlp() -> Mlp {
+    Mlp::new(&device(), [16, 32, 4])
 }
 
-impl Mlp {
-    fn new(device: &Device) -> Self {
-        Mlp {
-            fc1: LinearConfig::new(16, 32).init(device),
-            relu: Relu::new(),
-            fc2: LinearConfig::new(32, 4).init(device),
-            fp16_enabled: Fp16::Off,
-        }
-    }
-
-    #[auto_fp16(out_fp32 = true)]
-    fn forward(&self, x: Tensor<2>) -> Tensor<2> {
-        self.fc2.forward(self.relu.forward(self.fc1.forward(x)))
-    }
-
-    fn loss(&self, step: usize) -> Tensor<1> {
-        let values = |n: usize, salt: usize| -> Vec<f32> {
-            (0..n)
-                .map(|i| (((i + salt) * 37 % 29) as f32 / 29.0 - 0.5) * 2.0)
-                .collect()
-        };
-        let x = Tensor::from_data(
-            TensorData::new(values(32 * 16, step % 3), [32, 16]),
-            &device(),
-        );
-        let y = Tensor::from_data(TensorData::new(values(32 * 4, 11), [32, 4]), &device());
-        (self.forward(x) - y).powi_scalar(2).mean()
-    }
+fn loss(model: &Mlp, step: usize) -> Tensor<1> {
+    let (x, y) = batch(&device(), 32, [16, 4], [step % 3, 11], 2.0);
+    model.loss(x, y)
 }
 
 fn train(
@@ -179,7 +150,7 @@ fn train(
 ) -> (Mlp, f32) {
     let mut last = 0.0;
     for step in steps {
-        let loss = model.loss(step);
+        let loss = loss(&model, step);
         last = loss.clone().into_scalar::<f32>();
         let grads = GradientsParams::from_grads(loss.backward(), &model);
         model = optimizer.step(lr, model, grads);
@@ -194,8 +165,8 @@ fn train(
 fn bf16_weights_keep_the_updates_rounding_to_nearest_loses() {
     watchdog(300, || {
         device().seed(8);
-        let fp32 = initialized(Mlp::new(&device()));
-        let start = fp32.loss(0).into_scalar::<f32>();
+        let fp32 = initialized(mlp());
+        let start = loss(&fp32, 0).into_scalar::<f32>();
         let steps = 0..60;
         let (_, reference) = train(
             fp32.clone(),
@@ -206,7 +177,7 @@ fn bf16_weights_keep_the_updates_rounding_to_nearest_loses() {
         let progress = |rounding: WeightRounding| {
             let bf16 = wrap_fp16_model(fp32.clone(), Precision::Bf16);
             // From the bf16 model's own first loss (its weights are the fp32 ones rounded).
-            let own_start = bf16.loss(0).into_scalar::<f32>();
+            let own_start = loss(&bf16, 0).into_scalar::<f32>();
             let mut optimizer = Weights16::new(AdamWConfig::new().build())
                 .with_rounding(rounding)
                 .init();
@@ -249,7 +220,7 @@ fn a_resumed_optimizer_continues_bit_for_bit() {
                     .init()
             };
             device().seed(9);
-            let model = wrap_fp16_model(initialized(Mlp::new(&device())), Precision::Bf16);
+            let model = wrap_fp16_model(initialized(mlp()), Precision::Bf16);
             let (straight, _) = train(model.clone(), &mut fresh(), 1e-3, 0..6);
             let mut first = fresh();
             let (half, _) = train(model, &mut first, 1e-3, 0..3);
@@ -267,7 +238,7 @@ fn a_resumed_optimizer_continues_bit_for_bit() {
 fn fp32_parameters_are_stepped_as_the_wrapped_optimizer_steps_them() {
     watchdog(300, || {
         device().seed(10);
-        let model = initialized(Mlp::new(&device()));
+        let model = initialized(mlp());
         let (ours, _) = train(
             model.clone(),
             &mut Weights16::new(AdamWConfig::new().build()).init(),

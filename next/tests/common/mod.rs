@@ -3,6 +3,8 @@
 
 #![allow(dead_code)]
 
+pub mod mlp;
+
 use burn::module::{Module, ModuleVisitor, Param};
 use burn::prelude::*;
 use burn::tensor::Gradients;
