@@ -4,16 +4,14 @@
 
 use burn::optim::decay::WeightDecayConfig;
 use burn::optim::momentum::MomentumConfig;
-use burn::optim::{
-    AdamConfig, AdamWConfig, GradientsParams, ModuleOptimizer, Optimizer, SgdConfig,
-};
+use burn::optim::{AdamConfig, AdamWConfig, ModuleOptimizer, Optimizer, SgdConfig};
 use burn::prelude::*;
 use burn::tensor::{DType, Distribution};
 use memsave_next::optim8::{Adam8, Sgd8};
 use memsave_next::quant::{dynamic_map, StateTensor, BLOCK, MIN_ELEMENTS, UNSIGNED_FLOOR};
 
 mod common;
-use common::mlp::{batch, Mlp};
+use common::mlp::{train, Mlp};
 use common::{device, initialized, watchdog};
 
 /// Five per-tensor steps of `a` and `b` from the same tensor and gradients: the same bits.
@@ -174,35 +172,20 @@ fn mlp() -> Mlp {
     Mlp::new(&device(), [64, 96, 8])
 }
 
-fn loss(model: &Mlp, step: usize) -> Tensor<1> {
-    let (x, y) = batch(&device(), 32, [64, 8], [step % 3, 11], 2.0);
-    model.loss(x, y)
-}
-
-fn train(
-    mut model: Mlp,
-    optimizer: &mut ModuleOptimizer,
-    steps: std::ops::Range<usize>,
-) -> (Mlp, f32) {
-    let mut last = 0.0;
-    for step in steps {
-        let loss = loss(&model, step);
-        last = loss.clone().into_scalar::<f32>();
-        let grads = GradientsParams::from_grads(loss.backward(), &model);
-        model = optimizer.step(1e-3, model, grads);
-    }
-    (model, last)
-}
-
 /// AdamW with 8-bit moments trains the MLP to the loss of fp32 moments within 2%.
 #[test]
 fn adamw_in_8_bits_trains_as_fp32_state_does() {
     watchdog(300, || {
         device().seed(2);
         let model = initialized(mlp());
-        let (_, fp32) = train(model.clone(), &mut AdamWConfig::new().init(), 0..60);
-        let (_, eight) = train(model.clone(), &mut Adam8::adamw().init().unwrap(), 0..60);
-        let (_, start) = train(model, &mut AdamWConfig::new().init(), 0..1);
+        let (_, fp32) = train(model.clone(), &mut AdamWConfig::new().init(), 1e-3, 0..60);
+        let (_, eight) = train(
+            model.clone(),
+            &mut Adam8::adamw().init().unwrap(),
+            1e-3,
+            0..60,
+        );
+        let (_, start) = train(model, &mut AdamWConfig::new().init(), 1e-3, 0..1);
         eprintln!("loss: start {start:.6}, fp32 state {fp32:.6}, 8-bit state {eight:.6}");
         assert!(fp32 < 0.6 * start, "it learns: {start} -> {fp32}");
         assert!(
@@ -225,13 +208,13 @@ fn a_resumed_8_bit_optimizer_continues_bit_for_bit() {
             device().seed(3);
             let model = initialized(mlp());
             let mut whole = optimizer.clone();
-            let (straight, _) = train(model.clone(), &mut whole, 0..6);
+            let (straight, _) = train(model.clone(), &mut whole, 1e-3, 0..6);
 
             let mut first = optimizer.clone();
-            let (half, _) = train(model, &mut first, 0..3);
+            let (half, _) = train(model, &mut first, 1e-3, 0..3);
             let bytes = first.into_bytes().expect("the record writes");
             let mut resumed = optimizer.from_bytes(bytes).expect("the record reads");
-            let (resumed_model, _) = train(half, &mut resumed, 3..6);
+            let (resumed_model, _) = train(half, &mut resumed, 1e-3, 3..6);
             assert_eq!(
                 common::param_bits(&resumed_model),
                 common::param_bits(&straight)

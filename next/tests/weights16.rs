@@ -5,7 +5,7 @@
 
 use burn::module::Module;
 use burn::nn::{Linear, LinearConfig};
-use burn::optim::{AdamWConfig, GradientsParams, ModuleOptimizer};
+use burn::optim::{AdamWConfig, GradientsParams};
 use burn::prelude::*;
 use burn::tensor::DType;
 use memsave_common::draws::uniforms;
@@ -14,7 +14,7 @@ use memsave_next::fp16::{wrap_fp16_model, Fp16, Precision};
 use memsave_next::weights16::{kahan, nearest, stochastic, WeightRounding, Weights16};
 
 mod common;
-use common::mlp::{batch, Mlp};
+use common::mlp::{loss_at, train, Mlp};
 use common::{device, initialized, param_bits, watchdog};
 
 fn tensor(values: &[f32]) -> Tensor<1> {
@@ -137,27 +137,6 @@ fn mlp() -> Mlp {
     Mlp::new(&device(), [16, 32, 4])
 }
 
-fn loss(model: &Mlp, step: usize) -> Tensor<1> {
-    let (x, y) = batch(&device(), 32, [16, 4], [step % 3, 11], 2.0);
-    model.loss(x, y)
-}
-
-fn train(
-    mut model: Mlp,
-    optimizer: &mut ModuleOptimizer,
-    lr: f64,
-    steps: std::ops::Range<usize>,
-) -> (Mlp, f32) {
-    let mut last = 0.0;
-    for step in steps {
-        let loss = loss(&model, step);
-        last = loss.clone().into_scalar::<f32>();
-        let grads = GradientsParams::from_grads(loss.backward(), &model);
-        model = optimizer.step(lr, model, grads);
-    }
-    (model, last)
-}
-
 /// AdamW at lr 1e-4 on weights kept in bf16 only: its updates are mostly below half of bf16's
 /// spacing, so rounding to nearest loses them; stochastic rounding and Kahan's compensation keep
 /// the fp32 run's progress.
@@ -166,7 +145,7 @@ fn bf16_weights_keep_the_updates_rounding_to_nearest_loses() {
     watchdog(300, || {
         device().seed(8);
         let fp32 = initialized(mlp());
-        let start = loss(&fp32, 0).into_scalar::<f32>();
+        let start = loss_at(&fp32, 0).into_scalar::<f32>();
         let steps = 0..60;
         let (_, reference) = train(
             fp32.clone(),
@@ -177,7 +156,7 @@ fn bf16_weights_keep_the_updates_rounding_to_nearest_loses() {
         let progress = |rounding: WeightRounding| {
             let bf16 = wrap_fp16_model(fp32.clone(), Precision::Bf16);
             // From the bf16 model's own first loss (its weights are the fp32 ones rounded).
-            let own_start = loss(&bf16, 0).into_scalar::<f32>();
+            let own_start = loss_at(&bf16, 0).into_scalar::<f32>();
             let mut optimizer = Weights16::new(AdamWConfig::new().build())
                 .with_rounding(rounding)
                 .init();

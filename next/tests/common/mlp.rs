@@ -3,6 +3,7 @@
 
 use burn::module::Module;
 use burn::nn::{Linear, LinearConfig, Relu};
+use burn::optim::{GradientsParams, ModuleOptimizer};
 use burn::prelude::*;
 use memsave_macros::{auto_fp16, model};
 use memsave_next::fp16::Fp16;
@@ -61,4 +62,30 @@ pub fn batch(
         device,
     );
     (x, y)
+}
+
+/// The loss of step `step`: 32 rows of the pattern, the inputs shifted by `step % 3`.
+pub fn loss_at(model: &Mlp, step: usize) -> Tensor<1> {
+    let [input, _] = model.fc1.weight.val().dims();
+    let [_, output] = model.fc2.weight.val().dims();
+    let device = model.fc1.weight.val().device();
+    let (x, y) = batch(&device, 32, [input, output], [step % 3, 11], 2.0);
+    model.loss(x, y)
+}
+
+/// `steps` of `optimizer` at `lr` on [`loss_at`]: the model, and the last step's loss.
+pub fn train(
+    mut model: Mlp,
+    optimizer: &mut ModuleOptimizer,
+    lr: f64,
+    steps: std::ops::Range<usize>,
+) -> (Mlp, f32) {
+    let mut last = 0.0;
+    for step in steps {
+        let loss = loss_at(&model, step);
+        last = loss.clone().into_scalar::<f32>();
+        let grads = GradientsParams::from_grads(loss.backward(), &model);
+        model = optimizer.step(lr, model, grads);
+    }
+    (model, last)
 }
