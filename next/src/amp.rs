@@ -138,8 +138,7 @@ impl MixedPrecision {
     ) -> (M, StepReport) {
         let loss_scale = self.scaler.loss_scale();
         let mut grads = GradientsParams::from_grads(grads, half);
-        grads::to_master_dtypes(&masters, &mut grads);
-        grads::scale(&masters, &mut grads, 1.0 / loss_scale);
+        grads::unscale_to_masters(&masters, &mut grads, 1.0 / loss_scale);
         let norm_type = self.grad_clip.map_or(2.0, |clip| clip.norm_type);
         let grad_norm = grads::global_norm(&masters, &grads, norm_type);
         let overflow = grad_norm.is_some_and(|norm| !norm.is_finite());

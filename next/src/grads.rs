@@ -1,5 +1,5 @@
 //! The operations a mixed-precision step applies to its gradients, parameter by parameter:
-//! scaling (unscaling by the loss scale), the cast onto fp32 master weights, the global norm
+//! unscaling onto fp32 master weights, scaling, the global norm
 //! and clipping by it (PyTorch's `clip_grad_norm_`; Burn's own clipping is per tensor).
 
 use burn::module::{Module, ModuleVisitor, Param};
@@ -37,18 +37,20 @@ pub fn scale<M: Module>(model: &M, grads: &mut GradientsParams, factor: f64) {
 }
 
 /// Casts every gradient to its parameter's dtype in `model` (half gradients onto fp32 master
-/// weights; a master kept in another dtype gets its own).
-pub fn to_master_dtypes<M: Module>(model: &M, grads: &mut GradientsParams) {
-    struct Cast<'a>(&'a mut GradientsParams);
-    impl ModuleVisitor for Cast<'_> {
+/// weights; a master kept in another dtype gets its own) and multiplies it by `factor` (unscaling:
+/// `1 / loss_scale`), in one pass.
+pub fn unscale_to_masters<M: Module>(model: &M, grads: &mut GradientsParams, factor: f64) {
+    struct Unscale<'a>(&'a mut GradientsParams, f64);
+    impl ModuleVisitor for Unscale<'_> {
         fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
             if let Some(grad) = self.0.remove::<D>(param.id) {
                 let dtype: DType = param.val().dtype();
-                self.0.register::<D>(param.id, grad.cast(dtype));
+                self.0
+                    .register::<D>(param.id, grad.cast(dtype).mul_scalar(self.1));
             }
         }
     }
-    model.visit(&mut Cast(grads));
+    model.visit(&mut Unscale(grads, factor));
 }
 
 /// The `p`-norm of every gradient together (PyTorch's `clip_grad_norm_` total norm), in fp32;

@@ -238,7 +238,7 @@ impl<S: RecordState, const D: usize> RecordState for Weights16State<S, D> {
 const SLICE: usize = 1 << 18;
 
 /// [`stochastic`] on `new` with the draws of stream `key`, a slice of [`SLICE`] values at a
-/// time (value `i` takes draw `i` of the stream, whatever the slicing).
+/// time (value `i` takes draw `i` of the stream, whatever the slicing), returned in `dtype`.
 fn stochastic_in_slices<const D: usize>(new: Tensor<D>, key: u64, dtype: DType) -> Tensor<D> {
     let shape = new.shape();
     let n = shape.num_elements();
@@ -258,7 +258,8 @@ fn stochastic_in_slices<const D: usize>(new: Tensor<D>, key: u64, dtype: DType) 
     } else {
         Tensor::cat(parts, 0)
     };
-    joined.cast(DType::F32).reshape(shape)
+    // In the weight's type: the caller's cast to it is then no work.
+    joined.reshape(shape)
 }
 
 /// The two constants of a 16-bit type: 0.7 times 2 to the minus its mantissa bits, and 0.7 times
