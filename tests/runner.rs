@@ -681,6 +681,52 @@ fn resuming_mixed_precision_restores_the_loss_scale_and_the_weights() {
     assert_eq!(weights(&resumed.into_model()), expected);
 }
 
+/// The snapshots kept for the two runtimes' readers (issue 55, item 7): one written by this
+/// runner on Burn 0.21 (fp16 with a dynamic scale, SGD with momentum, iteration 3), and one
+/// written by memsave on Burn 0.22 (`next/tests/snapshot.rs` writes and reads it).
+/// `MEMSAVE_WRITE_FIXTURES=1` writes this runner's again.
+fn fixture(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures/snapshots")
+        .join(name)
+}
+
+#[test]
+fn the_kept_0_21_snapshot_resumes_here_and_a_0_22_one_is_refused_naming_its_version() {
+    let hook = || {
+        Box::new(Fp16OptimizerHook::new(
+            LossScaler::new(1e6, ScaleMode::Dynamic, 2.0, 2).unwrap(),
+        ))
+    };
+    let kept = fixture("written-on-burn-0.21.ckpt");
+    if std::env::var_os("MEMSAVE_WRITE_FIXTURES").is_some() {
+        let dir = work_dir("fixture-0.21");
+        checkpointed_run(&dir, hook(), net()).run().unwrap();
+        std::fs::create_dir_all(kept.parent().unwrap()).unwrap();
+        std::fs::copy(dir.join("iter_3.ckpt"), &kept).unwrap();
+    }
+    // A snapshot of this format, as this runner writes them: it resumes at its iteration.
+    let mut resumed = checkpointed_run(&work_dir("fixture-0.21-resumed"), hook(), net());
+    resumed.resume(&kept).unwrap();
+    assert_eq!(resumed.state().iter, 3);
+    assert_eq!(Checkpoint::load(&kept).unwrap().meta.memsave_version, "0.1.0");
+
+    // One written on Burn 0.22: refused, naming the file, the version and what to do.
+    let newer = fixture("written-on-burn-0.22.ckpt");
+    let error = checkpointed_run(&work_dir("fixture-0.22"), hook(), net())
+        .resume(&newer)
+        .unwrap_err()
+        .to_string();
+    for part in [
+        "written-on-burn-0.22.ckpt",
+        "by memsave 0.1.0 on Burn 0.22",
+        "runs on Burn 0.21",
+        "resume this run with the memsave on Burn 0.22",
+    ] {
+        assert!(error.contains(part), "{part:?} in {error}");
+    }
+}
+
 #[test]
 fn resuming_across_precisions_warns_naming_both() {
     let dir = work_dir("resume-precision");

@@ -100,6 +100,14 @@ impl MixedPrecision {
         &self.scaler
     }
 
+    /// The loss scaler restored from `state`, the scaler's own serialisation (a snapshot's
+    /// `"fp16"` hook: `Snapshot::with_hook("fp16", amp.scaler())` wrote it); checked as a
+    /// configured scaler is, so a damaged state is an error naming the field.
+    pub fn restore_scaler(&mut self, state: &serde_json::Value) -> crate::Result<()> {
+        self.scaler = LossScaler::from_state(state.clone())?;
+        Ok(())
+    }
+
     /// The half copy of `masters` the forward runs on (`wrap_fp16_model` on a clone: flags on,
     /// parameters half except fp32 islands, the same parameter ids). Make it afresh each step,
     /// after the previous step changed the masters.

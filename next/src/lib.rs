@@ -14,6 +14,8 @@
 //!   the gradients unscaled onto fp32 masters, overflow skipped, clipping by the global norm);
 //! - [`optim8`] and [`quant`]: SGD, Adam and AdamW with their state in 8 bits, as burn-optim
 //!   0.22 optimizers;
+//! - [`snapshot`]: a run's model, optimizer state and hooks' states in one file (burnpack
+//!   records in memsave's container), resumed exactly; a 0.21 snapshot refused by name;
 //! - [`weights16`]: the weights kept in 16 bits as their only copy, any optimizer stepping them
 //!   in fp32 and rounding back (stochastically, to nearest, or with Kahan's compensation).
 
@@ -25,6 +27,7 @@ pub mod fp16;
 pub mod grads;
 pub mod optim8;
 pub mod quant;
+pub mod snapshot;
 pub mod weights16;
 
 pub use memsave_common::error::{Error, Result};
