@@ -709,7 +709,10 @@ fn the_kept_0_21_snapshot_resumes_here_and_a_0_22_one_is_refused_naming_its_vers
     let mut resumed = checkpointed_run(&work_dir("fixture-0.21-resumed"), hook(), net());
     resumed.resume(&kept).unwrap();
     assert_eq!(resumed.state().iter, 3);
-    assert_eq!(Checkpoint::load(&kept).unwrap().meta.memsave_version, "0.1.0");
+    assert_eq!(
+        Checkpoint::load(&kept).unwrap().meta.memsave_version,
+        "0.1.0"
+    );
 
     // One written on Burn 0.22: refused, naming the file, the version and what to do.
     let newer = fixture("written-on-burn-0.22.ckpt");

@@ -347,3 +347,34 @@ pub mod __private {
 fn join_index(path: &str, index: usize) -> String {
     __private::join_path(path, &index.to_string())
 }
+
+/// What a run does when a module's `with_cp` switch is on but no `#[with_cp]` method of it ran
+/// in the first step (config: `unused_with_cp`, top level).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum UnusedWithCp {
+    /// The step ends with an error naming the types (the default: training on without
+    /// checkpointing would use the memory the switch was meant to save).
+    #[default]
+    Error,
+    /// A warning naming them, once, and the run goes on without checkpointing them.
+    Warn,
+}
+
+/// The error (or warning) for the types switched on whose `#[with_cp]` method never ran.
+pub fn no_segment_message(types: &[String]) -> String {
+    let list = types
+        .iter()
+        .map(|name| format!("`{name}`"))
+        .collect::<Vec<_>>()
+        .join(", ");
+    format!(
+        "checkpointing is switched on in {list}, but no `#[with_cp]` method of {} ran in the \
+         first step, so nothing was checkpointed: mark the method that computes the block \
+         (its forward) `#[with_cp]`, or switch its `with_cp` off (a run that should go on \
+         without it: `unused_with_cp = \"warn\"` in the config, \
+         `memsave::checkpoint::set_unused_with_cp(UnusedWithCp::Warn)` in its run, \
+         `Memsave::unused_with_cp(..)` with burn-train)",
+        if types.len() == 1 { "it" } else { "them" }
+    )
+}

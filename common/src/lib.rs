@@ -7,6 +7,7 @@
 //!   of its segments, setting them whole or by path);
 //! - [`error`]: memsave's [`Error`], every error a user can meet, named by field, file, peer or
 //!   device;
+//! - [`groups`]: gradient accumulation's groups and MMCV's loss factor;
 //! - [`scaler`]: the loss scaler of mixed precision (MMCV's `LossScaler`);
 //! - [`clip`]: clipping by the global norm, as configured (PyTorch's `clip_grad_norm_`);
 //! - [`snapshot`]: the snapshot format's version and errors;
@@ -19,6 +20,7 @@ pub mod checkpoint;
 pub mod clip;
 pub mod draws;
 pub mod error;
+pub mod groups;
 pub mod quant;
 pub mod scaler;
 pub mod snapshot;

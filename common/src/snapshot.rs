@@ -265,19 +265,30 @@ mod tests {
                 if written_by.as_deref() == Some("0.1.0")),
             "{said}"
         );
-        for part in ["by memsave 0.1.0", "on Burn 0.21", "runs on Burn 0.22", "format 1"] {
+        for part in [
+            "by memsave 0.1.0",
+            "on Burn 0.21",
+            "runs on Burn 0.22",
+            "format 1",
+        ] {
             assert!(said.contains(part), "{part:?} in {said}");
         }
         let new = file(FORMAT_BURN_0_22, "0.2.0");
         let said = decode_sections(&new, FORMAT_BURN_0_21, &["header"])
             .unwrap_err()
             .to_string();
-        assert!(said.contains("on Burn 0.22") && said.contains("0.2.0"), "{said}");
+        assert!(
+            said.contains("on Burn 0.22") && said.contains("0.2.0"),
+            "{said}"
+        );
         let future = file(7, "9.0.0");
         let said = decode_sections(&future, FORMAT_BURN_0_22, &["header"])
             .unwrap_err()
             .to_string();
-        assert!(said.contains("newer memsave") && said.contains("9.0.0"), "{said}");
+        assert!(
+            said.contains("newer memsave") && said.contains("9.0.0"),
+            "{said}"
+        );
     }
 
     #[test]

@@ -53,6 +53,29 @@ pub fn unscale_to_masters<M: Module>(model: &M, grads: &mut GradientsParams, fac
     model.visit(&mut Unscale(grads, factor));
 }
 
+/// Adds `more` onto `sums`, each gradient of `model`'s parameters cast to its sum's dtype (the
+/// fp32 sums of accumulation, MMCV's `.grad` that each micro-batch's backward adds to); a
+/// parameter without a sum yet starts one in its master's dtype.
+pub fn accumulate<M: Module>(model: &M, sums: &mut GradientsParams, mut more: GradientsParams) {
+    struct Add<'a>(&'a mut GradientsParams, &'a mut GradientsParams);
+    impl ModuleVisitor for Add<'_> {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            let Some(grad) = self.1.remove::<D>(param.id) else {
+                return;
+            };
+            let sum = match self.0.remove::<D>(param.id) {
+                Some(sum) => {
+                    let dtype = sum.dtype();
+                    sum + grad.cast(dtype)
+                }
+                None => grad.cast(param.val().dtype()),
+            };
+            self.0.register::<D>(param.id, sum);
+        }
+    }
+    model.visit(&mut Add(sums, &mut more));
+}
+
 /// The `p`-norm of every gradient together (PyTorch's `clip_grad_norm_` total norm), in fp32;
 /// `norm_type = inf` for the largest magnitude. `None` when there is no gradient. Not finite
 /// when a gradient holds an inf or a NaN: the overflow test of mixed precision.

@@ -14,6 +14,9 @@
 //!   the gradients unscaled onto fp32 masters, overflow skipped, clipping by the global norm);
 //! - [`optim8`] and [`quant`]: SGD, Adam and AdamW with their state in 8 bits, as burn-optim
 //!   0.22 optimizers;
+//! - [`burn_train`]: mixed precision, MMCV-exact accumulation and global-norm clipping in
+//!   burn-train 0.22's `Learner` (feature `burn-train`, on by default);
+//! - [`check`]: the first step's check that every module switched on ran a `#[with_cp]` method;
 //! - [`snapshot`]: a run's model, optimizer state and hooks' states in one file (burnpack
 //!   records in memsave's container), resumed exactly; a 0.21 snapshot refused by name;
 //! - [`weights16`]: the weights kept in 16 bits as their only copy, any optimizer stepping them
@@ -21,7 +24,10 @@
 
 pub mod amp;
 pub mod backend;
+#[cfg(feature = "burn-train")]
+pub mod burn_train;
 pub mod cast;
+pub mod check;
 pub mod checkpoint;
 pub mod fp16;
 pub mod grads;

@@ -14,18 +14,7 @@ use std::sync::Mutex;
 use super::id::SegmentId;
 use crate::run;
 
-/// What a run does when a module's `with_cp` switch is on but no `#[with_cp]` method of it ran
-/// in the first step (config: `unused_with_cp`, top level).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum UnusedWithCp {
-    /// The step ends with an error naming the types (the default: training on without
-    /// checkpointing would use the memory the switch was meant to save).
-    #[default]
-    Error,
-    /// A warning naming them, once, and the run goes on without checkpointing them.
-    Warn,
-}
+pub use memsave_common::checkpoint::{no_segment_message, UnusedWithCp};
 
 /// The run's part: the types `checkpoint_with` ran for, whether or not it checkpointed (MMCV's
 /// guard), and what the check does. It only grows in a run.
@@ -79,22 +68,4 @@ pub fn unreached(visit: impl FnOnce(&mut dyn FnMut(SegmentId, bool))) -> Vec<Str
         }
     });
     found
-}
-
-/// The error (or warning) for [`unreached`]'s types.
-pub fn no_segment_message(types: &[String]) -> String {
-    let list = types
-        .iter()
-        .map(|name| format!("`{name}`"))
-        .collect::<Vec<_>>()
-        .join(", ");
-    format!(
-        "checkpointing is switched on in {list}, but no `#[with_cp]` method of {} ran in the \
-         first step, so nothing was checkpointed: mark the method that computes the block \
-         (its forward) `#[with_cp]`, or switch its `with_cp` off (a run that should go on \
-         without it: `unused_with_cp = \"warn\"` in the config, \
-         `memsave::checkpoint::set_unused_with_cp(UnusedWithCp::Warn)` in its run, \
-         `Memsave::unused_with_cp(..)` with burn-train)",
-        if types.len() == 1 { "it" } else { "them" }
-    )
 }

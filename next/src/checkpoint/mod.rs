@@ -41,6 +41,7 @@
 
 mod nodes;
 mod ours;
+mod reached;
 mod segment;
 mod state;
 
@@ -63,10 +64,12 @@ use crate::backend::{self, AdTensor, DispatchBackend, OnBackend};
 
 #[doc(hidden)]
 pub use memsave_common::checkpoint::__private;
+pub use memsave_common::checkpoint::{no_segment_message, UnusedWithCp};
 pub use memsave_common::checkpoint::{
     segment_paths, set_with_cp, set_with_cp_paths, CheckpointModule, HasWithCp, SegmentId,
     UnknownSegment,
 };
+pub use reached::{reached, unreached};
 pub use segment::{floats, Segment};
 
 /// Runs `segment(module, input)` as a checkpointed segment when a float tensor of `input` is
@@ -152,6 +155,9 @@ where
     O: Segment,
     F: Fn(&M, I) -> O + Send + Sync + 'static,
 {
+    if !options.method.is_empty() {
+        reached::note::<M>();
+    }
     let floats = floats(&input);
     if let Some(unsupported) = floats
         .iter()

@@ -255,7 +255,7 @@ impl<B: AutodiffBackend, M: TrainModel<B>, R: Reducer<B>> Hook<B, M> for Optimiz
         }
         let (place, parts) = self.split();
         place.before_run(&parts, state)?;
-        self.groups.warn(state);
+        groups::warn(self.groups, state);
         // ZeRO: this peer keeps the state of its part only (a resumed state is whole).
         self.reducer.own_state(&state.model, &mut state.optimizer);
         state.sharded_optimizer = self.reducer.shards();
@@ -267,7 +267,7 @@ impl<B: AutodiffBackend, M: TrainModel<B>, R: Reducer<B>> Hook<B, M> for Optimiz
     }
 
     fn before_iter(&mut self, state: &mut TrainState<B, M>) -> Result<()> {
-        let boundary = self.groups.boundary(state);
+        let boundary = groups::boundary(self.groups, state);
         let (place, parts) = self.split();
         if boundary {
             place.before_last_iter(&parts, state)
@@ -284,7 +284,7 @@ impl<B: AutodiffBackend, M: TrainModel<B>, R: Reducer<B>> Hook<B, M> for Optimiz
 
     fn after_iter(&mut self, state: &mut TrainState<B, M>) -> Result<()> {
         self.check_first_forward(state)?;
-        let boundary = self.groups.boundary(state);
+        let boundary = groups::boundary(self.groups, state);
         let (place, mut parts) = self.split();
         if boundary {
             place.end_group(&mut parts, state)

@@ -75,9 +75,7 @@ impl Snapshot {
             .map_err(|error| bad_snapshot(Path::new(""), FormatError::Header(error)))?;
         let mut sections = vec![meta.as_slice(), &self.model, &self.optimizer];
         sections.extend(self.weights.as_deref());
-        Ok(memsave_common::snapshot::encode_sections(
-            FORMAT, &sections,
-        ))
+        Ok(memsave_common::snapshot::encode_sections(FORMAT, &sections))
     }
 
     /// Parses a file's bytes; `path` names the file in errors.
