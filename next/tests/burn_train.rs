@@ -83,40 +83,54 @@ impl Net {
     }
 
     #[auto_fp16(out_fp32 = true)]
-    fn forward(&self, x: Tensor<2>) -> Tensor<2> {
+    fn predict(&self, x: Tensor<2>) -> Tensor<2> {
         let x = self.input.forward(x);
         let x = self.blocks.iter().fold(x, |x, block| block.forward(x));
         self.output.forward(x)
     }
+}
 
-    fn regression(&self, batch: Batch) -> RegressionOutput {
-        let output = self.forward(batch.x);
-        let loss = (output.clone() - batch.y.clone()).powi_scalar(2).mean();
-        RegressionOutput {
-            loss,
-            output,
-            targets: batch.y,
+/// The mean squared error of `output` against the batch's targets, as burn-train's output.
+fn regression(output: Tensor<2>, targets: Tensor<2>) -> RegressionOutput {
+    let loss = (output.clone() - targets.clone()).powi_scalar(2).mean();
+    RegressionOutput {
+        loss,
+        output,
+        targets,
+    }
+}
+
+/// memsave's forward step and burn-train's validation step of a model whose `predict` maps a
+/// batch's inputs to its outputs: the mean squared error against the targets.
+macro_rules! regression_steps {
+    ($($model:ty),*) => {$(
+        impl $model {
+            fn regression(&self, batch: Batch) -> RegressionOutput {
+                regression(self.predict(batch.x), batch.y)
+            }
         }
-    }
+
+        impl ForwardStep for $model {
+            type Input = Batch;
+            type Output = RegressionOutput;
+
+            fn forward_step(&self, batch: Batch) -> RegressionOutput {
+                self.regression(batch)
+            }
+        }
+
+        impl InferenceStep for $model {
+            type Input = Batch;
+            type Output = RegressionOutput;
+
+            fn step(&self, batch: Batch) -> RegressionOutput {
+                self.regression(batch)
+            }
+        }
+    )*};
 }
 
-impl ForwardStep for Net {
-    type Input = Batch;
-    type Output = RegressionOutput;
-
-    fn forward_step(&self, batch: Batch) -> RegressionOutput {
-        self.regression(batch)
-    }
-}
-
-impl InferenceStep for Net {
-    type Input = Batch;
-    type Output = RegressionOutput;
-
-    fn step(&self, batch: Batch) -> RegressionOutput {
-        self.regression(batch)
-    }
-}
+regression_steps!(Net, Trap);
 
 #[derive(Clone)]
 struct ItemBatcher;
@@ -658,32 +672,8 @@ impl Trap {
         }
     }
 
-    fn regression(&self, batch: Batch) -> RegressionOutput {
-        let output = self.block.fc.forward(batch.x);
-        let loss = (output.clone() - batch.y.clone()).powi_scalar(2).mean();
-        RegressionOutput {
-            loss,
-            output,
-            targets: batch.y,
-        }
-    }
-}
-
-impl ForwardStep for Trap {
-    type Input = Batch;
-    type Output = RegressionOutput;
-
-    fn forward_step(&self, batch: Batch) -> RegressionOutput {
-        self.regression(batch)
-    }
-}
-
-impl InferenceStep for Trap {
-    type Input = Batch;
-    type Output = RegressionOutput;
-
-    fn step(&self, batch: Batch) -> RegressionOutput {
-        self.regression(batch)
+    fn predict(&self, x: Tensor<2>) -> Tensor<2> {
+        self.block.fc.forward(x)
     }
 }
 
