@@ -131,15 +131,26 @@ pub fn global_norm<M: Module>(model: &M, grads: &GradientsParams, norm_type: f64
 /// The global norm of `grads` (`clip`'s `p`), clipping them to `clip.max_norm` (PyTorch's
 /// coefficient `max_norm / (norm + 1e-6)`, applied when below 1). The norm before clipping is
 /// returned; a norm that is not finite clips nothing.
+/// Clips `grads` by `clip` given their global norm `norm` (the clipping's `p`-norm, already
+/// computed): scaled by `max_norm / (norm + 1e-6)` where that is below 1 and the norm finite.
+pub fn clip_with_norm<M: Module>(
+    model: &M,
+    grads: &mut GradientsParams,
+    clip: &GradClip,
+    norm: f64,
+) {
+    let coefficient = clip.max_norm / (norm + 1e-6);
+    if norm.is_finite() && coefficient < 1.0 {
+        scale(model, grads, coefficient);
+    }
+}
+
 pub fn clip_by_global_norm<M: Module>(
     model: &M,
     grads: &mut GradientsParams,
     clip: &GradClip,
 ) -> Option<f64> {
     let norm = global_norm(model, grads, clip.norm_type)?;
-    let coefficient = clip.max_norm / (norm + 1e-6);
-    if norm.is_finite() && coefficient < 1.0 {
-        scale(model, grads, coefficient);
-    }
+    clip_with_norm(model, grads, clip, norm);
     Some(norm)
 }

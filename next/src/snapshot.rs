@@ -242,28 +242,38 @@ impl Snapshot {
             .map_err(|error| self.bad(codec("the model's record does not fit the model", error)))
     }
 
-    /// `optimizer` with the snapshot's state. Every parameter's state must be readable by
-    /// `optimizer` (Burn's `load_record` drops a state it cannot read, which would restart
-    /// that parameter's moments without a word): a state saved by another optimizer, or with
-    /// other settings (momentum on or off, 8-bit or fp32 state), is an error naming the
-    /// count. The states are keyed by parameter id: load the model from the same snapshot.
+    /// `optimizer` with the snapshot's state. Burn's `load_record` drops a parameter's state it
+    /// cannot read, which would restart that parameter's moments without a word: a state whose
+    /// tensors this optimizer does not read (another optimizer's, Adam's against SGD's momentum,
+    /// 8-bit against fp32) is an error naming how many it kept. What Burn reads without a
+    /// tensor to show for it (SGD without momentum, whose state is empty) cannot be told apart:
+    /// build the optimizer as the run that wrote the snapshot did. The states are keyed by
+    /// parameter id: load the model from the same snapshot.
     pub fn load_optimizer(&self, optimizer: ModuleOptimizer) -> Result<ModuleOptimizer> {
         if self.optimizer.is_empty() {
             return Err(self.bad_message("it holds no optimizer state"));
         }
-        let read = || {
-            OptimizerRecord::from_bytes(Bytes::from_bytes_vec(self.optimizer.clone()))
-                .map_err(|error| self.bad(codec("the optimizer's state is unreadable", error)))
-        };
-        let saved = read()?.len();
-        let optimizer = optimizer.load_record(read()?);
+        let record = OptimizerRecord::from_bytes(Bytes::from_bytes_vec(self.optimizer.clone()))
+            .map_err(|error| self.bad(codec("the optimizer's state is unreadable", error)))?;
+        let saved = record.len();
+        // Burn's load panics on a record tensor without a parameter id (a burnpack that is not
+        // an optimizer's): a damaged snapshot is an error, never a panic.
+        let optimizer = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            optimizer.load_record(record)
+        }))
+        .map_err(|panic| {
+            let why = memsave_common::panic_text(&*panic).unwrap_or("a panic");
+            self.bad_message(format!(
+                "the optimizer's state is not an optimizer's record ({why})"
+            ))
+        })?;
         let kept = optimizer.to_record().len();
         if kept < saved {
             return Err(self.bad_message(format!(
                 "this optimizer reads {kept} of the {saved} state tensors saved there: the \
                  snapshot was written with another optimizer or other settings (momentum, \
-                 betas' state, 8-bit or fp32 state, 16-bit weights); build the optimizer as the \
-                 run that wrote it did"
+                 8-bit or fp32 state, 16-bit weights); build the optimizer as the run that \
+                 wrote it did"
             )));
         }
         Ok(optimizer)

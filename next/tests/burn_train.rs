@@ -240,8 +240,8 @@ fn through_burn_train(setup: &Setup, name: &str) -> (Net, Memsave) {
     (result.model.into_model(), memsave)
 }
 
-/// The same rules written out: each micro-batch's loss divided by its group's size and
-/// multiplied by the scale, its gradients added to fp32 sums; at a group's end the sums unscaled,
+/// The same rules written out: each micro-batch's loss divided by its group's size, then
+/// multiplied by the scale (MMCV's order), its gradients added to fp32 sums; at a group's end the sums unscaled,
 /// an inf or NaN skipping the step (the scale halved), clipping by the global 2-norm, SGD.
 fn by_hand(setup: &Setup) -> (Net, f64, usize) {
     let mut masters = net();
@@ -267,7 +267,7 @@ fn by_hand(setup: &Setup) -> (Net, f64, usize) {
                 None => masters.clone(),
             };
             let loss = forward.regression(batch).loss.cast(DType::F32);
-            let loss = loss.mul_scalar(scale / factor);
+            let loss = loss.div_scalar(factor).mul_scalar(scale);
             let grads = GradientsParams::from_grads(loss.backward(), &forward);
             sums = Some(add_f32(&masters, sums, grads));
             let ends = (iter + 1) % setup.cumulative == 0 || iter + 1 == total;
@@ -601,6 +601,84 @@ fn registering_memsaves_metrics_hands_it_the_interrupter() {
     });
 }
 
+#[test]
+fn every_parameter_groups_rate_reaches_the_step() {
+    watchdog(300, || {
+        use burn::module::ParamGroup;
+        use burn::optim::lr_scheduler::module_lr_scheduler::ModuleLrScheduler;
+        let start = net();
+        // The output layer in a group of its own, at rate 0: it must not move.
+        let schedule = ModuleLrScheduler::new(0.05)
+            .with_group(ParamGroup::ids_from_module(start.output.clone()), 0.0);
+        let memsave = Memsave::new().accumulate(2, 6).unwrap();
+        let learner = memsave.learner(start.clone(), sgd(), schedule).unwrap();
+        let result = SupervisedTraining::new(
+            dir("groups"),
+            loader(items(12, 2.0), 2),
+            loader(items(4, 2.0), 2),
+        )
+        .num_epochs(1)
+        .launch(learner);
+        assert!(result.error.is_none());
+        memsave.finish().unwrap();
+        let trained = result.model.into_model();
+        assert_eq!(param_bits(&trained.output), param_bits(&start.output));
+        assert_ne!(param_bits(&trained.input), param_bits(&start.input));
+    });
+}
+
+#[test]
+fn the_schedulers_record_is_a_plain_runs_and_keeps_the_groups_rate() {
+    use burn::optim::lr_scheduler::linear::LinearLrSchedulerConfig;
+    use burn::optim::lr_scheduler::module_lr_scheduler::ModuleLrScheduler;
+    let linear = || LinearLrSchedulerConfig::new(0.1, 0.01, 10).init().unwrap();
+    // memsave's scheduler as the Learner holds it, stepped for micro-batches 0 to 4 in groups
+    // of 3 (the inner scheduler stepped twice: at 0 and at 3).
+    let memsave = Memsave::new().accumulate(3, 30).unwrap();
+    let mut model = memsave.model(net()).unwrap();
+    let mut ours = ModuleLrScheduler::new(memsave.scheduler(linear()));
+    let mut plain = linear();
+    let mut rates = Vec::new();
+    for _ in 0..2 {
+        rates.push(plain.step().base());
+    }
+    // Drive memsave's count of micro-batches as the Learner would: a step each.
+    for iter in 0..5 {
+        let rate = ours.step().base();
+        assert_eq!(rate, rates[iter / 3], "micro-batch {iter}");
+        model = advance(model);
+    }
+    let record = ours.to_record();
+    // Into a plain run: the user's schedule goes on where it was.
+    let mut into_plain = linear().load_record(record.clone());
+    assert_eq!(into_plain.step().base(), plain.clone().step().base());
+    // Into memsave's, inside the group: the group's rate, then the next step's.
+    let resumed = Memsave::new().accumulate(3, 30).unwrap();
+    let model = resumed.model(net()).unwrap();
+    let mut theirs = ModuleLrScheduler::new(resumed.scheduler(linear())).load_record(record);
+    assert_eq!(resumed.iterations(), 5);
+    assert_eq!(
+        theirs.step().base(),
+        rates[1],
+        "micro-batch 5 is in the group of 3..6"
+    );
+    let _ = advance(model);
+    assert_eq!(
+        theirs.step().base(),
+        plain.step().base(),
+        "micro-batch 6 starts a group"
+    );
+}
+
+/// `model` after the optimizer saw one more micro-batch (no gradients): how the Learner moves
+/// memsave's count on.
+fn advance(
+    model: memsave_next::burn_train::MemsaveModel<Net>,
+) -> memsave_next::burn_train::MemsaveModel<Net> {
+    use burn::train::TrainStep;
+    model.optimize(&mut sgd(), 0.0.into(), GradientsParams::new())
+}
+
 /// A scheduler that counts its steps and gives `0.01 * steps`.
 #[derive(Clone)]
 struct Counting(Arc<Mutex<usize>>);
@@ -736,6 +814,24 @@ fn a_block_switched_on_without_a_with_cp_method_stops_the_training_and_is_never_
             panic.contains("memsave stopped the training")
                 && panic.contains("`Unmarked`")
                 && panic.contains("with_interrupter(memsave.interrupter())"),
+            "{panic}"
+        );
+        drop(memsave);
+
+        // memsave's metrics registered, then an interrupter of the program's own: burn-train's
+        // loop goes on, and the next step says why.
+        let memsave = Memsave::new();
+        let learner = memsave.learner(model.clone(), sgd(), LR).unwrap();
+        let training = trap_training("trap-ignored")
+            .metrics(memsave.metrics())
+            .with_interrupter(burn::train::Interrupter::new());
+        let panic =
+            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| training.launch(learner)))
+                .err()
+                .map(panic_text)
+                .expect("the next step panics");
+        assert!(
+            panic.contains("went on after memsave stopped it") && panic.contains("`Unmarked`"),
             "{panic}"
         );
         drop(memsave);

@@ -58,6 +58,9 @@ pub(crate) enum Unseen {
     NoHandle,
     /// The last handle was dropped without [`Memsave::finish`].
     NotTaken,
+    /// The training went on after memsave stopped it: the interrupter memsave holds is not
+    /// the one burn-train's loop reads.
+    Ignored,
 }
 
 /// The panic message for an error that stopped the training: the error, and how to get it as
@@ -73,6 +76,12 @@ pub(crate) fn stopped(message: &str, why: Unseen) -> String {
         Unseen::NoHandle => {
             "no `Memsave` handle is left to take it: keep the `Memsave` and call \
              `memsave.finish()?` after `launch`"
+        }
+        Unseen::Ignored => {
+            "the training went on after memsave stopped it, so the interrupter memsave holds is \
+             not the training's: give `memsave.interrupter()` with `with_interrupter` after any \
+             interrupter of your own (or register `.metrics(memsave.metrics())` after it), and \
+             take the error with `memsave.finish()?` after `launch`"
         }
         Unseen::NotTaken => {
             "the training was stopped, and the error was never taken: call `memsave.finish()?` \

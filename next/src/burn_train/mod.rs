@@ -49,7 +49,7 @@ mod schedule;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use burn::module::Module;
-use burn::optim::lr_scheduler::module_lr_scheduler::ModuleLrScheduler;
+use burn::optim::lr_scheduler::module_lr_scheduler::{ModuleLearningRate, ModuleLrScheduler};
 use burn::optim::{GradientsParams, ModuleOptimizer};
 use burn::train::{InferenceStep, Interrupter, Learner};
 
@@ -109,6 +109,8 @@ pub(crate) struct Shared {
     pub(crate) last: StepReport,
     /// Steps skipped on overflow so far.
     pub(crate) skipped_steps: usize,
+    /// The rates of the current group, every parameter group's (the user's scheduler's).
+    pub(crate) lr: Option<ModuleLearningRate>,
     /// The current micro-batch's loss, until the optimizer records it.
     pub(crate) pending_loss: Option<metrics::LazyLoss>,
     /// Every micro-batch, for the metrics.
@@ -252,10 +254,20 @@ impl Memsave {
     /// After the training: the error that stopped it, if any. Call it after `launch`:
     /// `memsave.finish()?`.
     pub fn finish(&self) -> Result<()> {
-        match lock(&self.shared).failure.take() {
-            Some(error) => Err(error),
-            None => Ok(()),
+        let mut shared = lock(&self.shared);
+        if let Some(error) = shared.failure.take() {
+            return Err(error);
         }
+        if shared.summed.take().is_some() {
+            let (iter, max_iters) = (shared.iter, shared.max_iters);
+            shared.warn(format!(
+                "the run ended inside a group of micro-batches (after micro-batch {iter}, of the \
+                 {} `Memsave::accumulate` was told): that group's gradients were never stepped; \
+                 give the run's number of micro-batches (epochs x batches per epoch)",
+                max_iters.map_or("?".to_string(), |m| m.to_string())
+            ));
+        }
+        Ok(())
     }
 
     /// Mixed precision: the forward and backward run on a `precision` copy of the weights, the

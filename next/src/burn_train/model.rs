@@ -172,6 +172,15 @@ where
     fn step(&self, input: Self::Input) -> TrainOutput<Self::Output> {
         let (divisor, scale, first, unused) = {
             let mut shared = lock(&self.shared);
+            if let Some(error) = shared.failure.take() {
+                // burn-train checks its interrupter after every step: a step after a failure
+                // means the one memsave stopped is not the training's.
+                drop(shared);
+                panic!(
+                    "{}",
+                    super::failure::stopped(&error.to_string(), super::failure::Unseen::Ignored)
+                );
+            }
             let iter = shared.forwards;
             shared.forwards += 1;
             let divisor = shared.loss_factor(iter) as f64;
@@ -184,7 +193,12 @@ where
         // The loss in fp32 (a half loss's own gradient, the scale, would overflow f16).
         let loss = match scale {
             None => item.loss().div_scalar(divisor),
-            Some(scale) => item.loss().cast(DType::F32).mul_scalar(scale / divisor),
+            // MMCV's order: the loss divided by its factor, then scaled.
+            Some(scale) => item
+                .loss()
+                .cast(DType::F32)
+                .div_scalar(divisor)
+                .mul_scalar(scale),
         };
         let grads = GradientsParams::from_grads(loss.backward(), forward);
         // The loss for memsave's metrics, read only if one asks (reading waits for the device).
@@ -232,7 +246,7 @@ where
             "training strategy",
             "memsave's burn-train adapter on Burn 0.22 runs on burn-train's single-device \
              strategy (several devices come with the port's data parallelism): train on one \
-             device, or with burn-train's `OptimMainDevice` strategy",
+             device",
         ));
         if let Some(message) = shared.unseen_failure() {
             drop(shared);
@@ -257,6 +271,9 @@ where
     ) -> Self {
         let state = self.shared.clone();
         let mut shared = lock(&state);
+        // The rates of every parameter group, as the user's scheduler gave them (the Learner
+        // passes the base group's alone: memsave's scheduler gives it one rate).
+        let lr = shared.lr.clone().unwrap_or(lr);
         if shared.failure.is_some() {
             // The training stopped with an error: no step on what is left. Where nothing else
             // would show the error, it is a panic here, on burn-train's loop thread.
@@ -296,8 +313,8 @@ where
         let norm_type = clip.as_ref().map_or(2.0, |clip| clip.norm_type);
         let Some(mixed) = shared.mixed.as_mut() else {
             let norm = grads::global_norm(&self.model, &sums, norm_type);
-            if let Some(clip) = &clip {
-                grads::clip_by_global_norm(&self.model, &mut sums, clip);
+            if let (Some(clip), Some(norm)) = (&clip, norm) {
+                grads::clip_with_norm(&self.model, &mut sums, clip, norm);
             }
             shared.last.stepped = true;
             shared.last.grad_norm = norm;
@@ -325,8 +342,8 @@ where
             shared.last.skipped_steps = shared.skipped_steps;
             return self;
         }
-        if let Some(clip) = &clip {
-            grads::clip_by_global_norm(&self.model, &mut sums, clip);
+        if let (Some(clip), Some(norm)) = (&clip, norm) {
+            grads::clip_with_norm(&self.model, &mut sums, clip, norm);
         }
         mixed.scaler.update_scale(false);
         shared.last.loss_scale = Some(mixed.scaler.loss_scale());

@@ -11,7 +11,7 @@
 
 use std::sync::{Arc, Mutex};
 
-use burn::optim::lr_scheduler::module_lr_scheduler::ModuleLrScheduler;
+use burn::optim::lr_scheduler::module_lr_scheduler::{ModuleLearningRate, ModuleLrScheduler};
 use burn::optim::lr_scheduler::{LrScheduler, LrSchedulerRecord};
 use burn::optim::LearningRate;
 
@@ -21,6 +21,8 @@ use crate::scaler::{LossScaler, ScaleMode};
 const ITER: &str = "memsave.iter";
 const SCALER: &str = "memsave.loss_scaler";
 const SKIPPED: &str = "memsave.skipped_steps";
+const RATE: &str = "memsave.lr";
+const GROUP: &str = "memsave.group";
 
 impl Shared {
     /// `record` with memsave's state: the micro-batches the optimizer has seen and, under mixed
@@ -121,16 +123,14 @@ fn scaler_from(record: &LrSchedulerRecord) -> Option<crate::Result<LossScaler>> 
 /// [module docs](super)). Its record is the inner scheduler's and memsave's state.
 ///
 /// It takes what burn-train's `Learner::new` takes (a rate, a scheduler, the `ModuleLrScheduler`
-/// Burn's scheduler configs' `init()` make) and gives the rate of its base group to every
-/// parameter: per-group rates (`ModuleLrScheduler::with_group`) are not carried through
-/// memsave's adapter yet, and a scheduler with groups is said once.
+/// Burn's scheduler configs' `init()` make); every parameter group's rate reaches the optimizer's
+/// step.
 #[derive(Clone)]
 pub struct MemsaveScheduler {
     inner: ModuleLrScheduler,
     shared: Arc<Mutex<Shared>>,
     /// The rate of the current group.
     current: Option<LearningRate>,
-    warned_groups: bool,
 }
 
 impl MemsaveScheduler {
@@ -139,7 +139,6 @@ impl MemsaveScheduler {
             inner: inner.into(),
             shared,
             current: None,
-            warned_groups: false,
         }
     }
 
@@ -159,29 +158,54 @@ impl LrScheduler for MemsaveScheduler {
         match self.current {
             Some(rate) if !iter.is_multiple_of(cumulative) => rate,
             _ => {
-                if !self.warned_groups && !self.inner.to_record().record("1").is_empty() {
-                    self.warned_groups = true;
-                    lock(&self.shared).warn(
-                        "the scheduler has parameter groups of its own \
-                         (`ModuleLrScheduler::with_group`): memsave's adapter gives the base \
-                         group's rate to every parameter"
-                            .to_string(),
-                    );
-                }
-                let rate = self.inner.step().base();
+                let rates = self.inner.step();
+                let rate = rates.base();
+                // Every group's rate, for the optimizer's step (`MemsaveModel::optimize`).
+                lock(&self.shared).lr = Some(rates);
                 self.current = Some(rate);
                 rate
             }
         }
     }
 
+    /// The user's scheduler's record as a plain run writes it (its base group's scalars where
+    /// that scheduler reads them; further groups under `memsave.group.N`), the current group's
+    /// rate, and memsave's state.
     fn to_record(&self) -> LrSchedulerRecord {
-        lock(&self.shared).save_state(self.inner.to_record())
+        let inner = self.inner.to_record();
+        let mut record = inner.record("0");
+        let mut group = 1;
+        loop {
+            let sub = inner.record(&group.to_string());
+            if sub.is_empty() {
+                break;
+            }
+            record = record.with_record(&format!("{GROUP}.{group}"), sub);
+            group += 1;
+        }
+        if let Some(rate) = self.current {
+            record = record.with_scalar(RATE, rate);
+        }
+        lock(&self.shared).save_state(record)
     }
 
     fn load_record(&mut self, record: LrSchedulerRecord) {
-        lock(&self.shared).load_state(&record);
-        self.inner = self.inner.clone().load_record(record);
-        self.current = None;
+        let mut inner = LrSchedulerRecord::new().with_record("0", record.clone());
+        let mut group = 1;
+        loop {
+            let sub = record.record(&format!("{GROUP}.{group}"));
+            if sub.is_empty() {
+                break;
+            }
+            inner = inner.with_record(&group.to_string(), sub);
+            group += 1;
+        }
+        self.inner = self.inner.clone().load_record(inner);
+        let mut shared = lock(&self.shared);
+        shared.load_state(&record);
+        // Resumed inside a group: the group's rate as it was (the user's scheduler stepped at
+        // its first micro-batch, before the checkpoint).
+        self.current = record.scalar::<f64>(RATE);
+        shared.lr = self.current.map(ModuleLearningRate::from);
     }
 }
