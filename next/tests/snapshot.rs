@@ -373,6 +373,11 @@ fn damaged_files_other_models_and_other_optimizers_are_errors_naming_the_file() 
         }
         // The same optimizer reads it.
         snapshot.load_optimizer(AdamWConfig::new().init()).unwrap();
+        // A burnpack that is not an optimizer's (the model's, in the optimizer's section).
+        let mut foreign = snapshot.clone();
+        foreign.optimizer = foreign.model.clone();
+        let said = failure(foreign.load_optimizer(AdamWConfig::new().init())).to_string();
+        assert!(said.contains("optimizer"), "{said}");
 
         // A scaler state that is not one.
         let error = amp()
