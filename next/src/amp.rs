@@ -129,7 +129,7 @@ impl MixedPrecision {
                  `out_fp32` on the forward, or `.cast(DType::F32)`)"
             );
         }
-        loss.cast(DType::F32).mul_scalar(scale).backward()
+        crate::checkpoint::backward(loss.cast(DType::F32).mul_scalar(scale))
     }
 
     /// Steps `optimizer` on the fp32 `masters` with the gradients of `half` (the copy

@@ -15,7 +15,7 @@ use burn::module::{Module, ModuleVisitor, Param};
 use burn::nn::{Linear, LinearConfig};
 use burn::optim::lr_scheduler::{LrScheduler, LrSchedulerRecord};
 use burn::optim::momentum::MomentumConfig;
-use burn::optim::{GradientsParams, LearningRate, SgdConfig};
+use burn::optim::{AdamWConfig, GradientsParams, LearningRate, SgdConfig};
 use burn::prelude::*;
 use burn::tensor::DType;
 use burn::train::{InferenceStep, RegressionOutput, SupervisedTraining};
@@ -677,6 +677,129 @@ fn advance(
 ) -> memsave_next::burn_train::MemsaveModel<Net> {
     use burn::train::TrainStep;
     model.optimize(&mut sgd(), 0.0.into(), GradientsParams::new())
+}
+
+/// A transformer of Burn's own encoder layers (dropout 0.25), each a `#[with_cp]` block, with
+/// the layers' recomputations counted.
+#[model]
+#[derive(Module, Debug)]
+struct EncoderBlock {
+    layer: burn::nn::transformer::TransformerEncoderLayer,
+    with_cp: bool,
+    fp16_enabled: Fp16,
+}
+
+static BLOCK_RUNS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+impl EncoderBlock {
+    #[with_cp]
+    fn forward(&self, x: Tensor<3>) -> Tensor<3> {
+        BLOCK_RUNS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        self.layer.forward(x, None, None)
+    }
+}
+
+const SEQ: usize = 4;
+
+#[model]
+#[derive(Module, Debug)]
+struct Encoder {
+    embed: Linear,
+    #[with_cp]
+    blocks: Vec<EncoderBlock>,
+    head: Linear,
+    fp16_enabled: Fp16,
+}
+
+impl Encoder {
+    fn new(device: &Device) -> Self {
+        device.seed(8);
+        let config =
+            burn::nn::transformer::TransformerEncoderConfig::new(16, 32, 2, 3).with_dropout(0.25);
+        Encoder {
+            embed: LinearConfig::new(IN, 16).init(device),
+            blocks: config
+                .init(device)
+                .layers
+                .into_iter()
+                .map(|layer| EncoderBlock {
+                    layer,
+                    with_cp: false,
+                    fp16_enabled: Fp16::Off,
+                })
+                .collect(),
+            head: LinearConfig::new(16, OUT).init(device),
+            fp16_enabled: Fp16::Off,
+        }
+    }
+
+    /// Each row's `IN` features repeated over `SEQ` positions (scaled by the position), the mean
+    /// over positions of the head's outputs.
+    #[auto_fp16(out_fp32 = true)]
+    fn predict(&self, x: Tensor<2>) -> Tensor<2> {
+        let [rows, _] = x.dims();
+        let positions = Tensor::<1, Int>::arange(1..SEQ as i64 + 1, &x.device())
+            .float()
+            .cast(x.dtype())
+            .reshape([1, SEQ, 1]);
+        let x = x.reshape([rows, 1, IN]).repeat_dim(1, SEQ) * positions.div_scalar(SEQ as f64);
+        let h = self.embed.forward(x);
+        let h = self.blocks.iter().fold(h, |h, block| block.forward(h));
+        self.head.forward(h).mean_dim(1).reshape([rows, OUT])
+    }
+}
+
+regression_steps!(Encoder);
+
+#[test]
+fn a_transformer_trains_through_the_learner_in_f16_with_every_block_checkpointed_exactly() {
+    watchdog(600, || {
+        let train = |checkpointed: bool, name: &str| {
+            let memsave = Memsave::new()
+                .fp16(LossScaler::new(65536.0, ScaleMode::Dynamic, 2.0, 2).unwrap())
+                .accumulate(2, 2 * 5)
+                .unwrap()
+                .clip_grad_norm(1.0)
+                .unwrap();
+            let model = set_with_cp(Encoder::new(&common::device()), checkpointed);
+            let start = param_bits(&model);
+            let learner = memsave
+                .learner(model, AdamWConfig::new().init(), 1e-3)
+                .unwrap();
+            BLOCK_RUNS.store(0, std::sync::atomic::Ordering::Relaxed);
+            common::device().seed(3);
+            let result = SupervisedTraining::new(
+                dir(name),
+                loader(items(10, 2.0), 2),
+                loader(items(4, 2.0), 2),
+            )
+            .with_interrupter(memsave.interrupter())
+            .num_epochs(2)
+            .launch(learner);
+            assert!(
+                result.error.is_none(),
+                "{:?}",
+                result.error.map(|e| e.to_string())
+            );
+            memsave.finish().unwrap();
+            let runs = BLOCK_RUNS.load(std::sync::atomic::Ordering::Relaxed);
+            let trained = result.model.into_model();
+            assert_ne!(param_bits(&trained), start, "it trained");
+            (param_bits(&trained), runs, memsave.loss_scale())
+        };
+        let (plain, plain_runs, plain_scale) = train(false, "encoder-plain");
+        let (checkpointed, runs, scale) = train(true, "encoder-checkpointed");
+        println!(
+            "encoder blocks ran {plain_runs} times plain and {runs} checkpointed (10 training \
+             micro-batches and 4 validation batches of 2 epochs, 3 blocks); loss scale \
+             {plain_scale:?} and {scale:?}"
+        );
+        assert_eq!(checkpointed, plain, "bit for bit");
+        assert_eq!(scale, plain_scale);
+        // Each training micro-batch runs each block twice when checkpointed (the forward and
+        // the recomputation), once plainly; validation runs them once either way.
+        assert_eq!(runs - plain_runs, 2 * 5 * 3);
+    });
 }
 
 /// A scheduler that counts its steps and gives `0.01 * steps`.

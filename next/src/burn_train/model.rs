@@ -200,7 +200,8 @@ where
                 .div_scalar(divisor)
                 .mul_scalar(scale),
         };
-        let grads = GradientsParams::from_grads(loss.backward(), forward);
+        // The random stream left as without checkpointing (`checkpoint::backward`).
+        let grads = GradientsParams::from_grads(crate::checkpoint::backward(loss), forward);
         // The loss for memsave's metrics, read only if one asks (reading waits for the device).
         lock(&self.shared).pending_loss = Some(super::metrics::LazyLoss::new(item.loss()));
         if first {

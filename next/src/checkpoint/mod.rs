@@ -72,6 +72,22 @@ pub use memsave_common::checkpoint::{
 pub use reached::{reached, unreached};
 pub use segment::{floats, Segment};
 
+/// `loss.backward()`, leaving the device's random stream where a run without checkpointing
+/// leaves it. A recomputation replays its segment's draws by giving the device the segment's
+/// seed again, which moves the stream (Burn has one per device and no way to read its state):
+/// without this, the steps after a checkpointed one would draw other dropout masks than the same
+/// run without checkpointing (each step's gradients exact, the run's not). The stream's next
+/// seed is drawn before the backward and given back after it, with or without checkpointing.
+/// memsave's `MixedPrecision::backward` and burn-train adapter call it; a user's own loop with
+/// segments that draw calls it instead of `loss.backward()`.
+pub fn backward<const D: usize>(loss: Tensor<D>) -> burn::tensor::Gradients {
+    let device = loss.device();
+    let next = state::draw_seed(&device);
+    let grads = loss.backward();
+    device.seed(next);
+    grads
+}
+
 /// Runs `segment(module, input)` as a checkpointed segment when a float tensor of `input` is
 /// tracked (MMCV's guard: `x.requires_grad`), else as written: [`checkpoint_with`] with the
 /// default [`Options`].

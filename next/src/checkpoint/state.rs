@@ -78,19 +78,20 @@ pub(crate) fn initialize<M: Module>(module: &M) {
     module.visit(&mut Initialize);
 }
 
-/// A seed for a segment's own stream, drawn from the global stream of `device` (as much of it as
-/// two draws), and given to the device.
-pub(crate) fn seed_own_stream(device: &DispatchDevice) -> u64 {
-    let halves = Tensor::<1, Int>::random(
-        [2],
-        Distribution::Uniform(0.0, 2147483647.0),
-        &device.clone().into(),
-    )
-    .into_data()
-    .convert::<i64>();
-    let seed = halves
+/// A seed drawn from the global stream of `device` (as much of it as two draws).
+pub(crate) fn draw_seed(device: &burn::tensor::Device) -> u64 {
+    let halves = Tensor::<1, Int>::random([2], Distribution::Uniform(0.0, 2147483647.0), device)
+        .into_data()
+        .convert::<i64>();
+    halves
         .iter::<i64>()
-        .fold(0_u64, |seed, half| (seed << 31) ^ half as u64);
+        .fold(0_u64, |seed, half| (seed << 31) ^ half as u64)
+}
+
+/// A seed for a segment's own stream, drawn from the global stream of `device`, and given to
+/// the device.
+pub(crate) fn seed_own_stream(device: &DispatchDevice) -> u64 {
+    let seed = draw_seed(&device.clone().into());
     reseed(device, seed);
     seed
 }
