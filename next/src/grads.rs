@@ -55,9 +55,18 @@ pub fn unscale_to_masters<M: Module>(model: &M, grads: &mut GradientsParams, fac
 
 /// Adds `more` onto `sums`, each gradient of `model`'s parameters cast to its sum's dtype (the
 /// fp32 sums of accumulation, MMCV's `.grad` that each micro-batch's backward adds to); a
-/// parameter without a sum yet starts one in its master's dtype.
-pub fn accumulate<M: Module>(model: &M, sums: &mut GradientsParams, mut more: GradientsParams) {
-    struct Add<'a>(&'a mut GradientsParams, &'a mut GradientsParams);
+/// parameter without a sum yet starts one in `dtype`, or its master's dtype.
+pub fn accumulate<M: Module>(
+    model: &M,
+    sums: &mut GradientsParams,
+    mut more: GradientsParams,
+    dtype: Option<DType>,
+) {
+    struct Add<'a>(
+        &'a mut GradientsParams,
+        &'a mut GradientsParams,
+        Option<DType>,
+    );
     impl ModuleVisitor for Add<'_> {
         fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
             let Some(grad) = self.1.remove::<D>(param.id) else {
@@ -68,12 +77,12 @@ pub fn accumulate<M: Module>(model: &M, sums: &mut GradientsParams, mut more: Gr
                     let dtype = sum.dtype();
                     sum + grad.cast(dtype)
                 }
-                None => grad.cast(param.val().dtype()),
+                None => grad.cast(self.2.unwrap_or_else(|| param.val().dtype())),
             };
             self.0.register::<D>(param.id, sum);
         }
     }
-    model.visit(&mut Add(sums, &mut more));
+    model.visit(&mut Add(sums, &mut more, dtype));
 }
 
 /// The `p`-norm of every gradient together (PyTorch's `clip_grad_norm_` total norm), in fp32;

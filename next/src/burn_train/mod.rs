@@ -90,6 +90,9 @@ pub struct StepReport {
 pub(crate) struct Mixed {
     pub(crate) scaler: LossScaler,
     pub(crate) precision: Precision,
+    /// The trainable weights themselves are in `precision` (16-bit weights): the forward runs
+    /// on them, no copy is made.
+    pub(crate) weights16: bool,
 }
 
 /// The state the adapters share.
@@ -274,7 +277,35 @@ impl Memsave {
     /// loss multiplied by `scaler`'s scale; the weights, the optimizer state and the gradient
     /// sums stay fp32 (MMCV's `Fp16OptimizerHook`, PyTorch's `GradScaler`).
     pub fn mixed_precision(self, scaler: LossScaler, precision: Precision) -> Self {
-        lock(&self.shared).mixed = Some(Mixed { scaler, precision });
+        lock(&self.shared).mixed = Some(Mixed {
+            scaler,
+            precision,
+            weights16: false,
+        });
+        self
+    }
+
+    /// The trainable weights kept in 16 bits as their only copy (parameter compression): the
+    /// model is cast to `precision` (`wrap_fp16_model`, fp32 islands kept), the forward runs on
+    /// it, the group's gradients are summed, unscaled and clipped in fp32, and the optimizer
+    /// steps the 16-bit weights. Give the learner a [`crate::weights16::Weights16`] optimizer,
+    /// which steps each weight in fp32 and rounds it back (stochastically by default): Burn's
+    /// own would step them in 16 bits, losing the updates below half their spacing. bf16 takes
+    /// no loss scale; f16 takes PyTorch's dynamic one (2^16, factor 2, window 2000) unless
+    /// `scaler` says otherwise.
+    pub fn weights16(self, precision: Precision, scaler: Option<LossScaler>) -> Self {
+        let scaler = scaler.unwrap_or_else(|| {
+            match precision {
+                Precision::Bf16 => LossScaler::new(1.0, ScaleMode::Static, 2.0, 1000),
+                Precision::F16 => LossScaler::new(65536.0, ScaleMode::Dynamic, 2.0, 2000),
+            }
+            .expect("PyTorch's defaults are valid")
+        });
+        lock(&self.shared).mixed = Some(Mixed {
+            scaler,
+            precision,
+            weights16: true,
+        });
         self
     }
 

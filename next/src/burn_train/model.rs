@@ -102,8 +102,21 @@ fn first_half_param<M: Module>(model: &M) -> Option<String> {
 
 impl<M: Module + Fp16Module> MemsaveModel<M> {
     pub(crate) fn new(model: M, shared: Arc<Mutex<Shared>>) -> Result<Self> {
-        let mixed = lock(&shared).mixed.is_some();
-        if mixed {
+        let (mixed, weights16) = {
+            let shared = lock(&shared);
+            let weights16 = shared
+                .mixed
+                .as_ref()
+                .filter(|mixed| mixed.weights16)
+                .map(|mixed| mixed.precision);
+            (shared.mixed.is_some(), weights16)
+        };
+        // 16-bit weights: the model in their type, the forward on it.
+        let model = match weights16 {
+            Some(precision) => wrap_fp16_model(model, precision),
+            None => model,
+        };
+        if mixed && weights16.is_none() {
             if let Some(half) = first_half_param(&model) {
                 return Err(Error::invalid(
                     "model",
@@ -137,7 +150,12 @@ impl<M: Module + Fp16Module> MemsaveModel<M> {
 
     /// Makes the half copy again from the masters (under mixed precision).
     fn refresh_half(&mut self) {
-        let precision = lock(&self.shared).mixed.as_ref().map(|m| m.precision);
+        // 16-bit weights are the forward's own: no copy.
+        let precision = lock(&self.shared)
+            .mixed
+            .as_ref()
+            .filter(|mixed| !mixed.weights16)
+            .map(|mixed| mixed.precision);
         // The old copy goes before the new one is made.
         self.half = None;
         if let Some(precision) = precision {
@@ -303,8 +321,16 @@ where
             ..Default::default()
         };
         // The group's sums, in the masters' dtype (fp32 under mixed precision), still scaled.
+        // 16-bit weights: the sums fp32 all the same (the optimizer widens each weight to step
+        // it); otherwise the masters' dtype.
         let mut sums = shared.summed.take().unwrap_or_default();
-        grads::accumulate(&self.model, &mut sums, grads);
+        let weights16 = shared.mixed.as_ref().is_some_and(|mixed| mixed.weights16);
+        grads::accumulate(
+            &self.model,
+            &mut sums,
+            grads,
+            weights16.then_some(DType::F32),
+        );
         if !shared.ends_group(iter) {
             shared.summed = Some(sums);
             shared.last.loss_scale = shared.mixed.as_ref().map(|m| m.scaler.loss_scale());
