@@ -710,6 +710,64 @@ fn the_schedulers_record_is_a_plain_runs_and_keeps_the_groups_rate() {
     });
 }
 
+#[test]
+fn a_resume_keeps_every_groups_schedule_behind_a_group_without_state() {
+    use burn::module::{ParamGroup, ParamId};
+    use burn::optim::lr_scheduler::module_lr_scheduler::ModuleLrScheduler;
+    watchdog(120, || {
+        let (constant, scheduled) = (ParamId::new(), ParamId::new());
+        // Group 1 a constant rate (a scheduler without state), group 2 one that counts.
+        let schedule = || {
+            ModuleLrScheduler::new(0.1)
+                .with_group(ParamGroup::from_ids(vec![constant]), 0.5)
+                .with_group(ParamGroup::from_ids(vec![scheduled]), Stepped(0))
+        };
+        let memsave = Memsave::new();
+        let mut model = memsave.model(net()).unwrap();
+        let mut ours = ModuleLrScheduler::new(memsave.scheduler(schedule()));
+        for _ in 0..3 {
+            ours.step();
+            model = advance(model);
+        }
+        let resumed = Memsave::new();
+        let mut theirs =
+            ModuleLrScheduler::new(resumed.scheduler(schedule())).load_record(ours.to_record());
+        let mut straight = schedule();
+        for _ in 0..3 {
+            straight.step();
+        }
+        theirs.step();
+        let rates = resumed.learning_rates().expect("stepped");
+        let expected = straight.step();
+        for id in [constant, scheduled] {
+            assert_eq!(
+                rates.lr_from_param(id, None),
+                expected.lr_from_param(id, None)
+            );
+        }
+        drop(model);
+    });
+}
+
+/// A scheduler with state: `0.01 * steps`, its count in its record.
+#[derive(Clone)]
+struct Stepped(u64);
+
+impl LrScheduler for Stepped {
+    fn step(&mut self) -> LearningRate {
+        self.0 += 1;
+        0.01 * self.0 as f64
+    }
+
+    fn to_record(&self) -> LrSchedulerRecord {
+        LrSchedulerRecord::new().with_scalar("steps", self.0)
+    }
+
+    fn load_record(&mut self, record: LrSchedulerRecord) {
+        self.0 = record.scalar::<u64>("steps").unwrap_or(0);
+    }
+}
+
 /// `model` after the optimizer saw one more micro-batch (no gradients): how the Learner moves
 /// memsave's count on.
 fn advance(

@@ -411,6 +411,12 @@ impl Memsave {
         lock(&self.shared).last.clone()
     }
 
+    /// The learning rates of the current group, every parameter group's, as the scheduler
+    /// gave them (`None` before the first step).
+    pub fn learning_rates(&self) -> Option<ModuleLearningRate> {
+        lock(&self.shared).lr.clone()
+    }
+
     /// Every warning so far (each was also said as an event with target `memsave`).
     pub fn warnings(&self) -> Vec<String> {
         lock(&self.shared).warnings.clone()

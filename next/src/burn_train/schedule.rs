@@ -22,7 +22,7 @@ const ITER: &str = "memsave.iter";
 const SCALER: &str = "memsave.loss_scaler";
 const SKIPPED: &str = "memsave.skipped_steps";
 const RATE: &str = "memsave.lr";
-const GROUP: &str = "memsave.group";
+const GROUPS: &str = "memsave.groups";
 
 impl Shared {
     /// `record` with memsave's state: the micro-batches the optimizer has seen and, under mixed
@@ -169,20 +169,13 @@ impl LrScheduler for MemsaveScheduler {
     }
 
     /// The user's scheduler's record as a plain run writes it (its base group's scalars where
-    /// that scheduler reads them; further groups under `memsave.group.N`), the current group's
+    /// that scheduler reads them; the whole record under `memsave.groups`), the current group's
     /// rate, and memsave's state.
     fn to_record(&self) -> LrSchedulerRecord {
         let inner = self.inner.to_record();
-        let mut record = inner.record("0");
-        let mut group = 1;
-        loop {
-            let sub = inner.record(&group.to_string());
-            if sub.is_empty() {
-                break;
-            }
-            record = record.with_record(&format!("{GROUP}.{group}"), sub);
-            group += 1;
-        }
+        // The base group's scalars where a plain run writes them; the whole record (every group,
+        // a group without state included) under `memsave.groups` for memsave's own resume.
+        let mut record = inner.record("0").with_record(GROUPS, inner);
         if let Some(rate) = self.current {
             record = record.with_scalar(RATE, rate);
         }
@@ -190,16 +183,12 @@ impl LrScheduler for MemsaveScheduler {
     }
 
     fn load_record(&mut self, record: LrSchedulerRecord) {
-        let mut inner = LrSchedulerRecord::new().with_record("0", record.clone());
-        let mut group = 1;
-        loop {
-            let sub = record.record(&format!("{GROUP}.{group}"));
-            if sub.is_empty() {
-                break;
-            }
-            inner = inner.with_record(&group.to_string(), sub);
-            group += 1;
-        }
+        let ours = record.record(GROUPS);
+        let inner = match ours.is_empty() {
+            false => ours,
+            // A plain run's checkpoint: its scheduler's scalars are the base group's.
+            true => LrSchedulerRecord::new().with_record("0", record.clone()),
+        };
         self.inner = self.inner.clone().load_record(inner);
         let mut shared = lock(&self.shared);
         shared.load_state(&record);
