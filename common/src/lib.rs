@@ -12,7 +12,12 @@
 //! - [`clip`]: clipping by the global norm, as configured (PyTorch's `clip_grad_norm_`);
 //! - [`snapshot`]: the snapshot format's version and errors;
 //! - [`quant`]: the numbers of the 8-bit optimizer state (its block, its dynamic map);
-//! - [`draws`]: counter-based uniform draws (the stochastic rounding of 16-bit weights).
+//! - [`draws`]: counter-based uniform draws (the stochastic rounding of 16-bit weights);
+//! - [`memory`]: the counting allocator, its tags and timeline, and the [`memory::Meter`] trait;
+//! - [`planner`]: a step's measured profile, the cheapest checkpoint set under a budget, the
+//!   advice when none fits;
+//! - [`weights`]: what the trainable weights are kept in;
+//! - [`run`]: one run's context ([`run::RunContext`]): what a run switches and counts.
 
 #![warn(missing_docs)]
 
@@ -21,9 +26,13 @@ pub mod clip;
 pub mod draws;
 pub mod error;
 pub mod groups;
+pub mod memory;
+pub mod planner;
 pub mod quant;
+pub mod run;
 pub mod scaler;
 pub mod snapshot;
+pub mod weights;
 
 pub use error::{panic_text, Error, Result};
 

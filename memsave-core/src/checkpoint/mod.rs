@@ -17,12 +17,9 @@
 
 mod autodiff;
 pub(crate) mod context;
-pub mod dynamic;
 pub(crate) mod id;
 mod module;
 pub mod offload;
-pub mod profile;
-mod reached;
 mod segment;
 mod stream;
 mod threads;
@@ -37,13 +34,14 @@ pub use crate::memory::cube::copy_stream;
 pub(crate) use autodiff::{mark_ours, take_grad};
 pub use context::{is_recomputing, random};
 pub use id::SegmentId;
+pub use memsave_common::checkpoint::{
+    dynamic, no_segment_message, profile, reached, set_unused_with_cp, unreached, unused_with_cp,
+    UnusedWithCp,
+};
 pub use module::{segment_paths, set_with_cp, set_with_cp_paths, CheckpointModule, HasWithCp};
 pub use offload::{
     activation_offload, measure_link, offload_stats, reset_offload_stats, set_activation_offload,
     wait_for_copies, ActivationOffload, Link, OffloadStats,
-};
-pub use reached::{
-    no_segment_message, reached, set_unused_with_cp, unreached, unused_with_cp, UnusedWithCp,
 };
 pub use segment::{floats, Segment};
 pub use stream::RandomDraws;
@@ -234,27 +232,29 @@ where
         }
         _ => None,
     };
-    reached::note(SegmentId::of(module));
+    memsave_common::checkpoint::note(SegmentId::of(module));
     // A thread under `with_cp = "dynamic"` chooses per entry (see [`dynamic`]).
-    let choice = if with_cp && floats.iter().any(B::is_tracked) {
-        let chosen = dynamic::choose(SegmentId::of(module), || {
-            let shape = floats
-                .first()
-                .map(|f| burn::tensor::TensorMetadata::shape(f).to_vec())
-                .unwrap_or_default();
-            let bytes = floats
-                .iter()
-                .map(|f| {
-                    (burn::tensor::TensorMetadata::shape(f).num_elements()
-                        * burn::tensor::TensorMetadata::dtype(f).size()) as u64
-                })
-                .sum();
-            (shape, bytes)
-        });
-        Some(chosen.unwrap_or(dynamic::Choice::Recompute))
-    } else {
-        None
-    };
+    let choice =
+        if with_cp && !context::is_recomputing_segment() && floats.iter().any(B::is_tracked) {
+            let chosen = dynamic::choose(SegmentId::of(module), || {
+                let shape = floats
+                    .first()
+                    .map(|f| burn::tensor::TensorMetadata::shape(f).to_vec())
+                    .unwrap_or_default();
+                let bytes = floats
+                    .iter()
+                    .map(|f| {
+                        (burn::tensor::TensorMetadata::shape(f).num_elements()
+                            * burn::tensor::TensorMetadata::dtype(f).size())
+                            as u64
+                    })
+                    .sum();
+                (shape, bytes)
+            });
+            Some(chosen.unwrap_or(dynamic::Choice::Recompute))
+        } else {
+            None
+        };
     let checkpointed = choice.is_some_and(|c| c != dynamic::Choice::Keep);
     // Staged where chosen; elsewhere as the run's activation offload setting says.
     let stage = choice == Some(dynamic::Choice::Offload);

@@ -12,10 +12,7 @@
 //!   against the budget (segments are added if one is over).
 //! - [`budget`]: `memory_budget` and `with_cp` as a config writes them.
 
-pub mod advise;
-pub mod budget;
-pub mod profile;
-pub mod solve;
+pub use memsave_common::planner::{advise, budget, profile, solve};
 
 mod auto;
 pub mod dynamic;
@@ -23,9 +20,10 @@ mod profile_hook;
 mod step_meter;
 
 pub use auto::AutoPlanHook;
-pub use budget::{Budget, ModelKeys, WithCp};
 pub use dynamic::DynamicHook;
-pub use profile::{GradientEstimate, Profile, SegmentProfile, Window};
+pub use memsave_common::planner::{
+    plan, BelowFloor, Budget, GradientEstimate, ModelKeys, Plan, Profile, SegmentProfile, Window,
+    WithCp,
+};
 pub use profile_hook::ProfileHook;
-pub use solve::{plan, BelowFloor, Plan};
 pub use step_meter::StepMeter;

@@ -25,4 +25,6 @@ pub use snapshot::{load_weights, Snapshot, SnapshotMeta};
 pub use state::{
     BatchFootprint, DataSource, IterLog, PeerPlace, TrainModel, TrainState, STEP_GROUP_BYTES,
 };
-pub use weights::{StepRounding, WeightDtype, WeightRounding, WeightSpec, WeightStore};
+pub use weights::{
+    StepRounding, WeightDtype, WeightDtypeExt, WeightRounding, WeightSpec, WeightStore,
+};

@@ -24,25 +24,18 @@ use serde::{Deserialize, Serialize};
 use crate::fp16::Precision;
 use crate::train::snapshot::codec::CodecError;
 
-/// What the trainable weights are kept in (`[optimizer] weight_dtype`).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
-pub enum WeightDtype {
-    /// fp32 (Burn's and PyTorch's default).
-    #[default]
-    #[serde(rename = "fp32")]
-    F32,
-    /// bfloat16: fp32's range, 8 bits of mantissa. Half the bytes.
-    #[serde(rename = "bf16")]
-    Bf16,
-    /// IEEE half: 11 bits of mantissa but a range of 6e-8 to 65504: updates below its spacing
-    /// vanish (the run warns with the fraction measured).
-    #[serde(rename = "f16")]
-    F16,
+pub use memsave_common::weights::WeightDtype;
+
+/// A [`WeightDtype`]'s Burn 0.21 dtype and half precision.
+pub trait WeightDtypeExt {
+    /// The tensor dtype.
+    fn dtype(self) -> DType;
+    /// The half precision of a 16-bit type (`None` for fp32).
+    fn precision(self) -> Option<Precision>;
 }
 
-impl WeightDtype {
-    /// The tensor dtype.
-    pub fn dtype(self) -> DType {
+impl WeightDtypeExt for WeightDtype {
+    fn dtype(self) -> DType {
         match self {
             WeightDtype::F32 => DType::F32,
             WeightDtype::Bf16 => DType::BF16,
@@ -50,36 +43,12 @@ impl WeightDtype {
         }
     }
 
-    /// The half precision of a 16-bit type (`None` for fp32).
-    pub fn precision(self) -> Option<Precision> {
+    fn precision(self) -> Option<Precision> {
         match self {
             WeightDtype::F32 => None,
             WeightDtype::Bf16 => Some(Precision::Bf16),
             WeightDtype::F16 => Some(Precision::F16),
         }
-    }
-
-    /// Bytes per weight.
-    pub fn bytes(self) -> u64 {
-        match self {
-            WeightDtype::F32 => 4,
-            WeightDtype::Bf16 | WeightDtype::F16 => 2,
-        }
-    }
-
-    /// Its name in configs and snapshots.
-    pub fn name(self) -> &'static str {
-        match self {
-            WeightDtype::F32 => "fp32",
-            WeightDtype::Bf16 => "bf16",
-            WeightDtype::F16 => "f16",
-        }
-    }
-}
-
-impl fmt::Display for WeightDtype {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.name())
     }
 }
 

@@ -11,6 +11,7 @@
 //! below is half as large, it is 1.4 of those (nearest: one of them). Below the smallest normal
 //! the spacing is the smallest subnormal, which the move is never less than.
 
+use super::WeightDtypeExt;
 use burn::prelude::Backend;
 use burn::tensor::{Bool, DType, Tensor};
 

@@ -1,7 +1,15 @@
 //! The switches of checkpointing in a model: the `with_cp` flag a block carries
 //! ([`HasWithCp`]), the modules through which it is switched on ([`CheckpointModule`], which
 //! `#[memsave::model]` implements), the segments' identities and paths, and setting the flags by
-//! hand or by path. The same on both Burns.
+//! hand or by path; which `#[with_cp]` types ran in a run ([`reached`]), the planner's
+//! recorder of a step ([`profile`]) and the choice made as a segment is entered ([`dynamic`]).
+//! The same on both Burns.
+
+pub mod dynamic;
+pub mod profile;
+mod reached;
+
+pub use reached::{note, reached, set_unused_with_cp, unreached, unused_with_cp};
 
 /// A module with a `with_cp` flag, read by its `#[with_cp]` methods (MMCV's `with_cp`).
 ///

@@ -10,8 +10,8 @@
 //! that thread-local ([`current`]). The threads memsave starts for a run (recompute helpers,
 //! copiers, prefetchers, data-parallel peers) inherit it explicitly ([`inherit`]).
 //!
-//! Who owns one: [`crate::train::Runner`] (its own, or the one installed where it is made),
-//! burn-train's adapter (`Memsave`), [`crate::check`], and, in a user's own loop, the user:
+//! Who owns one: memsave's runner (its own, or the one installed where it is made),
+//! burn-train's adapter (`Memsave`), the check of `#[with_cp]` switches, and, in a user's own loop, the user:
 //!
 //! ```ignore
 //! let run = memsave::RunContext::named("sweep lr=0.1");
@@ -195,17 +195,20 @@ impl RunContext {
 
     /// Records `error` as the failure that ends the step of the training thread `owner`: the
     /// first one counts (what follows from it is not the cause). Read by [`take_failure`].
-    pub(crate) fn fail_on(&self, owner: ThreadId, error: Error) {
+    #[doc(hidden)]
+    pub fn fail_on(&self, owner: ThreadId, error: Error) {
         lock(&self.inner.failures).entry(owner).or_insert(error);
     }
 
     /// Whether the step of the training thread `owner` has failed.
-    pub(crate) fn has_failed_on(&self, owner: ThreadId) -> bool {
+    #[doc(hidden)]
+    pub fn has_failed_on(&self, owner: ThreadId) -> bool {
         lock(&self.inner.failures).contains_key(&owner)
     }
 
     /// The failure of the training thread `owner`'s step, taken.
-    pub(crate) fn take_failure_of(&self, owner: ThreadId) -> Option<Error> {
+    #[doc(hidden)]
+    pub fn take_failure_of(&self, owner: ThreadId) -> Option<Error> {
         lock(&self.inner.failures).remove(&owner)
     }
 
@@ -278,7 +281,8 @@ pub fn installed() -> Option<RunContext> {
 
 /// The training thread whose step the calling thread's work belongs to (itself, unless a thread
 /// memsave started for a step).
-pub(crate) fn owner() -> ThreadId {
+#[doc(hidden)]
+pub fn owner() -> ThreadId {
     HERE.with(|here| {
         here.borrow()
             .stack
@@ -290,13 +294,15 @@ pub(crate) fn owner() -> ThreadId {
 /// Records `error` as the failure that ends the calling training thread's step, in the current
 /// run: the first one counts. The step goes on as far as it must (a forward ends; a backward
 /// skips the recomputations left) and [`take_failure`] hands the error to whoever drives the
-/// step (the runner, through [`crate::checkpoint::join_helpers`]).
-pub(crate) fn fail(error: Error) {
+/// step (the runner, through `checkpoint::join_helpers`).
+#[doc(hidden)]
+pub fn fail(error: Error) {
     current().fail_on(owner(), error);
 }
 
 /// Whether the calling training thread's step has failed ([`fail`]).
-pub(crate) fn has_failed() -> bool {
+#[doc(hidden)]
+pub fn has_failed() -> bool {
     current().has_failed_on(owner())
 }
 
@@ -308,7 +314,8 @@ pub fn take_failure() -> Option<Error> {
 /// What a thread memsave starts for a step needs of the one that starts it: the run and the
 /// training thread it serves ([`inherit`]).
 #[derive(Clone)]
-pub(crate) struct Inherited {
+#[doc(hidden)]
+pub struct Inherited {
     context: RunContext,
     owner: ThreadId,
     /// The memory slot of the training thread's peer (see [`crate::memory::SlotMeter`]).
@@ -317,7 +324,8 @@ pub(crate) struct Inherited {
 
 /// The run and training thread of the calling thread, for a thread it starts
 /// ([`Inherited::install`] there).
-pub(crate) fn inherit() -> Inherited {
+#[doc(hidden)]
+pub fn inherit() -> Inherited {
     Inherited {
         context: current(),
         owner: owner(),
@@ -327,7 +335,8 @@ pub(crate) fn inherit() -> Inherited {
 
 impl Inherited {
     /// Installs the inherited run on this (new) thread for the life of the guard.
-    pub(crate) fn install(self) -> InheritedGuard {
+    #[doc(hidden)]
+    pub fn install(self) -> InheritedGuard {
         let slot = crate::memory::set_thread_slot(self.slot);
         HERE.with(|here| {
             here.borrow_mut().stack.push(Installed {
@@ -344,7 +353,8 @@ impl Inherited {
     /// Installs the inherited run on this (new) thread as a training thread of its own (a
     /// data-parallel peer: its steps, helpers and failures are its own, not the spawner's),
     /// its blocks charged to the memory slot `slot` (0: the spawner's).
-    pub(crate) fn install_as_owner(self, slot: u32) -> InheritedGuard {
+    #[doc(hidden)]
+    pub fn install_as_owner(self, slot: u32) -> InheritedGuard {
         let slot = if slot == 0 { self.slot } else { slot };
         Inherited {
             owner: std::thread::current().id(),
@@ -355,7 +365,8 @@ impl Inherited {
     }
 
     /// `work`, made to run inside the inherited run on whatever thread calls it.
-    pub(crate) fn wrap<R>(self, work: impl FnOnce() -> R) -> impl FnOnce() -> R {
+    #[doc(hidden)]
+    pub fn wrap<R>(self, work: impl FnOnce() -> R) -> impl FnOnce() -> R {
         move || {
             let _installed = self.install();
             work()
@@ -363,13 +374,15 @@ impl Inherited {
     }
 
     /// The inherited run.
-    pub(crate) fn context(&self) -> &RunContext {
+    #[doc(hidden)]
+    pub fn context(&self) -> &RunContext {
         &self.context
     }
 }
 
 /// The guard of [`Inherited::install`].
-pub(crate) struct InheritedGuard {
+#[doc(hidden)]
+pub struct InheritedGuard {
     /// The slot the thread had before.
     slot: u32,
     _not_send: PhantomData<*const ()>,

@@ -10,7 +10,7 @@
 //! [`crate::memory::AllocatorMeter`] reads are the process's: two runs measured at once read
 //! each other's bytes; a peer's [`crate::memory::SlotMeter`] reads its own.)
 //!
-//! The events are read by `crate::planner::Profile::from_events`. Bytes come from the one
+//! The events are read by the planner's `Profile::from_events`. Bytes come from the one
 //! [`Meter`]: the counting allocator on the CPU, the device's pools elsewhere.
 
 use std::cell::Cell;
@@ -244,12 +244,7 @@ fn live() -> u64 {
 
 /// Runs a segment's forward `f`, recording it when a recording is on; `sync` waits for the
 /// device. While `f` runs, [`pending`] names the segment (for its recomputation).
-pub(crate) fn forward<O>(
-    id: SegmentId,
-    checkpointed: bool,
-    sync: impl Fn(),
-    f: impl FnOnce() -> O,
-) -> O {
+pub fn forward<O>(id: SegmentId, checkpointed: bool, sync: impl Fn(), f: impl FnOnce() -> O) -> O {
     let previous = PENDING.with(|p| p.replace(Some(id)));
     struct Restore(Option<SegmentId>);
     impl Drop for Restore {
@@ -281,12 +276,12 @@ pub(crate) fn forward<O>(
 }
 
 /// The segment whose forward runs on this thread now, if any.
-pub(crate) fn pending() -> Option<SegmentId> {
+pub fn pending() -> Option<SegmentId> {
     PENDING.with(Cell::get)
 }
 
 /// Runs a recomputation `f` of the segment `id`, recording it when a recording is on.
-pub(crate) fn recompute<O>(id: Option<SegmentId>, sync: impl Fn(), f: impl FnOnce() -> O) -> O {
+pub fn recompute<O>(id: Option<SegmentId>, sync: impl Fn(), f: impl FnOnce() -> O) -> O {
     let Some(id) = id.filter(|_| is_recording()) else {
         return f();
     };
@@ -314,7 +309,7 @@ pub(crate) fn recompute<O>(id: Option<SegmentId>, sync: impl Fn(), f: impl FnOnc
 }
 
 /// Runs `join` (joining `helpers` helper threads), recording what it freed.
-pub(crate) fn joined(helpers: usize, join: impl FnOnce()) {
+pub fn joined(helpers: usize, join: impl FnOnce()) {
     if !is_recording() || helpers == 0 {
         return join();
     }
@@ -331,13 +326,13 @@ pub(crate) fn joined(helpers: usize, join: impl FnOnce()) {
 }
 
 /// Live bytes now, when a recording is on.
-pub(crate) fn live_if_recording() -> Option<u64> {
+pub fn live_if_recording() -> Option<u64> {
     is_recording().then(live)
 }
 
 /// Records what the recomputation of `id`, started at `started` live bytes, holds now beside
 /// the `sent` bytes of gradients it handed over.
-pub(crate) fn released(id: SegmentId, started: u64, sent: u64) {
+pub fn released(id: SegmentId, started: u64, sent: u64) {
     let held = live().saturating_sub(started).saturating_sub(sent);
     if let Some(recorder) = recorder(&profiling()).as_mut() {
         recorder.events.push(Event::Released { id, held });

@@ -5,16 +5,14 @@
 //! The check cannot be made when the code compiles: `#[memsave::model]` on the struct and
 //! `#[with_cp]` on a method are expanded apart, and a method's attribute can add nothing outside
 //! its `impl` block that names the type (a trait `impl` takes no extra item). So the first step
-//! makes it, with one behaviour everywhere ([`crate::check::segments_ran`]): the runner,
+//! makes it, with one behaviour everywhere (each runtime's `check::segments_ran`): the runner,
 //! burn-train's adapter, `memsave::check` and a user's loop end with an error by default, or
 //! warn where the run says so ([`set_unused_with_cp`]).
 
 use std::sync::Mutex;
 
-use super::id::SegmentId;
+use super::{SegmentId, UnusedWithCp};
 use crate::run;
-
-pub use memsave_common::checkpoint::{no_segment_message, UnusedWithCp};
 
 /// The run's part: the types `checkpoint_with` ran for, whether or not it checkpointed (MMCV's
 /// guard), and what the check does. It only grows in a run.
@@ -31,7 +29,7 @@ fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 }
 
 /// Notes that a `#[with_cp]` method of `id`'s type ran, in the current run.
-pub(crate) fn note(id: SegmentId) {
+pub fn note(id: SegmentId) {
     let reached = run::current().part::<Reached>();
     let mut types = lock(&reached.types);
     if !types.contains(&id.full_type_name()) {
@@ -58,7 +56,7 @@ pub fn unused_with_cp() -> UnusedWithCp {
 /// The types whose `with_cp` flag is on, as `visit` reports each module's flag, and for which no
 /// `#[with_cp]` method has run in the current run: call it after a forward pass. Each is named
 /// once, short (`Block`), with the signature of one of its methods where the model knows it.
-/// [`crate::check::switched_on_without_segment`] asks it of a model.
+/// Each runtime's `check::switched_on_without_segment` asks it of a model.
 pub fn unreached(visit: impl FnOnce(&mut dyn FnMut(SegmentId, bool))) -> Vec<String> {
     let mut found: Vec<String> = Vec::new();
     visit(&mut |id, on| {

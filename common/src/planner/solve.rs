@@ -49,9 +49,9 @@ impl std::fmt::Display for BelowFloor {
             f,
             "the budget of {} ({} bytes) is below the floor of checkpointing: {} ({} bytes) with \
              every segment checkpointed",
-            crate::memory::human(self.budget),
+            crate::human_bytes(self.budget),
             self.budget,
-            crate::memory::human(self.floor),
+            crate::human_bytes(self.floor),
             self.floor
         )
     }

@@ -5,7 +5,7 @@ use super::setting::Setting;
 use crate::planner::Profile;
 
 /// Bytes one byte of fp32 optimizer state takes in 8 bits (a byte a value, a scale per block).
-pub const INT8_STATE_SHARE: f64 = (1.0 + 4.0 / crate::train::quant::BLOCK as f64) / 4.0;
+pub const INT8_STATE_SHARE: f64 = (1.0 + 4.0 / crate::quant::BLOCK as f64) / 4.0;
 
 /// How a micro-batch's time grows with its samples: `fixed + per_sample * samples`, fitted on
 /// two profiles of one setting measured at two batches (a step has costs that do not shrink

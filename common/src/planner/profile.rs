@@ -170,7 +170,7 @@ impl Profile {
     /// [`crate::checkpoint::CheckpointModule::visit_segments`] on the model that ran the
     /// forward). `trainable`: the bytes of the trainable parameters. Where the events carry no
     /// gradient bytes (an untagged meter), `estimate` gives them.
-    pub(crate) fn from_events(
+    pub fn from_events(
         events: &[Event],
         paths: &HashMap<SegmentId, String>,
         trainable: u64,
@@ -412,7 +412,7 @@ impl Profile {
 
     /// The peak predicted with the segments `checkpointed` (one flag per segment) and the rest
     /// keeping their activations.
-    pub(crate) fn predict_peak(&self, checkpointed: &[bool]) -> u64 {
+    pub fn predict_peak(&self, checkpointed: &[bool]) -> u64 {
         self.window_peaks(checkpointed)
             .into_iter()
             .max()
@@ -420,7 +420,7 @@ impl Profile {
     }
 
     /// [`Profile::predict_peak`] window by window.
-    pub(crate) fn window_peaks(&self, checkpointed: &[bool]) -> Vec<u64> {
+    pub fn window_peaks(&self, checkpointed: &[bool]) -> Vec<u64> {
         self.windows
             .iter()
             .map(|window| {
@@ -445,7 +445,7 @@ impl Profile {
 
     /// What a later step holds in `window` that the profiled one did not (the optimizer state
     /// a first step makes).
-    pub(crate) fn carried(&self, window: &Window) -> u64 {
+    pub fn carried(&self, window: &Window) -> u64 {
         if window.batch_scaled {
             self.growth.saturating_sub(window.state_made)
         } else {
@@ -454,7 +454,7 @@ impl Profile {
     }
 
     /// The step time predicted with the segments `checkpointed` (each pass recomputes them).
-    pub(crate) fn predict_seconds(&self, checkpointed: &[bool]) -> f64 {
+    pub fn predict_seconds(&self, checkpointed: &[bool]) -> f64 {
         let saved: f64 = self
             .segments
             .iter()

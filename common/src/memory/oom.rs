@@ -47,7 +47,8 @@ static OTHER_PANICS: std::sync::Mutex<Vec<String>> = std::sync::Mutex::new(Vec::
 
 /// Keeps the message of every panic on a thread other than this one (the runner's), the panic
 /// hook that was there still called. Installed once per process.
-pub(crate) fn watch_other_threads() {
+#[doc(hidden)]
+pub fn watch_other_threads() {
     static ONCE: std::sync::Once = std::sync::Once::new();
     let runner = std::thread::current().id();
     ONCE.call_once(|| {
@@ -68,7 +69,8 @@ pub(crate) fn watch_other_threads() {
 }
 
 /// The panics [`watch_other_threads`] kept since the last call, emptied.
-pub(crate) fn other_thread_panics() -> Vec<String> {
+#[doc(hidden)]
+pub fn other_thread_panics() -> Vec<String> {
     std::mem::take(&mut *OTHER_PANICS.lock().unwrap_or_else(|e| e.into_inner()))
 }
 

@@ -98,7 +98,7 @@ impl Budget {
 impl std::fmt::Display for Budget {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
-            Budget::Bytes(bytes) => write!(f, "{}", crate::memory::human(*bytes)),
+            Budget::Bytes(bytes) => write!(f, "{}", crate::human_bytes(*bytes)),
             Budget::Fraction(share) => write!(f, "{}% of the unplanned peak", share * 100.0),
         }
     }

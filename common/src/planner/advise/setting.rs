@@ -36,7 +36,7 @@ pub struct Setting {
     /// The trainable weights' type (`optimizer.weight_dtype`): their bytes in every window
     /// (2 a weight in 16 bits, where the state and the sums stay 4).
     #[serde(default)]
-    pub weight_dtype: crate::train::WeightDtype,
+    pub weight_dtype: crate::weights::WeightDtype,
 }
 
 impl Setting {

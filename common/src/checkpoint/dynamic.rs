@@ -1,5 +1,5 @@
 //! Choices made as a segment is entered: what `with_cp = "dynamic"` hangs on
-//! ([`crate::planner::DynamicHook`]).
+//! (the planner's `DynamicHook`).
 //!
 //! A training thread may have a [`Chooser`] in its run. Each segment whose `with_cp` flag is on
 //! and whose input is tracked then asks it, at its entry, whether to checkpoint (recompute in
@@ -27,7 +27,7 @@ pub enum Choice {
     /// Keeps only its inputs, on the device, and recomputes the rest in backward.
     Recompute,
     /// Recomputes, its inputs waiting in host memory meanwhile (CPU staging: copied down in
-    /// the forward, brought back before the recomputation; see [`super::offload`]).
+    /// the forward, brought back before the recomputation; see activation offload).
     Offload,
 }
 
@@ -71,10 +71,11 @@ pub fn set_chooser(chooser: Option<SharedChooser>) {
 }
 
 /// What the segment `id` (its flag on, its input tracked) does: the calling training thread's
-/// chooser says, where it has one and is not recomputing (a recomputation repeats the forward
-/// as it ran); `None` where nothing chose (it is checkpointed as its flag says).
-pub(crate) fn choose(id: SegmentId, input: impl FnOnce() -> (Vec<usize>, u64)) -> Option<Choice> {
-    if !SET.with(|set| set.get()) || super::context::is_recomputing_segment() {
+/// chooser says, where it has one; `None` where nothing chose (it is checkpointed as its flag
+/// says). The runtime does not ask while it recomputes a segment (a recomputation repeats the
+/// forward as it ran).
+pub fn choose(id: SegmentId, input: impl FnOnce() -> (Vec<usize>, u64)) -> Option<Choice> {
+    if !SET.with(|set| set.get()) {
         return None;
     }
     let chooser = {
