@@ -16,6 +16,11 @@
 //!   0.22 optimizers;
 //! - [`burn_train`]: mixed precision, MMCV-exact accumulation and global-norm clipping in
 //!   burn-train 0.22's `Learner` (feature `burn-train`, on by default);
+//! - [`memory`] and [`run`]: the counting allocator and a device's meter; one run's context
+//!   (memsave-common's, shared with memsave on Burn 0.21), which the segments, the burn-train
+//!   adapter and the checks record into;
+//! - [`planner`]: a step's profile and the cheapest checkpoint set under a budget, in a user's
+//!   own loop;
 //! - [`check`]: the first step's check that every module switched on ran a `#[with_cp]` method;
 //! - [`snapshot`]: a run's model, optimizer state and hooks' states in one file (burnpack
 //!   records in memsave's container), resumed exactly; a 0.21 snapshot refused by name;
@@ -31,10 +36,14 @@ pub mod check;
 pub mod checkpoint;
 pub mod fp16;
 pub mod grads;
+pub mod memory;
 pub mod optim8;
+pub mod planner;
 pub mod quant;
 pub mod snapshot;
 pub mod weights16;
 
 pub use memsave_common::error::{Error, Result};
+pub use memsave_common::run;
+pub use memsave_common::run::RunContext;
 pub use memsave_common::scaler;

@@ -1091,3 +1091,32 @@ fn bad_values_and_a_model_already_half_are_errors_naming_them() {
         assert!(error.contains("already in half precision"), "{error}");
     });
 }
+
+/// The Learner's steps run in the run of the thread that made the `Memsave` (memsave-common's
+/// `RunContext`): the segments record there, whichever thread burn-train trains on and whatever
+/// that thread has installed.
+#[test]
+fn the_learners_steps_record_into_the_run_memsave_was_made_in() {
+    watchdog(300, || {
+        let run = memsave_next::RunContext::named("the adapter's run");
+        let memsave = run.scope(Memsave::new).unwrap();
+        assert_eq!(memsave.context(), run);
+        let learner = memsave.learner(net(), sgd(), LR).unwrap();
+        // Launched outside the run: the steps enter it.
+        let result = SupervisedTraining::new(
+            dir("run-context"),
+            loader(items(8, 1.0), 4),
+            loader(items(4, 1.0), 2),
+        )
+        .with_interrupter(memsave.interrupter())
+        .num_epochs(1)
+        .launch(learner);
+        assert!(result.error.is_none());
+        memsave.finish().unwrap();
+        let model = result.model.into_model();
+        let block = memsave_next::checkpoint::SegmentId::of(&model.blocks[0]);
+        let reached = || memsave_next::checkpoint::reached(block);
+        assert!(run.scope(reached).unwrap());
+        assert!(!reached(), "recorded in the launching thread's own run");
+    });
+}

@@ -132,3 +132,26 @@ fn many_checkpointed_steps_leave_nothing_behind() {
         assert!(grown < 256 * 1024, "{grown} B more after 150 steps");
     });
 }
+
+/// This binary's allocator is its own, not memsave's: the CPU's memory cannot be read through
+/// memsave, and profiling a step says what to install.
+#[test]
+fn without_memsaves_allocator_a_profile_is_an_error_saying_what_to_install() {
+    let device = Device::flex().autodiff();
+    assert!(memsave_next::memory::meter_for(&device).is_none());
+    struct NoSegments;
+    impl memsave_next::checkpoint::CheckpointModule for NoSegments {
+        type Mark = ();
+        fn set_with_cp(self, _on: bool) -> Self {
+            self
+        }
+    }
+    let error = match memsave_next::planner::Profiler::start(&NoSegments, &device) {
+        Ok(_) => panic!("a profile without a meter"),
+        Err(error) => error.to_string(),
+    };
+    assert!(
+        error.contains("Flex") && error.contains("CountingAllocator"),
+        "{error}"
+    );
+}

@@ -128,6 +128,9 @@ pub(crate) struct Shared {
     pub(crate) interrupter: Option<Interrupter>,
     /// The user's live [`Memsave`] handles (clones of one).
     pub(crate) handles: usize,
+    /// The run's context (memsave-common's `RunContext`, shared with memsave on Burn 0.21):
+    /// what the model's steps run in.
+    pub(crate) context: Option<memsave_common::run::RunContext>,
     pub(crate) warned_past_end: bool,
     pub(crate) warned_burn_accumulation: bool,
 }
@@ -229,11 +232,23 @@ impl Memsave {
     pub fn new() -> Self {
         let shared = Shared {
             handles: 1,
+            context: Some(memsave_common::run::current()),
             ..Shared::default()
         };
         Memsave {
             shared: Arc::new(Mutex::new(shared)),
         }
+    }
+
+    /// The run's context: the run installed on the thread that made this `Memsave`, or that
+    /// thread's own. burn-train's training thread enters it for each step, so the segments'
+    /// records (the `#[with_cp]` types that ran, the planner's recorder, a `"dynamic"` chooser)
+    /// are this run's.
+    pub fn context(&self) -> memsave_common::run::RunContext {
+        lock(&self.shared)
+            .context
+            .get_or_insert_with(memsave_common::run::current)
+            .clone()
     }
 
     /// What the run does when a module is switched on without a `#[with_cp]` method (by

@@ -176,18 +176,15 @@ impl<M: Module + Fp16Module> MemsaveModel<M> {
     }
 }
 
-impl<M> TrainStep for MemsaveModel<M>
+impl<M> MemsaveModel<M>
 where
     M: ForwardStep + Module + Fp16Module,
     M::Output: LossOutput,
 {
-    type Input = M::Input;
-    type Output = M::Output;
-
     /// The forward on the half copy (or the fp32 weights) and the backward of the loss divided
     /// by the group's size, times the loss scale. A failure (a module switched on without a
     /// `#[with_cp]` method) stops the training and the step gives no gradients.
-    fn step(&self, input: Self::Input) -> TrainOutput<Self::Output> {
+    fn step_here(&self, input: M::Input) -> TrainOutput<M::Output> {
         let (divisor, scale, first, unused) = {
             let mut shared = lock(&self.shared);
             if let Some(error) = shared.failure.take() {
@@ -236,6 +233,33 @@ where
             }
         }
         TrainOutput { grads, item }
+    }
+}
+
+impl<M> TrainStep for MemsaveModel<M>
+where
+    M: ForwardStep + Module + Fp16Module,
+    M::Output: LossOutput,
+{
+    type Input = M::Input;
+    type Output = M::Output;
+
+    /// [`MemsaveModel::step_here`] in the run's context (burn-train calls this on its training
+    /// thread): a thread that holds another run cannot train this one, and the training stops
+    /// with that error after this step.
+    fn step(&self, input: Self::Input) -> TrainOutput<Self::Output> {
+        let context = lock(&self.shared)
+            .context
+            .get_or_insert_with(memsave_common::run::current)
+            .clone();
+        match context.enter() {
+            Ok(_entered) => self.step_here(input),
+            Err(error) => {
+                // burn-train needs this step's output: it runs, the training stops after it.
+                lock(&self.shared).fail(error);
+                self.step_here(input)
+            }
+        }
     }
 
     fn optimize(
@@ -388,8 +412,15 @@ impl<M: InferenceStep> InferenceStep for MemsaveModel<M> {
     type Input = M::Input;
     type Output = M::Output;
 
-    /// The user's own validation step, on the fp32 weights.
+    /// The user's own validation step, on the fp32 weights, in the run's context where this
+    /// thread can enter it (validation has no error to give: where another run is installed here
+    /// it runs in that one).
     fn step(&self, input: Self::Input) -> Self::Output {
+        let context = lock(&self.shared)
+            .context
+            .get_or_insert_with(memsave_common::run::current)
+            .clone();
+        let _entered = context.enter().ok();
         self.model.step(input)
     }
 }

@@ -36,15 +36,21 @@
 //!
 //! Burn's own layers inside a segment behave as without checkpointing: a `Dropout`'s draws are
 //! replayed in the recomputation from a seed of the segment's own, and a `BatchNorm`'s running
-//! statistics are updated once per step (`state.rs`). Not here yet (the port's next slices):
-//! recomputation on helper threads, CPU staging of the kept inputs, profiling, the run's context.
+//! statistics are updated once per step (`state.rs`).
+//!
+//! Each segment reaches the run it trains in (memsave-common's `RunContext`, shared with
+//! memsave on Burn 0.21): its `#[with_cp]` type is noted there (the check of the switches), the
+//! planner's recorder measures its forward and recomputation when a recording is on
+//! ([`profile`]), and a thread under `with_cp = "dynamic"` chooses at its entry whether it keeps
+//! its activations or recomputes them ([`dynamic`]). Not here yet (the port's next slices): CPU
+//! staging of the kept inputs.
 
 mod nodes;
 mod ours;
-mod reached;
 mod segment;
 mod state;
 
+use std::cell::Cell;
 use std::marker::PhantomData;
 use std::sync::{Arc, Mutex};
 
@@ -56,7 +62,9 @@ use burn::backend::autodiff::Autodiff;
 use burn::backend::autodiff::NodeId;
 use burn::backend::ops::FloatTensorOps;
 use burn::backend::tensor::FloatTensor;
-use burn::backend::{DispatchAutodiffContext, DispatchDevice, DispatchTensor, TensorMetadata};
+use burn::backend::{
+    Dispatch, DispatchAutodiffContext, DispatchDevice, DispatchTensor, TensorMetadata,
+};
 use burn::module::{Module, ModuleMapper, Param};
 use burn::tensor::{FloatDType, GradientCheckpointingStrategy, Shape, Tensor};
 
@@ -64,12 +72,14 @@ use crate::backend::{self, AdTensor, DispatchBackend, OnBackend};
 
 #[doc(hidden)]
 pub use memsave_common::checkpoint::__private;
+pub use memsave_common::checkpoint::{
+    dynamic, profile, reached, set_unused_with_cp, unreached, unused_with_cp,
+};
 pub use memsave_common::checkpoint::{no_segment_message, UnusedWithCp};
 pub use memsave_common::checkpoint::{
     segment_paths, set_with_cp, set_with_cp_paths, CheckpointModule, HasWithCp, SegmentId,
     UnknownSegment,
 };
-pub use reached::{reached, unreached};
 pub use segment::{floats, Segment};
 
 /// `loss.backward()`, leaving the device's random stream where a run without checkpointing
@@ -171,8 +181,9 @@ where
     O: Segment,
     F: Fn(&M, I) -> O + Send + Sync + 'static,
 {
+    let id = SegmentId::of(module);
     if !options.method.is_empty() {
-        reached::note::<M>();
+        memsave_common::checkpoint::note(id);
     }
     let floats = floats(&input);
     if let Some(unsupported) = floats
@@ -206,25 +217,93 @@ where
             (device, seed)
         })
     });
-    if !options.enabled {
-        return segment(module, input);
-    }
-    let Some(first) = floats.into_iter().find(backend::is_tracked) else {
-        return segment(module, input);
+    let tracked = floats
+        .iter()
+        .find(|tensor| backend::is_tracked(tensor))
+        .cloned();
+    let device = floats.first().map(state::device_of);
+    let sync = || {
+        if let Some(device) = &device {
+            // A failed device reports at its next op, where the error has a user.
+            let _ = <Dispatch as burn::backend::Backend>::sync(device);
+        }
     };
-    let op = Checkpoint {
-        module,
-        input,
-        segment,
-        own_stream,
-        method: options.method,
-        output: PhantomData::<O>,
+    let (Some(first), true) = (tracked, options.enabled) else {
+        return profile::forward(id, false, sync, || segment(module, input));
     };
-    backend::on_backend(&first, op).expect("the backend was checked")
+    // A thread under `with_cp = "dynamic"` chooses at each entry (never in a recomputation,
+    // which repeats the forward as it ran).
+    let choice = if RECOMPUTING.with(Cell::get) == 0 {
+        dynamic::choose(id, || {
+            let shape = first.shape().to_vec();
+            let bytes = floats
+                .iter()
+                .map(|f| (f.shape().num_elements() * f.dtype().size()) as u64)
+                .sum();
+            (shape, bytes)
+        })
+    } else {
+        None
+    };
+    let checkpointed = match choice {
+        Some(dynamic::Choice::Keep) => false,
+        Some(dynamic::Choice::Offload) => {
+            // CPU staging comes to Burn 0.22 with a later slice of the port: the segment keeps
+            // its input on the device, recomputed all the same (what it saves is the same).
+            static SAID: std::sync::Once = std::sync::Once::new();
+            SAID.call_once(|| {
+                tracing::warn!(
+                    target: "memsave",
+                    "CPU staging of a segment's input is not on Burn 0.22 yet: segments chosen for \
+                     it keep their input on the device and are recomputed"
+                )
+            });
+            true
+        }
+        Some(dynamic::Choice::Recompute) | None => true,
+    };
+    profile::forward(id, checkpointed, sync, || {
+        if !checkpointed {
+            return segment(module, input);
+        }
+        let op = Checkpoint {
+            module,
+            id,
+            input,
+            segment,
+            own_stream,
+            method: options.method,
+            output: PhantomData::<O>,
+        };
+        backend::on_backend(&first, op).expect("the backend was checked")
+    })
 }
+
+thread_local! {
+    /// How many recomputations run on this thread now (they nest).
+    static RECOMPUTING: Cell<usize> = const { Cell::new(0) };
+}
+
+/// Whether this thread is recomputing a checkpointed segment in backward.
+pub fn is_recomputing() -> bool {
+    RECOMPUTING.with(Cell::get) > 0
+}
+
+/// The segments of the current run that ran without checkpointing because a tracked tensor
+/// entered them other than as an input or a parameter (see [`checkpoint`]), by name, in the order
+/// first seen.
+pub fn uncheckpointed_segments() -> Vec<String> {
+    nodes::lock(&memsave_common::run::current().part::<Uncheckpointed>().0).clone()
+}
+
+/// [`uncheckpointed_segments`], a part of the run's state.
+#[derive(Default)]
+struct Uncheckpointed(Mutex<Vec<String>>);
 
 struct Checkpoint<'a, M, I, O, F> {
     module: &'a M,
+    /// The module as the model holds it: the recomputation runs a clone.
+    id: SegmentId,
     input: I,
     segment: F,
     /// The segment's own random stream: its device and seed.
@@ -302,6 +381,7 @@ where
 {
     let Checkpoint {
         module,
+        id,
         input,
         segment,
         own_stream,
@@ -361,6 +441,7 @@ where
     let run: nodes::Run<B> = Box::new(move |output_grads, grads| {
         recompute::<B, C, M, I, O, F>(
             &module,
+            id,
             input,
             &segment,
             &inputs,
@@ -391,14 +472,14 @@ where
     })
 }
 
-/// Says once per segment (its module's type and method) that it runs without checkpointing (a
-/// tracked tensor enters it other than as its input or a parameter).
+/// Says once per segment (its module's type and method) and run that it runs without
+/// checkpointing (a tracked tensor enters it other than as its input or a parameter).
 fn warn_once(module: &'static str, method: &'static str) {
-    static SAID: Mutex<Vec<(&'static str, &'static str)>> = Mutex::new(Vec::new());
-    let mut said = nodes::lock(&SAID);
-    if !said.contains(&(module, method)) {
-        said.push((module, method));
-        let segment = memsave_common::checkpoint::segment_name(module, method);
+    let segment = memsave_common::checkpoint::segment_name(module, method);
+    let part = memsave_common::run::current().part::<Uncheckpointed>();
+    let mut said = nodes::lock(&part.0);
+    if !said.contains(&segment) {
+        said.push(segment.clone());
         tracing::warn!(
             target: "memsave",
             "`{segment}`: a tracked tensor enters this segment other than as its input or a \
@@ -414,6 +495,7 @@ fn warn_once(module: &'static str, method: &'static str) {
 #[allow(clippy::too_many_arguments)]
 fn recompute<B, C, M, I, O, F>(
     module: &M,
+    id: SegmentId,
     input: I,
     segment: &F,
     inputs: &[Option<TrackedInput>],
@@ -452,9 +534,19 @@ fn recompute<B, C, M, I, O, F>(
     if let Some((device, seed)) = &own_stream {
         state::reseed(device, *seed);
     }
-    let output = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-        segment(&fresh_module, fresh_input)
-    }));
+    let sync = || {
+        let _ = B::sync(device);
+    };
+    let output = profile::recompute(Some(id), sync, || {
+        memsave_common::memory::scope(memsave_common::memory::phase::RECOMPUTE, || {
+            RECOMPUTING.with(|depth| depth.set(depth.get() + 1));
+            let output = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                segment(&fresh_module, fresh_input)
+            }));
+            RECOMPUTING.with(|depth| depth.set(depth.get() - 1));
+            output
+        })
+    });
     if let Some(running) = running {
         running.restore(module);
     }
