@@ -155,3 +155,20 @@ fn without_memsaves_allocator_a_profile_is_an_error_saying_what_to_install() {
         "{error}"
     );
 }
+
+/// The same for `"dynamic"`: it reads the memory at every segment's entry.
+#[test]
+fn without_memsaves_allocator_dynamic_is_an_error_naming_the_device() {
+    let device = Device::flex().autodiff();
+    let error = match memsave_next::planner::Dynamic::new(
+        memsave_next::planner::Budget::Fraction(0.7),
+        &device,
+    ) {
+        Ok(_) => panic!("\"dynamic\" without a meter"),
+        Err(error) => error.to_string(),
+    };
+    assert!(
+        error.contains("Flex") && error.contains("CountingAllocator"),
+        "{error}"
+    );
+}

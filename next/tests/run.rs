@@ -442,3 +442,129 @@ fn a_chooser_is_not_asked_inside_a_recomputation() {
         assert_eq!(chooser.lock().unwrap().asked, [SegmentId::of(&switched)]);
     });
 }
+
+/// `steps` of SGD on `start`, each on a batch of its size drawn from its own seed; under
+/// `"dynamic"` at `budget` where given. The model, each step's measured peak (the counting
+/// allocator), and the engine's figures.
+fn train_at_sizes(
+    start: &Net,
+    device: &Device,
+    sizes: &[usize],
+    budget: Option<memsave_next::planner::Budget>,
+) -> (
+    Net,
+    Vec<u64>,
+    Option<memsave_next::planner::IntervalFigures>,
+) {
+    use burn::optim::{GradientsParams, SgdConfig};
+    let mut optimizer = SgdConfig::new().init();
+    let meter = memory::meter_for(device).unwrap();
+    let mut dynamic =
+        budget.map(|budget| memsave_next::planner::Dynamic::new(budget, device).unwrap());
+    let mut model = start.clone();
+    if let Some(dynamic) = dynamic.as_mut() {
+        model = dynamic.start(model);
+    }
+    let mut peaks = Vec::new();
+    for (step, &batch) in sizes.iter().enumerate() {
+        device.seed(100 + step as u64);
+        if let Some(dynamic) = dynamic.as_mut() {
+            dynamic.begin_step(&model);
+        }
+        meter.reset_peak();
+        let x = Tensor::<2>::random([batch, NARROW], Distribution::Default, device).require_grad();
+        let loss = memory::in_phase(phase::FORWARD, || model.forward(x).powi_scalar(2).mean());
+        let grads = memory::in_phase(phase::BACKWARD, || memsave_next::checkpoint::backward(loss));
+        let grads = GradientsParams::from_grads(grads, &model);
+        model = optimizer.step(0.01, model, grads);
+        peaks.push(meter.peak());
+        if let Some(dynamic) = dynamic.as_mut() {
+            dynamic.end_step(&model, false).unwrap();
+        }
+    }
+    let figures = dynamic.as_ref().map(|dynamic| dynamic.figures());
+    (model, peaks, figures)
+}
+
+#[test]
+fn dynamic_keeps_its_budget_at_every_batch_size_of_a_users_loop_and_trains_as_plain() {
+    watchdog(300, || {
+        let device = device();
+        let start = initialized(Net::new(&device, 6));
+        // Profiled at the largest; the others within and beyond the span of one profile.
+        let sizes = [192, 128, 160, 96, 192, 128, 64, 160];
+        let (plain, plain_peaks, _) = train_at_sizes(&start, &device, &sizes, None);
+        let share = memsave_next::planner::Budget::Fraction(0.8);
+        let (dynamic, peaks, figures) = train_at_sizes(&start, &device, &sizes, Some(share));
+        let figures = figures.unwrap();
+        println!("plain peaks {plain_peaks:?}\ndynamic peaks {peaks:?}\n{figures:?}");
+        assert_eq!(
+            figures.steps,
+            sizes.len() - 1,
+            "every step after the profile"
+        );
+        assert!(
+            figures.highest_peak <= figures.budget,
+            "a step peaked at {} over the budget {}",
+            figures.highest_peak,
+            figures.budget
+        );
+        // Measured apart from the engine too: every step, the profiled one included.
+        for (step, peak) in peaks.iter().enumerate() {
+            assert!(
+                *peak <= figures.budget,
+                "step {step}: {peak} over {}",
+                figures.budget
+            );
+        }
+        // The budget binds: plain goes over it at the largest batch.
+        assert!(
+            plain_peaks[4] > figures.budget,
+            "{plain_peaks:?} {figures:?}"
+        );
+        // It chose: some segments kept, some recomputed, not alike at every size.
+        assert!(figures.kept > 0 && figures.recomputed > 0, "{figures:?}");
+        let shares: Vec<f64> = figures
+            .by_size
+            .values()
+            .map(|(_, kept, recomputed)| *kept as f64 / (kept + recomputed) as f64)
+            .collect();
+        assert!(
+            shares.iter().any(|share| *share != shares[0]),
+            "the same choice at every size: {figures:?}"
+        );
+        // Exact: every weight bit-identical to the plain run's.
+        assert_eq!(
+            common::param_bits(&plain),
+            common::param_bits(&dynamic),
+            "weights after {} steps",
+            sizes.len()
+        );
+    });
+}
+
+#[test]
+fn a_budget_below_the_least_a_step_takes_is_an_error_after_the_profile() {
+    watchdog(120, || {
+        let device = device();
+        let start = initialized(Net::new(&device, 3));
+        let mut dynamic = memsave_next::planner::Dynamic::new(
+            memsave_next::planner::Budget::Fraction(0.2),
+            &device,
+        )
+        .unwrap();
+        let model = dynamic.start(start);
+        dynamic.begin_step(&model);
+        let x = Tensor::<2>::random([BATCH, NARROW], Distribution::Default, &device).require_grad();
+        let loss = memory::in_phase(phase::FORWARD, || model.forward(x).powi_scalar(2).mean());
+        drop(memory::in_phase(phase::BACKWARD, || {
+            memsave_next::checkpoint::backward(loss)
+        }));
+        let error = dynamic.end_step(&model, false).unwrap_err().to_string();
+        assert!(
+            error.contains("every one of the 3 segments checkpointed")
+                && error.contains("memory budget `20% of the unplanned peak`"),
+            "{error}"
+        );
+    });
+}

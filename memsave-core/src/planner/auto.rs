@@ -208,7 +208,9 @@ impl<B: AutodiffBackend, M: TrainModel<B> + CheckpointModule> Hook<B, M> for Aut
             return Ok(());
         }
         if state.iter == self.profile.iter {
-            let profile = self.profile.end(state);
+            let Some(profile) = self.profile.end(state) else {
+                return Ok(());
+            };
             let unplanned = profile.unplanned_peak();
             let budget = self.budget.bytes(unplanned);
             match plan(&profile, budget) {

@@ -6,13 +6,13 @@ use std::rc::Rc;
 
 use burn::tensor::backend::AutodiffBackend;
 
-use super::{GradientEstimate, Profile};
-use crate::checkpoint::profile::{self as recorder, Boundary};
+use super::Profile;
 use crate::checkpoint::{CheckpointModule, SegmentId};
 use crate::memory::Meter;
 use crate::train::params::trainable_layout;
 use crate::train::{Hook, TrainModel, TrainState};
 use crate::Result;
+use memsave_common::planner::Recording;
 
 /// Each segment of `model` by identity, to its module path.
 pub(crate) fn segment_ids<M: CheckpointModule>(model: &M) -> HashMap<SegmentId, String> {
@@ -48,13 +48,8 @@ pub struct ProfileHook {
     /// Whether the profiled iteration runs with every segment checkpointed (the planner's
     /// profile), else as the model stands (a measurement of it).
     pub checkpoint_all: bool,
-    ids: HashMap<SegmentId, String>,
     meter: Option<Box<dyn Meter>>,
-    /// The seconds of the profiled step's first pass, when it runs two.
-    first_pass: Option<f64>,
-    /// CPU staging's counts as the profiled step began: activation offload's bytes copied and
-    /// the host's optimizer-step seconds.
-    staged_at_start: (u64, f64),
+    recording: Option<Recording>,
 }
 
 impl ProfileHook {
@@ -64,24 +59,9 @@ impl ProfileHook {
             iter,
             profile: Rc::new(RefCell::new(None)),
             checkpoint_all: true,
-            ids: HashMap::new(),
             meter: Some(meter),
-            first_pass: None,
-            staged_at_start: (0, 0.0),
+            recording: None,
         }
-    }
-
-    /// The profiled step's first pass ended (of two): the profile is of the second, and
-    /// keeps the first's time. The segments are named afresh: the second forward runs on the
-    /// model the optimizer hook has made for it.
-    pub(super) fn first_pass_done<B: AutodiffBackend, M: TrainModel<B> + CheckpointModule>(
-        &mut self,
-        state: &TrainState<B, M>,
-    ) {
-        self.first_pass = Some(recorder::restart());
-        self.ids = segment_ids(state.forward_model());
-        // The bytes offloaded are the profiled (second) pass's.
-        self.staged_at_start.0 = crate::checkpoint::offload_stats().bytes;
     }
 
     pub(super) fn begin<B: AutodiffBackend, M: TrainModel<B> + CheckpointModule>(
@@ -91,21 +71,12 @@ impl ProfileHook {
         if self.checkpoint_all {
             set_flags(state, &|_| true);
         }
-        self.ids = segment_ids(state.forward_model());
-        self.staged_at_start = (
-            crate::checkpoint::offload_stats().bytes,
-            crate::train::host_step_seconds(),
-        );
-        match self.meter.take() {
-            Some(meter) => {
-                recorder::start(meter);
-                recorder::boundary(Boundary::Start);
-            }
+        let ids = segment_ids(state.forward_model());
+        self.recording = Some(match self.meter.take() {
+            Some(meter) => Recording::begin(meter, ids, super::dynamic::staged()),
             // A retry (see `skipped`): the recording goes on, afresh.
-            None => {
-                recorder::restart();
-            }
-        }
+            None => Recording::again(ids, super::dynamic::staged()),
+        });
     }
 
     /// Whether the profiled step `state` ends was skipped on a gradient overflow (a dynamic
@@ -120,33 +91,33 @@ impl ProfileHook {
             return false;
         }
         self.iter = state.iter + 1;
-        self.first_pass = None;
         true
     }
 
+    /// The profiled step's first pass ended (of two): the profile is of the second, and keeps
+    /// the first's time. The segments are named afresh: the second forward runs on the model
+    /// the optimizer hook has made for it.
+    pub(super) fn first_pass_done<B: AutodiffBackend, M: TrainModel<B> + CheckpointModule>(
+        &mut self,
+        state: &TrainState<B, M>,
+    ) {
+        if let Some(recording) = self.recording.as_mut() {
+            recording.first_pass_done(segment_ids(state.forward_model()));
+        }
+    }
+
+    /// The profile of the step [`ProfileHook::begin`] started; `None` where none was begun.
     pub(super) fn end<B: AutodiffBackend, M: TrainModel<B> + CheckpointModule>(
         &mut self,
         state: &TrainState<B, M>,
-    ) -> Profile {
-        recorder::boundary(Boundary::End);
-        let events = recorder::stop();
+    ) -> Option<Profile> {
+        let recording = self.recording.take()?;
         // The trainable bytes in fp32 (the optimizer state's and the sums' unit): the masters',
         // on the host under mixed precision with optimizer offload, where the model is the half
         // copy; four bytes a weight where the weights are in 16 bits.
         let trainable = crate::train::params::trainable_elements::<B, M>(&state.model) * 4;
         // The gradients are the forward model's (half under mixed precision).
-        let estimate = GradientEstimate::new(trainable_layout::<B, M>(state.forward_model()));
-        let mut profile = Profile::from_events(&events, &self.ids, trainable, &estimate);
-        if let Some(seconds) = self.first_pass.take() {
-            profile.passes = 2;
-            profile.first_pass_seconds = seconds;
-        }
-        let (bytes, host_seconds) = self.staged_at_start;
-        profile.offloaded_bytes = crate::checkpoint::offload_stats()
-            .bytes
-            .saturating_sub(bytes);
-        profile.host_step_seconds = (crate::train::host_step_seconds() - host_seconds).max(0.0);
-        profile
+        Some(recording.end(trainable, trainable_layout::<B, M>(state.forward_model())))
     }
 }
 
@@ -171,8 +142,7 @@ impl<B: AutodiffBackend, M: TrainModel<B> + CheckpointModule> Hook<B, M> for Pro
 
     fn after_iter(&mut self, state: &mut TrainState<B, M>) -> Result<()> {
         if state.iter == self.iter && !self.skipped(state) {
-            let profile = self.end(state);
-            *self.profile.borrow_mut() = Some(profile);
+            *self.profile.borrow_mut() = self.end(state);
         }
         Ok(())
     }
