@@ -37,6 +37,9 @@ pub(crate) fn staged() -> memsave_common::planner::Staged {
 /// then keeps `budget` in every later one, segment by segment, at any input size.
 pub struct DynamicHook {
     engine: DynamicMemory,
+    /// Whether the first profile is taken: until it is, each step sets every segment on again
+    /// before it runs (the forward copy another hook made since the run began included).
+    profiled: bool,
     make_meter: Box<dyn Fn() -> Option<Box<dyn Meter>>>,
     interval: usize,
     figures: Rc<RefCell<IntervalFigures>>,
@@ -60,6 +63,7 @@ impl DynamicHook {
         let device = device.clone();
         Ok(DynamicHook {
             engine: DynamicMemory::new(budget, keys, meter, staged()),
+            profiled: false,
             make_meter: Box::new(move || peer_meter_for(&device)),
             interval: 50,
             figures: Rc::new(RefCell::new(IntervalFigures::default())),
@@ -108,6 +112,9 @@ impl<B: AutodiffBackend, M: TrainModel<B> + CheckpointModule> Hook<B, M> for Dyn
     }
 
     fn before_iter(&mut self, state: &mut TrainState<B, M>) -> Result<()> {
+        if !self.profiled {
+            set_flags(state, &|_| true);
+        }
         self.engine
             .begin_step((self.make_meter)(), segment_ids(state.forward_model()));
         Ok(())
@@ -132,6 +139,7 @@ impl<B: AutodiffBackend, M: TrainModel<B> + CheckpointModule> Hook<B, M> for Dyn
         };
         let lines = self.engine.end_step(end);
         *self.figures.borrow_mut() = self.engine.figures();
+        self.profiled = self.profiled || !self.engine.profiled().0.is_empty();
         for line in lines? {
             note(state, &line);
         }
