@@ -43,7 +43,7 @@ pub struct Profiler {
 }
 
 /// The meter of `device`, or the error that says what to install.
-fn meter(device: &Device) -> Result<Box<dyn crate::memory::Meter>> {
+pub(crate) fn meter(device: &Device) -> Result<Box<dyn crate::memory::Meter>> {
     crate::memory::peer_meter_for(device).ok_or_else(|| Error::Device {
         device: format!("{device:?}"),
         message: "its memory cannot be read, so a step cannot be measured: on the CPU, install \
@@ -89,7 +89,7 @@ impl Drop for Profiler {
 
 /// The trainable bytes in the optimizer's unit (four a weight, whatever the weights are kept
 /// in) and the gradients' layout of `model`.
-fn trainable<M: Module>(model: &M) -> (u64, Vec<(String, u64)>) {
+pub(crate) fn trainable<M: Module>(model: &M) -> (u64, Vec<(String, u64)>) {
     let layout = trainable_layout(model);
     let trainable = layout.iter().map(|(_, _, elements)| elements * 4).sum();
     let layout = layout

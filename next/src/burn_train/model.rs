@@ -16,7 +16,10 @@ use burn::train::{
 
 use super::{lock, Shared};
 use crate::fp16::{wrap_fp16_model, Fp16Module};
+use crate::memory::{in_phase, phase};
+use crate::planner::StepEnd;
 use crate::{grads, Error, Result};
+use std::any::Any;
 
 /// The forward of a training step: what a burn-train model's `TrainStep::step` computes before
 /// `loss.backward()`. Implement it instead of `TrainStep`; [`MemsaveModel`] is the `TrainStep`.
@@ -178,9 +181,72 @@ impl<M: Module + Fp16Module> MemsaveModel<M> {
 
 impl<M> MemsaveModel<M>
 where
-    M: ForwardStep + Module + Fp16Module,
+    M: ForwardStep + Module + Fp16Module + 'static,
     M::Output: LossOutput,
 {
+    /// `"dynamic"` ([`super::Memsave::dynamic`]): the step's recording begun, every segment of
+    /// `forward` (the model the forward runs on) choosing at its entry from then on.
+    fn begin_dynamic(&self, forward: &M) -> Result<()> {
+        let mut shared = lock(&self.shared);
+        let Some(dynamic) = shared.dynamic.as_mut() else {
+            return Ok(());
+        };
+        let Some(paths) = dynamic
+            .segments
+            .as_ref()
+            .and_then(|segments| segments(forward as &dyn Any))
+        else {
+            return Err(Error::invalid(
+                "dynamic",
+                "`Memsave::dynamic` chooses among the model's checkpointed segments, which only \
+                 the learner `Memsave::dynamic_learner` makes knows: build the learner with it",
+            ));
+        };
+        if !dynamic.started {
+            // On burn-train's training thread, in the run: its segments ask the engine.
+            dynamic.engine.start(None);
+            dynamic.started = true;
+        }
+        let meter = crate::memory::peer_meter_for(&dynamic.device);
+        dynamic.engine.begin_step(meter, paths);
+        Ok(())
+    }
+
+    /// `"dynamic"` after a micro-batch's optimize: the step's peak against the budget, a new
+    /// profile where its size was far from the others, the figures; an error (the least a step
+    /// takes over the budget) stops the training.
+    fn end_dynamic(&self) {
+        let context = lock(&self.shared)
+            .context
+            .get_or_insert_with(memsave_common::run::current)
+            .clone();
+        let _entered = context.enter().ok();
+        let (trainable, _) = crate::planner::trainable(&self.model);
+        let (_, layout) = crate::planner::trainable(self.half.as_ref().unwrap_or(&self.model));
+        let mut shared = lock(&self.shared);
+        let overflow = shared.last.overflow;
+        let Some(dynamic) = shared.dynamic.as_mut().filter(|dynamic| dynamic.started) else {
+            return;
+        };
+        let iter = dynamic.steps;
+        dynamic.steps += 1;
+        let lines = dynamic.engine.end_step(StepEnd {
+            iter,
+            overflow,
+            trainable_elements: trainable / 4,
+            layout,
+            report: (iter + 1) % 50 == 0,
+        });
+        match (memsave_common::run::take_failure(), lines) {
+            (Some(error), _) | (None, Err(error)) => shared.fail(error),
+            (None, Ok(lines)) => {
+                for line in lines {
+                    tracing::info!(target: "memsave", "{line}");
+                }
+            }
+        }
+    }
+
     /// The forward on the half copy (or the fp32 weights) and the backward of the loss divided
     /// by the group's size, times the loss scale. A failure (a module switched on without a
     /// `#[with_cp]` method) stops the training and the step gives no gradients.
@@ -204,19 +270,29 @@ where
             (divisor, scale, first, shared.unused_with_cp)
         };
         let forward = self.half.as_ref().unwrap_or(&self.model);
-        let item = forward.forward_step(input);
-        // The loss in fp32 (a half loss's own gradient, the scale, would overflow f16).
-        let loss = match scale {
-            None => item.loss().div_scalar(divisor),
-            // MMCV's order: the loss divided by its factor, then scaled.
-            Some(scale) => item
-                .loss()
-                .cast(DType::F32)
-                .div_scalar(divisor)
-                .mul_scalar(scale),
-        };
+        if let Err(error) = self.begin_dynamic(forward) {
+            // The step runs (burn-train needs its output); the training stops after it.
+            lock(&self.shared).fail(error);
+        }
+        // The phases mark the ends of forward and backward for `"dynamic"`'s recording.
+        let (item, loss) = in_phase(phase::FORWARD, || {
+            let item = forward.forward_step(input);
+            // The loss in fp32 (a half loss's own gradient, the scale, would overflow f16).
+            let loss = match scale {
+                None => item.loss().div_scalar(divisor),
+                // MMCV's order: the loss divided by its factor, then scaled.
+                Some(scale) => item
+                    .loss()
+                    .cast(DType::F32)
+                    .div_scalar(divisor)
+                    .mul_scalar(scale),
+            };
+            (item, loss)
+        });
         // The random stream left as without checkpointing (`checkpoint::backward`).
-        let grads = GradientsParams::from_grads(crate::checkpoint::backward(loss), forward);
+        let grads = in_phase(phase::BACKWARD, || {
+            GradientsParams::from_grads(crate::checkpoint::backward(loss), forward)
+        });
         // The loss for memsave's metrics, read only if one asks (reading waits for the device).
         lock(&self.shared).pending_loss = Some(super::metrics::LazyLoss::new(item.loss()));
         if first {
@@ -238,7 +314,7 @@ where
 
 impl<M> TrainStep for MemsaveModel<M>
 where
-    M: ForwardStep + Module + Fp16Module,
+    M: ForwardStep + Module + Fp16Module + 'static,
     M::Output: LossOutput,
 {
     type Input = M::Input;
@@ -270,6 +346,7 @@ where
     ) -> Self {
         let before = lock(&self.shared).iter;
         let model = self.optimize_micro_batch(optim, lr, grads);
+        model.end_dynamic();
         let mut shared = lock(&model.shared);
         if shared.iter > before {
             shared.record();
@@ -302,7 +379,7 @@ where
 
 impl<M> MemsaveModel<M>
 where
-    M: ForwardStep + Module + Fp16Module,
+    M: ForwardStep + Module + Fp16Module + 'static,
     M::Output: LossOutput,
 {
     /// One micro-batch: its gradients added to the group's sums, or the group's step.
