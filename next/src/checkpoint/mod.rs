@@ -250,14 +250,14 @@ where
         Some(dynamic::Choice::Offload) => {
             // CPU staging comes to Burn 0.22 with a later slice of the port: the segment keeps
             // its input on the device, recomputed all the same (what it saves is the same).
-            static SAID: std::sync::Once = std::sync::Once::new();
-            SAID.call_once(|| {
+            // Said once per run (the run's choice, not the build's).
+            if memsave_common::run::current().first_time("next: offload chosen") {
                 tracing::warn!(
                     target: "memsave",
                     "CPU staging of a segment's input is not on Burn 0.22 yet: segments chosen for \
                      it keep their input on the device and are recomputed"
-                )
-            });
+                );
+            }
             true
         }
         Some(dynamic::Choice::Recompute) | None => true,
