@@ -45,12 +45,12 @@
 //! strategy; several devices come with the port's data parallelism (slice 7), and until then
 //! `optimize_multi` stops the training with an error saying so.
 
+mod dynamic;
 mod failure;
 mod metrics;
 mod model;
 mod schedule;
 
-use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use burn::module::Module;
@@ -58,14 +58,11 @@ use burn::optim::lr_scheduler::module_lr_scheduler::{ModuleLearningRate, ModuleL
 use burn::optim::{GradientsParams, ModuleOptimizer};
 use burn::train::{InferenceStep, Interrupter, Learner};
 
-use crate::checkpoint::{CheckpointModule, SegmentId, UnusedWithCp};
+use crate::checkpoint::UnusedWithCp;
 use crate::fp16::{Fp16Module, Precision};
 use crate::grads::GradClip;
-use crate::planner::{Budget, DynamicMemory, IntervalFigures, ModelKeys};
 use crate::{Error, Result};
-use burn::tensor::Device;
 use memsave_common::groups::Groups;
-use memsave_common::planner::no_staging;
 use memsave_common::scaler::{LossScaler, ScaleMode};
 
 pub use metrics::{MemsaveMetric, MemsaveMetrics, Quantity};
@@ -103,28 +100,6 @@ pub(crate) struct Mixed {
     pub(crate) weights16: bool,
 }
 
-/// `"dynamic"` in the Learner: the engine, the device it meters, and how the model's segments
-/// are found (the learner [`Memsave::dynamic_learner`] makes knows its model's type).
-pub(crate) struct DynamicRun {
-    pub(crate) engine: DynamicMemory,
-    pub(crate) device: Device,
-    /// Whether the engine was started, on burn-train's training thread.
-    pub(crate) started: bool,
-    /// Micro-batches stepped under it.
-    pub(crate) steps: usize,
-    /// The segments of a model the forward runs on, to their paths.
-    #[allow(clippy::type_complexity)]
-    pub(crate) segments:
-        Option<Box<dyn Fn(&dyn std::any::Any) -> Option<HashMap<SegmentId, String>> + Send>>,
-}
-
-/// The words of the Learner in `"dynamic"`'s advice.
-const LEARNER_KEYS: ModelKeys = ModelKeys {
-    with_cp: "the model's `with_cp` switches",
-    batch: "the data loader's batch size",
-    also_with_cp: &[],
-};
-
 /// The state the adapters share.
 #[derive(Default)]
 pub(crate) struct Shared {
@@ -159,7 +134,7 @@ pub(crate) struct Shared {
     /// The user's live [`Memsave`] handles (clones of one).
     pub(crate) handles: usize,
     /// `"dynamic"`, where [`Memsave::dynamic`] switched it on.
-    pub(crate) dynamic: Option<DynamicRun>,
+    pub(crate) dynamic: Option<dynamic::DynamicRun>,
     /// The run's context (memsave-common's `RunContext`, shared with memsave on Burn 0.21):
     /// what the model's steps run in.
     pub(crate) context: Option<memsave_common::run::RunContext>,
@@ -445,74 +420,6 @@ impl Memsave {
             optimizer,
             self.scheduler(scheduler),
         ))
-    }
-
-    /// `with_cp = "dynamic"` in the Learner: a memory budget kept in every micro-batch's step at
-    /// any input size, exactly, on `device` (memsave-common's engine, as in memsave's runner and
-    /// `memsave_next::planner::Dynamic`): the first micro-batch is profiled with every segment
-    /// checkpointed, and from then on each segment chooses at its entry whether to keep its
-    /// activations. Build the learner with [`Memsave::dynamic_learner`]. Errors where the
-    /// device's memory cannot be read (on the CPU, memsave's counting allocator must be the
-    /// program's global allocator). A budget share is of the first micro-batch's peak.
-    pub fn dynamic(self, budget: Budget, device: &Device) -> Result<Self> {
-        let meter = crate::planner::meter(device)?;
-        lock(&self.shared).dynamic = Some(DynamicRun {
-            engine: DynamicMemory::new(budget, LEARNER_KEYS, meter, no_staging()),
-            device: device.clone(),
-            started: false,
-            steps: 0,
-            segments: None,
-        });
-        Ok(self)
-    }
-
-    /// [`Memsave::learner`] for [`Memsave::dynamic`]: every segment of `model` switched on (the
-    /// engine chooses at each entry), its segments known to the engine. Errors where
-    /// `Memsave::dynamic` was not called.
-    pub fn dynamic_learner<M>(
-        &self,
-        model: M,
-        optimizer: ModuleOptimizer,
-        scheduler: impl Into<ModuleLrScheduler>,
-    ) -> Result<Learner<MemsaveModel<M>>>
-    where
-        M: ForwardStep
-            + InferenceStep
-            + Module
-            + Fp16Module
-            + CheckpointModule
-            + std::fmt::Display
-            + 'static,
-        <M as ForwardStep>::Output: LossOutput,
-    {
-        {
-            let mut shared = lock(&self.shared);
-            let Some(dynamic) = shared.dynamic.as_mut() else {
-                return Err(Error::invalid(
-                    "dynamic",
-                    "`Memsave::dynamic_learner` keeps the budget `Memsave::dynamic(budget, \
-                     &device)` gives: call it first",
-                ));
-            };
-            dynamic.segments = Some(Box::new(|model: &dyn std::any::Any| {
-                model.downcast_ref::<M>().map(crate::planner::segment_ids)
-            }));
-        }
-        let model = crate::checkpoint::set_with_cp(model, true);
-        Ok(Learner::new(
-            self.model(model)?,
-            optimizer,
-            self.scheduler(scheduler),
-        ))
-    }
-
-    /// `"dynamic"`'s figures so far: steps, segments kept and recomputed, the highest step peak
-    /// and the budget in bytes, per input size (`None` without [`Memsave::dynamic`]).
-    pub fn dynamic_figures(&self) -> Option<IntervalFigures> {
-        lock(&self.shared)
-            .dynamic
-            .as_ref()
-            .map(|dynamic| dynamic.engine.figures())
     }
 
     /// The current loss scale, under mixed precision.

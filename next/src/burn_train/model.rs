@@ -17,9 +17,7 @@ use burn::train::{
 use super::{lock, Shared};
 use crate::fp16::{wrap_fp16_model, Fp16Module};
 use crate::memory::{in_phase, phase};
-use crate::planner::StepEnd;
 use crate::{grads, Error, Result};
-use std::any::Any;
 
 /// The forward of a training step: what a burn-train model's `TrainStep::step` computes before
 /// `loss.backward()`. Implement it instead of `TrainStep`; [`MemsaveModel`] is the `TrainStep`.
@@ -184,69 +182,6 @@ where
     M: ForwardStep + Module + Fp16Module + 'static,
     M::Output: LossOutput,
 {
-    /// `"dynamic"` ([`super::Memsave::dynamic`]): the step's recording begun, every segment of
-    /// `forward` (the model the forward runs on) choosing at its entry from then on.
-    fn begin_dynamic(&self, forward: &M) -> Result<()> {
-        let mut shared = lock(&self.shared);
-        let Some(dynamic) = shared.dynamic.as_mut() else {
-            return Ok(());
-        };
-        let Some(paths) = dynamic
-            .segments
-            .as_ref()
-            .and_then(|segments| segments(forward as &dyn Any))
-        else {
-            return Err(Error::invalid(
-                "dynamic",
-                "`Memsave::dynamic` chooses among the model's checkpointed segments, which only \
-                 the learner `Memsave::dynamic_learner` makes knows: build the learner with it",
-            ));
-        };
-        if !dynamic.started {
-            // On burn-train's training thread, in the run: its segments ask the engine.
-            dynamic.engine.start(None);
-            dynamic.started = true;
-        }
-        let meter = crate::memory::peer_meter_for(&dynamic.device);
-        dynamic.engine.begin_step(meter, paths);
-        Ok(())
-    }
-
-    /// `"dynamic"` after a micro-batch's optimize: the step's peak against the budget, a new
-    /// profile where its size was far from the others, the figures; an error (the least a step
-    /// takes over the budget) stops the training.
-    fn end_dynamic(&self) {
-        let context = lock(&self.shared)
-            .context
-            .get_or_insert_with(memsave_common::run::current)
-            .clone();
-        let _entered = context.enter().ok();
-        let (trainable, _) = crate::planner::trainable(&self.model);
-        let (_, layout) = crate::planner::trainable(self.half.as_ref().unwrap_or(&self.model));
-        let mut shared = lock(&self.shared);
-        let overflow = shared.last.overflow;
-        let Some(dynamic) = shared.dynamic.as_mut().filter(|dynamic| dynamic.started) else {
-            return;
-        };
-        let iter = dynamic.steps;
-        dynamic.steps += 1;
-        let lines = dynamic.engine.end_step(StepEnd {
-            iter,
-            overflow,
-            trainable_elements: trainable / 4,
-            layout,
-            report: (iter + 1) % 50 == 0,
-        });
-        match (memsave_common::run::take_failure(), lines) {
-            (Some(error), _) | (None, Err(error)) => shared.fail(error),
-            (None, Ok(lines)) => {
-                for line in lines {
-                    tracing::info!(target: "memsave", "{line}");
-                }
-            }
-        }
-    }
-
     /// The forward on the half copy (or the fp32 weights) and the backward of the loss divided
     /// by the group's size, times the loss scale. A failure (a module switched on without a
     /// `#[with_cp]` method) stops the training and the step gives no gradients.
