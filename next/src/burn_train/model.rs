@@ -255,7 +255,7 @@ where
     type Input = M::Input;
     type Output = M::Output;
 
-    /// [`MemsaveModel::step_here`] in the run's context (burn-train calls this on its training
+    /// `step_here` in the run's context (burn-train calls this on its training
     /// thread): a thread that holds another run cannot train this one, and the training stops
     /// with that error after this step.
     fn step(&self, input: Self::Input) -> TrainOutput<Self::Output> {
