@@ -17,7 +17,9 @@
 //! - [`planner`]: a step's measured profile, the cheapest checkpoint set under a budget, the
 //!   advice when none fits;
 //! - [`weights`]: what the trainable weights are kept in;
-//! - [`run`]: one run's context ([`run::RunContext`]): what a run switches and counts.
+//! - [`run`]: one run's context ([`run::RunContext`]): what a run switches and counts;
+//! - [`train`]: the runner's Burn-free parts: the run's length, the hooks' order, the log line,
+//!   the learning-rate schedule and when snapshots are written.
 
 #![warn(missing_docs)]
 
@@ -32,6 +34,7 @@ pub mod quant;
 pub mod run;
 pub mod scaler;
 pub mod snapshot;
+pub mod train;
 pub mod weights;
 
 pub use error::{panic_text, Error, Result};

@@ -36,11 +36,13 @@ pub mod check;
 pub mod checkpoint;
 pub mod fp16;
 pub mod grads;
+pub mod hooks;
 pub mod memory;
 pub mod optim8;
 pub mod planner;
 pub mod quant;
 pub mod snapshot;
+pub mod train;
 pub mod weights16;
 
 pub use memsave_common::error::{Error, Result};

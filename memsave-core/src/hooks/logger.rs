@@ -3,20 +3,13 @@ use std::io::Write;
 use std::time::Instant;
 
 use burn::tensor::backend::AutodiffBackend;
-use smart_default::SmartDefault;
 
 use crate::memory;
 use crate::train::{Hook, TrainModel, TrainState};
 use crate::{Error, Result};
 
-/// How often to log (MMCV's `log_config`).
-#[derive(Clone, Debug, PartialEq, Eq, serde::Deserialize, SmartDefault)]
-#[serde(default, deny_unknown_fields)]
-pub struct LogConfig {
-    /// Iterations between log lines.
-    #[default(50)]
-    pub interval: usize,
-}
+pub use memsave_common::train::LogConfig;
+use memsave_common::train::{log::LineExtras, LogBook};
 
 /// A log line every `interval` iterations (loss and gradient norm averaged over them, learning
 /// rate, loss scale, peak memory as the device's [`memory::Meter::peak`] reads it, time since the
@@ -27,14 +20,7 @@ pub struct LogConfig {
 pub struct LoggerHook {
     /// Iterations between log lines.
     pub interval: usize,
-    losses: Vec<f64>,
-    /// The global gradient norms of the steps since the last line (averaged in it).
-    grad_norms: Vec<f64>,
-    /// Sums and counts of the loss's named parts since the last line, in first-seen order.
-    parts: Vec<(&'static str, f64, usize)>,
-    /// With 16-bit weights: the shares of updates that left their weight unchanged, per step
-    /// since the last line.
-    unchanged: Vec<f64>,
+    book: LogBook,
     file: Option<File>,
     started: Option<Instant>,
     meter: Option<Box<dyn memory::Meter>>,
@@ -45,10 +31,7 @@ impl LoggerHook {
     pub fn new(interval: usize) -> Self {
         LoggerHook {
             interval: interval.max(1),
-            losses: Vec::new(),
-            grad_norms: Vec::new(),
-            parts: Vec::new(),
-            unchanged: Vec::new(),
+            book: LogBook::new(interval),
             file: None,
             started: None,
             meter: None,
@@ -107,24 +90,7 @@ impl<B: AutodiffBackend, M: TrainModel<B>> Hook<B, M> for LoggerHook {
             // Rank 0 logs a data-parallel run.
             return Ok(());
         }
-        if let Some(loss) = state.log.loss {
-            self.losses.push(loss);
-        }
-        if let Some(norm) = state.log.grad_norm {
-            self.grad_norms.push(norm);
-        }
-        if let Some(share) = state.log.weights_unchanged {
-            self.unchanged.push(share);
-        }
-        for &(name, value) in &state.log.parts {
-            match self.parts.iter_mut().find(|(n, _, _)| *n == name) {
-                Some((_, sum, count)) => {
-                    *sum += value;
-                    *count += 1;
-                }
-                None => self.parts.push((name, value, 1)),
-            }
-        }
+        self.book.record(&state.log);
         tracing::trace!(
             target: "memsave",
             kind = "progress",
@@ -134,52 +100,21 @@ impl<B: AutodiffBackend, M: TrainModel<B>> Hook<B, M> for LoggerHook {
             state.iter + 1,
             state.max_iters
         );
-        if !(state.every_n_iters(self.interval) || state.is_last_iter()) {
+        if !self.book.due(&state.at()) {
             return Ok(());
         }
-        let position = if state.by_epoch {
-            format!(
-                "Epoch [{}][{}/{}]",
-                state.epoch + 1,
-                state.inner_iter + 1,
-                state.iters_per_epoch
-            )
-        } else {
-            format!("Iter [{}/{}]", state.iter + 1, state.max_iters)
-        };
-        let mut line = format!("{position}  lr: {:.3e}", state.lr);
-        for (name, sum, count) in self.parts.drain(..) {
-            line.push_str(&format!("  {name}: {:.4}", sum / count as f64 + 0.0));
-        }
-        if !self.losses.is_empty() {
-            // `+ 0.0` turns a -0.0 into 0.0 for printing.
-            let mean = self.losses.iter().sum::<f64>() / self.losses.len() as f64 + 0.0;
-            line.push_str(&format!("  loss: {mean:.4}"));
-            self.losses.clear();
-        }
-        if !self.grad_norms.is_empty() {
-            // Averaged over the interval's steps, as the loss (MMCV's `LogBuffer`).
-            let mean = self.grad_norms.iter().sum::<f64>() / self.grad_norms.len() as f64;
-            line.push_str(&format!("  grad_norm: {mean:.4}"));
-            self.grad_norms.clear();
-        }
-        if let Some(scale) = state.log.loss_scale {
-            line.push_str(&format!("  loss_scale: {scale}"));
-        }
-        if !self.unchanged.is_empty() {
-            // 16-bit weights: the share of non-zero updates their rounding left unchanged.
-            let mean = self.unchanged.iter().sum::<f64>() / self.unchanged.len() as f64;
-            line.push_str(&format!("  unchanged: {:.2}%", 100.0 * mean));
-            self.unchanged.clear();
-        }
-        if let Some(meter) = &self.meter {
+        let memory = self.meter.as_ref().map(|meter| {
             let bytes = meter.peak();
-            line.push_str(&format!("  memory: {:.1} MiB", memory::mib(bytes as usize)));
             meter.reset_peak();
-        }
-        if let Some(started) = self.started {
-            line.push_str(&format!("  time: {:.1} s", started.elapsed().as_secs_f64()));
-        }
+            bytes
+        });
+        let extras = LineExtras {
+            lr: state.lr,
+            loss_scale: state.log.loss_scale,
+            memory,
+            seconds: self.started.map(|started| started.elapsed().as_secs_f64()),
+        };
+        let line = self.book.line(&state.at(), extras);
         self.emit(&line);
         Ok(())
     }

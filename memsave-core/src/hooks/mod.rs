@@ -16,4 +16,4 @@ pub use optimizer::{
     Alone, Fp16OptimizerHook, GradientCumulativeFp16OptimizerHook, GradientCumulativeOptimizerHook,
     Groups, OptimizerHook, Reducer,
 };
-pub use snapshot::{SnapshotConfig, SnapshotHook};
+pub use snapshot::{SnapshotConfig, SnapshotHook, SnapshotSchedule};

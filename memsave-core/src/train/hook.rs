@@ -9,6 +9,8 @@ use super::snapshot::SnapshotMeta;
 use super::state::{TrainModel, TrainState};
 use crate::Result;
 
+pub use memsave_common::train::Priority;
+
 /// A policy that acts at the runner's hook points.
 pub trait Hook<B: AutodiffBackend, M: TrainModel<B>> {
     /// The name its state is saved under in snapshots.
@@ -101,32 +103,6 @@ pub trait Hook<B: AutodiffBackend, M: TrainModel<B>> {
     fn held_shares(&self, _state: &TrainState<B, M>) -> (f64, f64) {
         (1.0, 1.0)
     }
-}
-
-/// When a hook runs at each hook point, before or after the others (MMCV's `Priority`): hooks
-/// of a higher priority run first; hooks of one priority run in the order they were
-/// registered.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub enum Priority {
-    /// MMCV's `HIGHEST` (0).
-    Highest,
-    /// MMCV's `VERY_HIGH` (10): before the optimizer hook (the weight broadcast of a
-    /// data-parallel run).
-    VeryHigh,
-    /// MMCV's `HIGH` (30).
-    High,
-    /// MMCV's `ABOVE_NORMAL` (40): the optimizer hook.
-    AboveNormal,
-    /// MMCV's `NORMAL` (50): [`super::Runner::register_hook`]'s.
-    Normal,
-    /// MMCV's `BELOW_NORMAL` (60).
-    BelowNormal,
-    /// MMCV's `LOW` (70).
-    Low,
-    /// MMCV's `VERY_LOW` (90).
-    VeryLow,
-    /// MMCV's `LOWEST` (100).
-    Lowest,
 }
 
 /// The hooks of a run, in the order they run.

@@ -3,7 +3,6 @@
 
 pub mod grads;
 mod hook;
-mod length;
 pub(crate) mod optim;
 pub mod optim8;
 pub mod params;
@@ -16,14 +15,14 @@ pub(crate) mod taps;
 pub mod weights;
 
 pub use hook::{Hook, Priority};
-pub use length::RunLength;
+pub use memsave_common::train::RunLength;
 pub use optim::{
     host_step_seconds, reset_host_step_seconds, Optim, OptimizerKind, OptimizerSpec, StateDtype,
 };
 pub use runner::Runner;
 pub use snapshot::{load_weights, Snapshot, SnapshotMeta};
 pub use state::{
-    BatchFootprint, DataSource, IterLog, PeerPlace, TrainModel, TrainState, STEP_GROUP_BYTES,
+    At, BatchFootprint, DataSource, IterLog, PeerPlace, TrainModel, TrainState, STEP_GROUP_BYTES,
 };
 pub use weights::{
     StepRounding, WeightDtype, WeightDtypeExt, WeightRounding, WeightSpec, WeightStore,

@@ -9,12 +9,12 @@ use std::path::{Path, PathBuf};
 use burn::tensor::backend::AutodiffBackend;
 
 use super::hook::{Hook, Hooks, Priority};
-use super::length::RunLength;
 use super::optim::{Optim, OptimizerSpec};
 use super::params::{param_bytes, param_shapes};
 use super::snapshot::codec::{load_bytes, record_bytes};
 use super::snapshot::{Snapshot, SnapshotMeta};
 use super::state::{DataSource, IterLog, TrainModel, TrainState};
+use super::RunLength;
 use crate::hooks::LrUpdaterHook;
 use crate::{Error, Result, RunContext};
 

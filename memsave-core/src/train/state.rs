@@ -11,6 +11,8 @@ use super::optim::Optim;
 use crate::fp16::Fp16Module;
 use crate::Result;
 
+pub use memsave_common::train::{At, BatchFootprint, IterLog, PeerPlace};
+
 /// Bytes of gradients (at 4 bytes an element) per group of parameters the optimizer steps at
 /// once (see [`TrainState::step`]).
 pub const STEP_GROUP_BYTES: usize = 16 << 20;
@@ -48,84 +50,6 @@ pub trait DataSource<B: Backend, Batch> {
     /// runner checks it against the memory available before training starts.
     fn footprint(&self) -> Option<BatchFootprint> {
         None
-    }
-}
-
-/// The memory one batch takes, and how a user makes it smaller.
-#[derive(Clone, Debug, PartialEq)]
-pub struct BatchFootprint {
-    /// Bytes of the batch's tensors.
-    pub bytes: u64,
-    /// The batch in words: `8 images of 3 x 224 x 224 (fp32)`.
-    pub what: String,
-    /// The settings that make it smaller, in the user's words: ``lower `data.samples_per_gpu`
-    /// or `data.image_size` ``.
-    pub smaller: String,
-}
-
-/// Per-iteration values for the log.
-#[derive(Clone, Debug, Default, PartialEq)]
-pub struct IterLog {
-    /// The loss of the iteration (unscaled, undivided).
-    pub loss: Option<f64>,
-    /// Global gradient norm before clipping, at the iterations that stepped.
-    pub grad_norm: Option<f64>,
-    /// The loss scale, under mixed precision.
-    pub loss_scale: Option<f64>,
-    /// Whether the optimizer stepped (false while accumulating, or on an overflow).
-    pub stepped: bool,
-    /// Whether the step was skipped on a gradient overflow (mixed precision).
-    pub overflow: bool,
-    /// The groups of parameters the step ran in (see [`TrainState::step`]); 0 without a step.
-    pub step_groups: usize,
-    /// The named parts of the loss ([`TrainModel::loss_with_parts`]).
-    pub parts: Vec<(&'static str, f64)>,
-    /// With 16-bit weights, at the iterations that stepped: the share of non-zero updates
-    /// that left their 16-bit weight unchanged.
-    pub weights_unchanged: Option<f64>,
-}
-
-/// Which of the peers of a data-parallel run a state belongs to.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct PeerPlace {
-    /// Its rank, from 0 (rank 0 logs and writes snapshots).
-    pub rank: usize,
-    /// The number of peers.
-    pub world_size: usize,
-    /// The first rank of the peers in this process (which share its host memory).
-    pub local_first: usize,
-    /// The number of peers in this process (1 where each process has one).
-    pub local_peers: usize,
-}
-
-impl PeerPlace {
-    /// Training alone: rank 0 of 1.
-    pub const ALONE: PeerPlace = PeerPlace {
-        rank: 0,
-        world_size: 1,
-        local_first: 0,
-        local_peers: 1,
-    };
-
-    /// Peer `rank` of `world_size`, alone in its process.
-    pub fn new(rank: usize, world_size: usize) -> Self {
-        PeerPlace {
-            rank,
-            world_size,
-            local_first: rank,
-            local_peers: 1,
-        }
-    }
-
-    /// The ranks of the peers in this process (its own rank alone where the fields do not hold
-    /// it).
-    pub fn local_ranks(&self) -> std::ops::Range<usize> {
-        let local = self.local_first..self.local_first + self.local_peers.max(1);
-        if local.contains(&self.rank) {
-            local
-        } else {
-            self.rank..self.rank + 1
-        }
     }
 }
 
@@ -306,14 +230,26 @@ impl<B: AutodiffBackend, M: TrainModel<B>> TrainState<B, M> {
         &self.warnings
     }
 
+    /// Where the iteration stands in the run.
+    pub fn at(&self) -> At {
+        At {
+            iter: self.iter,
+            epoch: self.epoch,
+            inner_iter: self.inner_iter,
+            iters_per_epoch: self.iters_per_epoch,
+            max_iters: self.max_iters,
+            by_epoch: self.by_epoch,
+        }
+    }
+
     /// Whether this is the last iteration of its group of `n` (MMCV's `every_n_iters`).
     pub fn every_n_iters(&self, n: usize) -> bool {
-        n > 0 && (self.iter + 1).is_multiple_of(n)
+        self.at().every_n_iters(n)
     }
 
     /// Whether this is the run's last iteration.
     pub fn is_last_iter(&self) -> bool {
-        self.iter + 1 == self.max_iters
+        self.at().is_last_iter()
     }
 
     /// Steps the optimizer on `model` with `grads`.

@@ -5,7 +5,7 @@
 use std::fmt;
 use std::sync::{Arc, Mutex};
 
-use burn::module::{Devices, Module, ModuleMapper, ModuleVisitor, Param};
+use burn::module::{Devices, Module, ModuleMapper, ModuleVisitor};
 use burn::optim::lr_scheduler::module_lr_scheduler::ModuleLearningRate;
 use burn::optim::{GradientsParams, ModuleOptimizer, MultiGradientsParams};
 use burn::tensor::{DType, Device, Tensor};
@@ -17,6 +17,8 @@ use burn::train::{
 use super::{lock, Shared};
 use crate::fp16::{wrap_fp16_model, Fp16Module};
 use crate::memory::{in_phase, phase};
+use crate::train::params::first_half_param;
+use crate::train::step::end_group;
 use crate::{grads, Error, Result};
 
 /// The forward of a training step: what a burn-train model's `TrainStep::step` computes before
@@ -71,34 +73,6 @@ pub struct MemsaveModel<M> {
     pub(crate) model: M,
     pub(crate) half: Option<M>,
     pub(crate) shared: Arc<Mutex<Shared>>,
-}
-
-/// The name of the first half parameter of `model`, where one is.
-fn first_half_param<M: Module>(model: &M) -> Option<String> {
-    struct Find {
-        path: Vec<String>,
-        found: Option<String>,
-    }
-    impl ModuleVisitor for Find {
-        fn enter_module(&mut self, name: &str, _container_type: &str) {
-            self.path.push(name.to_string());
-        }
-        fn exit_module(&mut self, _name: &str, _container_type: &str) {
-            self.path.pop();
-        }
-        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
-            let half = matches!(param.val().dtype(), DType::F16 | DType::BF16);
-            if half && self.found.is_none() {
-                self.found = Some(self.path.join("."));
-            }
-        }
-    }
-    let mut find = Find {
-        path: Vec::new(),
-        found: None,
-    };
-    model.visit(&mut find);
-    find.found
 }
 
 impl<M: Module + Fp16Module> MemsaveModel<M> {
@@ -373,49 +347,29 @@ where
             return self;
         }
         let clip = shared.grad_clip;
-        let norm_type = clip.as_ref().map_or(2.0, |clip| clip.norm_type);
-        let Some(mixed) = shared.mixed.as_mut() else {
-            let norm = grads::global_norm(&self.model, &sums, norm_type);
-            if let (Some(clip), Some(norm)) = (&clip, norm) {
-                grads::clip_with_norm(&self.model, &mut sums, clip, norm);
+        let refresh = {
+            let shared = &mut *shared;
+            let scaler = shared.mixed.as_mut().map(|mixed| &mut mixed.scaler);
+            let (model, end) = end_group(self.model, sums, clip.as_ref(), scaler, optim, lr, iter);
+            self.model = model;
+            for warning in end.warnings {
+                shared.warn(warning);
             }
-            shared.last.stepped = true;
-            shared.last.grad_norm = norm;
-            drop(shared);
-            self.model = optim.step(lr, self.model, sums);
-            return self;
-        };
-        let scale = mixed.scaler.loss_scale();
-        grads::scale(&self.model, &mut sums, 1.0 / scale);
-        let norm = grads::global_norm(&self.model, &sums, norm_type);
-        if norm.is_some_and(|norm| !norm.is_finite()) {
-            let advice = mixed.scaler.first_overflow_advice(true);
-            mixed.scaler.update_scale(true);
-            let lowered = mixed.scaler.loss_scale();
-            if let Some(advice) = advice {
-                shared.warn(advice);
+            if end.overflow {
+                shared.skipped_steps += 1;
             }
-            shared.warn(format!(
-                "iteration {iter}: gradient overflow (inf or NaN) at loss scale {scale}; the step \
-                 is skipped and the loss scale lowered to {lowered}"
-            ));
-            shared.last.overflow = true;
-            shared.last.loss_scale = Some(lowered);
-            shared.skipped_steps += 1;
+            shared.last.overflow = end.overflow;
+            shared.last.stepped = end.stepped;
+            shared.last.grad_norm = end.grad_norm.filter(|_| end.stepped);
+            shared.last.loss_scale = end.loss_scale;
             shared.last.skipped_steps = shared.skipped_steps;
-            return self;
-        }
-        if let (Some(clip), Some(norm)) = (&clip, norm) {
-            grads::clip_with_norm(&self.model, &mut sums, clip, norm);
-        }
-        mixed.scaler.update_scale(false);
-        shared.last.loss_scale = Some(mixed.scaler.loss_scale());
-        shared.last.stepped = true;
-        shared.last.grad_norm = norm;
+            end.stepped && shared.mixed.is_some()
+        };
+        // The half copy is made again without the shared state held (it reads it).
         drop(shared);
-        let model = optim.step(lr, self.model, sums);
-        self.model = model;
-        self.refresh_half();
+        if refresh {
+            self.refresh_half();
+        }
         self
     }
 }
