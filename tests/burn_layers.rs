@@ -22,7 +22,7 @@ use burn::tensor::ops::FloatTensorOps;
 use burn::tensor::{DType, Shape, TensorPrimitive};
 use common::{max_relative_difference, param_grads, splitmix64, Materialise, AB};
 use memsave::checkpoint::{floats, Segment};
-use memsave::fp16::{wrap_fp16_model, Fp16Module, Fp32, Precision};
+use memsave::fp16::{wrap_fp16_model, Fp16Module, Fp32, Precision, PrecisionExt};
 
 const F16_TOLERANCE: f32 = 1e-2;
 const BF16_TOLERANCE: f32 = 5e-2;

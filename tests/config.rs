@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 
 use common::tiny::TinyNet;
 use common::AB;
-use memsave::config::{Config, LossScaleSpec};
+use memsave::config::{Config, ConfigHooks, LossScaleSpec};
 use memsave::models::config::{ClassifierSection, DataSection};
 use memsave::scaler::ScaleMode;
 use memsave::train::RunLength;

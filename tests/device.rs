@@ -30,7 +30,7 @@ use burn::tensor::{DType, Distribution};
 use common::tiny::TinyNet;
 use common::values;
 use memsave::checkpoint::set_with_cp;
-use memsave::fp16::Precision;
+use memsave::fp16::{Precision, PrecisionExt};
 use memsave::hooks::{LrSchedule, LrUpdaterHook, OptimizerHook};
 use memsave::memory::{self, CountingAllocator};
 use memsave::models::data::{SyntheticClassification, SyntheticClassificationConfig};

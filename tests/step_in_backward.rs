@@ -16,7 +16,7 @@ use common::sometimes::{Sometimes, SometimesData};
 use common::tiny::{Seeded, TinyNet};
 use common::AB;
 use memsave::checkpoint::set_with_cp;
-use memsave::config::Config;
+use memsave::config::{Config, ConfigHooks};
 use memsave::fp16::Precision;
 use memsave::hooks::{
     GradClip, Groups, LoggerHook, LrSchedule, LrUpdaterHook, OptimizerHook, SnapshotHook, Warmup,

@@ -5,8 +5,11 @@
 //!
 //! - [`checkpoint`]: the switches of checkpointing in a model (the `with_cp` flags, the paths
 //!   of its segments, setting them whole or by path);
+//! - [`config`]: the TOML configuration with MMCV's section names, its checks and its
+//!   Burn-free parts of a run (each runtime makes its hooks from it);
 //! - [`error`]: memsave's [`Error`], every error a user can meet, named by field, file, peer or
 //!   device;
+//! - [`fp16`]: the half-precision types of mixed precision;
 //! - [`groups`]: gradient accumulation's groups and MMCV's loss factor;
 //! - [`scaler`]: the loss scaler of mixed precision (MMCV's `LossScaler`);
 //! - [`clip`]: clipping by the global norm, as configured (PyTorch's `clip_grad_norm_`);
@@ -14,6 +17,9 @@
 //! - [`quant`]: the numbers of the 8-bit optimizer state (its block, its dynamic map);
 //! - [`draws`]: counter-based uniform draws (the stochastic rounding of 16-bit weights);
 //! - [`memory`]: the counting allocator, its tags and timeline, and the [`memory::Meter`] trait;
+//! - [`offload`]: CPU staging's settings;
+//! - [`optim`]: which optimizer, as a config writes it (MMCV's names), and how it keeps its state;
+//! - [`parallel`]: what ZeRO shards, and which peer owns each parameter;
 //! - [`planner`]: a step's measured profile, the cheapest checkpoint set under a budget, the
 //!   advice when none fits;
 //! - [`weights`]: what the trainable weights are kept in;
@@ -25,10 +31,15 @@
 
 pub mod checkpoint;
 pub mod clip;
+pub mod config;
 pub mod draws;
 pub mod error;
+pub mod fp16;
 pub mod groups;
 pub mod memory;
+pub mod offload;
+pub mod optim;
+pub mod parallel;
 pub mod planner;
 pub mod quant;
 pub mod run;

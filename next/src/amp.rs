@@ -16,7 +16,7 @@
 //! use burn::prelude::*;
 //! use burn::tensor::DType;
 //! use memsave_next::amp::MixedPrecision;
-//! use memsave_next::fp16::Precision;
+//! use memsave_next::fp16::{Precision, PrecisionExt};
 //!
 //! let device = Device::flex().autodiff();
 //! let mut model: Linear = LinearConfig::new(4, 2).init(&device);

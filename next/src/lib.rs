@@ -34,6 +34,7 @@ pub mod burn_train;
 pub mod cast;
 pub mod check;
 pub mod checkpoint;
+pub mod config;
 pub mod fp16;
 pub mod grads;
 pub mod hooks;

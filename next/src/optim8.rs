@@ -80,6 +80,13 @@ impl Sgd8 {
     /// Burn's optimizer over a module, after checking the settings (an error names the one at
     /// fault).
     pub fn init(self) -> Result<ModuleOptimizer> {
+        self.validate()?;
+        Ok(ModuleOptimizer::from(self))
+    }
+
+    /// Checks the settings (an error names the one at fault): what [`Sgd8::init`] does before
+    /// it makes the module optimizer, for a caller that wraps the rule first.
+    pub fn validate(&self) -> Result<()> {
         in_range("momentum", self.momentum, 0.0, 1.0, false)?;
         in_range("dampening", self.dampening, 0.0, 1.0, true)?;
         if let Some(penalty) = self.weight_decay {
@@ -97,7 +104,7 @@ impl Sgd8 {
                 "needs a momentum and zero dampening (PyTorch's rule)",
             ));
         }
-        Ok(ModuleOptimizer::from(self))
+        Ok(())
     }
 }
 
@@ -233,6 +240,13 @@ impl Adam8 {
     /// Burn's optimizer over a module, after checking the settings (an error names the one at
     /// fault).
     pub fn init(self) -> Result<ModuleOptimizer> {
+        self.validate()?;
+        Ok(ModuleOptimizer::from(self))
+    }
+
+    /// Checks the settings (an error names the one at fault): what [`Adam8::init`] does before
+    /// it makes the module optimizer, for a caller that wraps the rule first.
+    pub fn validate(&self) -> Result<()> {
         in_range("beta_1", self.beta_1 as f64, 0.0, 1.0, false)?;
         in_range("beta_2", self.beta_2 as f64, 0.0, 1.0, false)?;
         if !(self.epsilon.is_finite() && self.epsilon > 0.0) {
@@ -248,7 +262,7 @@ impl Adam8 {
             f64::INFINITY,
             false,
         )?;
-        Ok(ModuleOptimizer::from(self))
+        Ok(())
     }
 }
 

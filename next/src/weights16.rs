@@ -41,7 +41,6 @@
 //! assert_eq!(model.weight.val().dtype(), DType::BF16);
 //! ```
 
-use std::fmt;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
@@ -50,29 +49,7 @@ use burn::optim::{StateSink, StateSource};
 use burn::tensor::{Bool, DType, Device, Tensor, TensorData};
 use memsave_common::draws::{splitmix64, uniforms};
 
-/// How a 16-bit weight takes its fp32 update.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
-pub enum WeightRounding {
-    /// To one of its two neighbours, with the probability that makes the expected result the
-    /// fp32 value (seeded; the same draws after a resume).
-    #[default]
-    Stochastic,
-    /// To nearest: an update below half the spacing is lost.
-    Nearest,
-    /// To nearest, with what the rounding lost kept per weight (in the weight's type) and added
-    /// to its next update.
-    Kahan,
-}
-
-impl fmt::Display for WeightRounding {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(match self {
-            WeightRounding::Stochastic => "stochastic",
-            WeightRounding::Nearest => "nearest",
-            WeightRounding::Kahan => "kahan",
-        })
-    }
-}
+pub use memsave_common::weights::WeightRounding;
 
 /// `inner`'s rule on 16-bit weights (see the [module docs](self)).
 #[derive(Clone, Debug)]

@@ -18,7 +18,9 @@ use burn::prelude::*;
 use burn::tensor::{DType, Distribution};
 use memsave_macros::{auto_fp16, force_fp32, model, with_cp};
 use memsave_next::checkpoint::set_with_cp;
-use memsave_next::fp16::{cast_params, wrap_fp16_model, Fp16, Fp16Module, HasFp16Flag, Precision};
+use memsave_next::fp16::{
+    cast_params, wrap_fp16_model, Fp16, Fp16Module, HasFp16Flag, Precision, PrecisionExt,
+};
 
 mod common;
 use common::{assert_same_bits, device, devices, grad_bits, initialized, watchdog};

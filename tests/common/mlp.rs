@@ -6,7 +6,7 @@ use burn::nn::loss::CrossEntropyLossConfig;
 use burn::nn::{Linear, LinearConfig};
 use burn::prelude::*;
 use burn::tensor::backend::AutodiffBackend;
-use memsave::fp16::Fp16;
+use memsave::fp16::{Fp16, PrecisionExt};
 use memsave::models::classifier::ClassificationBatch;
 use memsave::nn::{Dropout, DropoutConfig};
 use memsave::train::TrainModel;

@@ -82,7 +82,7 @@ pub fn set_thread_slot(slot: u32) -> u32 {
     SLOT.try_with(|current| current.replace(slot)).unwrap_or(0)
 }
 
-/// The live bytes charged to `slot`, and their peak since [`SlotMeter::reset_peak`].
+/// The live bytes charged to `slot`, and their peak since `reset_peak`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct SlotMeter(pub u32);
 

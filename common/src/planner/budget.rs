@@ -146,7 +146,7 @@ pub enum WithCp {
     /// Those the planner picks for `[memory] memory_budget`.
     Auto,
     /// Chosen per step and per segment as each step runs, at its input's size, so that the
-    /// step keeps `[memory] memory_budget` ([`crate::planner::DynamicHook`]).
+    /// step keeps `[memory] memory_budget` (each runtime's `DynamicHook` or `Dynamic`).
     Dynamic,
     /// Exactly these, by module path (a plan pinned by hand, as `memsave plan` prints it).
     Paths(Vec<String>),

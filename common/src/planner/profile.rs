@@ -131,7 +131,7 @@ fn one() -> usize {
 
 /// Where the meter cannot tell gradients from other bytes, the gradient bytes live at each
 /// boundary of a step, from the trainable parameters in visiting order (`layout`: module path
-/// and gradient bytes, [`crate::train::params::trainable_layout`]). Backward makes the
+/// and gradient bytes, each runtime's `trainable_layout`). Backward makes the
 /// gradients in the reverse of the forward's order, which the visiting order follows in the
 /// models memsave knows: when a segment's recomputation starts, the parameters after its last
 /// one have their gradients; when backward ends, all of them.

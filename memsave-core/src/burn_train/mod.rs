@@ -38,7 +38,6 @@ mod model;
 mod optim;
 mod schedule;
 
-use crate::train::WeightDtypeExt;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use burn::module::AutodiffModule;

@@ -1,7 +1,7 @@
 //! The `TrainStep` wrapper: the forward of the user's model, and the backward of the scaled,
 //! divided loss into the group's gradient sums.
 
-use crate::train::WeightDtypeExt;
+use crate::fp16::PrecisionExt;
 use std::fmt;
 use std::marker::PhantomData;
 use std::sync::{Arc, Mutex};

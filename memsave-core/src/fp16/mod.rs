@@ -36,45 +36,23 @@ use burn::module::{
 use burn::prelude::Backend;
 use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::{DType, Tensor};
-use serde::{Deserialize, Serialize};
 
 use crate::cast::{cast_tensor_type, CastFloat};
 
-/// The half-precision type a model runs in once wrapped.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum Precision {
-    /// IEEE half (`torch.half`): MMCV's only choice; needs loss scaling.
-    #[default]
-    F16,
-    /// bfloat16: fp32's range with 8 bits of mantissa.
-    Bf16,
+pub use memsave_common::fp16::Precision;
+
+/// The tensor dtype of a [`Precision`] (memsave-common's type, which names nothing of Burn's).
+pub trait PrecisionExt {
+    /// The tensor dtype of this precision.
+    fn dtype(self) -> DType;
 }
 
-impl Precision {
-    /// The other half type.
-    pub fn other(self) -> Precision {
-        match self {
-            Precision::F16 => Precision::Bf16,
-            Precision::Bf16 => Precision::F16,
-        }
-    }
-
-    /// The tensor dtype of this precision.
-    pub fn dtype(self) -> DType {
+impl PrecisionExt for Precision {
+    fn dtype(self) -> DType {
         match self {
             Precision::F16 => DType::F16,
             Precision::Bf16 => DType::BF16,
         }
-    }
-}
-
-impl fmt::Display for Precision {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(match self {
-            Precision::F16 => "f16",
-            Precision::Bf16 => "bf16",
-        })
     }
 }
 

@@ -1,3 +1,4 @@
+use crate::fp16::PrecisionExt;
 use burn::module::{Module, Param, RunningState};
 use burn::prelude::{Backend, Config};
 use burn::tensor::ops::FloatTensor;

@@ -19,27 +19,8 @@ use std::sync::Mutex;
 use burn::module::{Module, ModuleMapper, Param, ParamId};
 use burn::prelude::Backend;
 use burn::tensor::{DType, Int, IntDType, Tensor, TensorData};
-use serde::{Deserialize, Serialize};
 
-/// How frozen weights are held (`[optimizer] frozen_dtype`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
-pub enum FrozenDtype {
-    /// int8 per output channel (dimension 0), one fp32 scale per channel: a quarter of fp32.
-    #[serde(rename = "int8")]
-    Int8,
-    /// bfloat16: half of fp32.
-    #[serde(rename = "bf16")]
-    Bf16,
-}
-
-impl std::fmt::Display for FrozenDtype {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(match self {
-            FrozenDtype::Int8 => "int8",
-            FrozenDtype::Bf16 => "bf16",
-        })
-    }
-}
+pub use memsave_common::weights::FrozenDtype;
 
 /// One frozen weight as held: `[out, rest]`, with its shape.
 #[derive(Clone)]

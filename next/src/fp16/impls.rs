@@ -1,5 +1,6 @@
 //! [`Fp16Module`] for plain values, containers, parameters and the layers of `burn::nn`.
 
+use crate::fp16::PrecisionExt;
 use burn::module::Param;
 use burn::nn;
 use burn::tensor::{Bool, DType, Int, Tensor};

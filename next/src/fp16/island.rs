@@ -1,6 +1,7 @@
 //! fp32 islands: a layer kept in fp32 inside a half-precision model, its inputs cast to fp32
 //! and its outputs cast back (what MMCV's `patch_norm_fp32` does to its norms, for any layer).
 
+use crate::fp16::PrecisionExt;
 use burn::module::{
     Content, Devices, DisplaySettings, Module, ModuleDisplay, ModuleDisplayDefault, ModuleMapper,
     ModuleVisitor,
@@ -97,7 +98,7 @@ impl<M> Fp32<M> {
         if any_float {
             None
         } else {
-            self.half.map(Precision::dtype)
+            self.half.map(PrecisionExt::dtype)
         }
     }
 }

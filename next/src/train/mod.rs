@@ -18,6 +18,7 @@
 //! and the reading of a device's out-of-memory panic.
 
 mod hook;
+mod optimizer;
 pub(crate) mod params;
 mod runner;
 mod state;
@@ -28,6 +29,7 @@ use burn::tensor::DType;
 
 pub use hook::{Hook, Priority};
 pub use memsave_common::train::RunLength;
+pub use optimizer::{optimizer, OptimizerKind, OptimizerSpec, StateDtype};
 pub use runner::Runner;
 pub use state::{At, BatchFootprint, DataSource, IterLog, PeerPlace, TrainModel, TrainState};
 

@@ -193,7 +193,7 @@ impl<M: TrainModel, D: DataSource<M::Batch>> Runner<M, D> {
 
     /// After the first step: every module whose `with_cp` is on ran a `#[with_cp]` method.
     fn check_segments_ran(&mut self) -> Result<()> {
-        let unused = crate::checkpoint::UnusedWithCp::default();
+        let unused = memsave_common::checkpoint::unused_with_cp();
         if let Some(warning) = crate::check::segments_ran(&self.state.model, unused)? {
             self.state.warn(warning);
         }

@@ -22,7 +22,7 @@ use std::rc::Rc;
 
 use burn::backend::Autodiff;
 use burn::tensor::backend::AutodiffBackend;
-use memsave::config::Config;
+use memsave::config::{Config, ConfigHooks};
 use memsave::hooks::LrUpdaterHook;
 use memsave::memory::{self, phase};
 use memsave::models::config::{DetectionDataSection, RetinaNetSection};

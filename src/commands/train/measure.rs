@@ -2,7 +2,7 @@
 
 use burn::tensor::backend::AutodiffBackend;
 use memsave::checkpoint::CheckpointModule;
-use memsave::config::{Config, LossScaleSpec};
+use memsave::config::{Config, ConfigHooks, LossScaleSpec};
 use memsave::planner::{ProfileHook, StepMeter};
 use memsave::train::{DataSource, Runner, TrainModel};
 

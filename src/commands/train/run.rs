@@ -4,7 +4,7 @@ use std::path::PathBuf;
 
 use burn::tensor::backend::AutodiffBackend;
 use memsave::checkpoint::{set_with_cp_paths, CheckpointModule};
-use memsave::config::Config;
+use memsave::config::{Config, ConfigHooks};
 use memsave::models::registry::{Built, ModelJob};
 use memsave::parallel::{Collective, PeerReducer};
 use memsave::planner::{AutoPlanHook, DynamicHook, WithCp};

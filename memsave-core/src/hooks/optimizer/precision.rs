@@ -1,7 +1,7 @@
 //! The precision part: fp32, or half precision with a loss scaler and fp32 master weights (the
 //! forward runs on a half copy of them, made again after each step).
 
-use crate::train::WeightDtypeExt;
+use crate::fp16::PrecisionExt;
 use std::path::Path;
 
 use burn::tensor::backend::AutodiffBackend;

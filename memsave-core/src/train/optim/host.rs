@@ -26,9 +26,9 @@ use burn::tensor::ops::FloatTensorOps;
 use burn::tensor::{DType, Tensor, TensorPrimitive};
 
 use super::optimizer::Optim;
-use super::spec::OptimizerSpec;
 use super::steps::ParamSteps;
 use crate::train::snapshot::codec::CodecError;
+use memsave_common::optim::OptimizerSpec;
 
 /// The host's backend.
 pub(crate) type Host = Flex;

@@ -9,10 +9,10 @@ use burn::optim::SimpleOptimizer;
 use burn::optim::{Adam, AdamConfig, AdamW, AdamWConfig, GradientsParams, Optimizer, SgdConfig};
 use burn::tensor::backend::AutodiffBackend;
 
-use super::spec::{OptimizerKind, OptimizerSpec, StateDtype};
 use crate::train::optim8::{Adam8, Sgd8};
 use crate::train::snapshot::codec::{decode_by_param, encode_by_param, CodecError};
 use crate::Result;
+use memsave_common::optim::{OptimizerKind, OptimizerSpec, StateDtype};
 
 /// One of the supported optimizers over the model `M`.
 pub enum Optim<B: AutodiffBackend, M: AutodiffModule<B>> {

@@ -1,11 +1,10 @@
-//! From a configuration to the runner's parts: the optimizer hook, the other hooks, the run's
-//! length, the optimizer. The checks that span sections live here too.
-
-use burn::tensor::backend::AutodiffBackend;
+//! From a configuration to the runner's Burn-free parts: the run's length, the optimizer, the
+//! schedule, the planner's setting and budget. The checks that span sections live here too.
+//! Each runtime makes its hooks from them (`ConfigHooks`).
 
 use super::{under, Config, ModelKeys};
-use crate::hooks::{LoggerHook, LrSchedule, LrUpdaterHook, OptimizerHook, SnapshotHook};
-use crate::train::{Hook, OptimizerKind, OptimizerSpec, RunLength, TrainModel};
+use crate::optim::{OptimizerKind, OptimizerSpec, StateDtype};
+use crate::train::{LrSchedule, RunLength};
 use crate::{Error, Result};
 
 use crate::planner::advise::Setting;
@@ -93,7 +92,7 @@ impl<M, D> Config<M, D> {
                 OptimizerKind::Adam { .. } | OptimizerKind::AdamW { .. }
             ),
             step_in_backward: self.optimizer_config.step_in_backward,
-            int8_state: self.optimizer.state_dtype == crate::train::StateDtype::Int8,
+            int8_state: self.optimizer.state_dtype == StateDtype::Int8,
             clips: self.optimizer_config.grad_clip.is_some(),
             offload_activations: self.offload.activations,
             offload_optimizer: self.offload.optimizer,
@@ -109,7 +108,7 @@ impl<M, D> Config<M, D> {
     /// The optimizer, how it keeps its state, and how the trainable weights are kept (the
     /// stochastic rounding's draws seeded by the run's `seed`).
     pub fn optimizer(&self) -> OptimizerSpec {
-        let weights = crate::train::WeightSpec::new(
+        let weights = crate::weights::WeightSpec::new(
             self.optimizer.weight_dtype,
             self.optimizer.weight_rounding,
         )
@@ -133,106 +132,5 @@ impl<M, D> Config<M, D> {
             base_lr: self.optimizer.lr,
             ..self.lr_config.clone()
         }
-    }
-
-    /// The optimizer hook: the configured corner, made mixed-precision by an `[fp16]` section.
-    pub fn optimizer_hook<B: AutodiffBackend, Mo: TrainModel<B>>(
-        &self,
-    ) -> Result<Box<dyn Hook<B, Mo>>> {
-        Ok(Box::new(self.optimizer_hook_of()?))
-    }
-
-    /// [`Config::optimizer_hook`], as its concrete type.
-    pub fn optimizer_hook_of(&self) -> Result<OptimizerHook> {
-        let section = &self.optimizer_config;
-        let mut hook = OptimizerHook::new()
-            .with_grad_clip(section.grad_clip)
-            .with_detect_anomalous_params(section.detect_anomalous_params)
-            .with_step_in_backward(section.step_in_backward)
-            .with_optimizer_offload(self.offload.optimizer);
-        let groups = section.groups().map_err(|e| under("optimizer_config", e))?;
-        hook = hook.with_groups(groups);
-        let fp16 = match (&self.fp16, section.kind.is_fp16()) {
-            (Some(fp16), _) => Some(fp16.clone()),
-            (None, true) => Some(Default::default()),
-            (None, false) => None,
-        };
-        if let Some(fp16) = fp16 {
-            let scaler = fp16.loss_scale.scaler()?;
-            hook = hook.with_mixed_precision(scaler, fp16.precision);
-        }
-        Ok(hook)
-    }
-
-    /// The other hooks: learning rate, snapshots, log, the config keys of the strategies for the
-    /// advice of a step that does not fit, and activation offload where `[offload]` asks.
-    pub fn hooks<B: AutodiffBackend, Mo: TrainModel<B>>(&self) -> Vec<Box<dyn Hook<B, Mo>>> {
-        // The host budget as the run starts (unknown where the machine's memory cannot be read
-        // and no budget is given: then unbounded).
-        let host_budget = self.memory.host_budget().ok().flatten();
-        let accumulates = self
-            .optimizer_config
-            .groups()
-            .is_ok_and(|groups| groups.cumulative_iters() > 1);
-        let offload = self.offload.activations().map(|setting| {
-            Box::new(
-                crate::hooks::OffloadHook::new(setting)
-                    .with_host_budget(host_budget)
-                    .with_optimizer_offload(self.offload.optimizer, accumulates)
-                    .with_zero_stage(self.optimizer_config.zero().unwrap_or_default()),
-            ) as Box<dyn Hook<B, Mo>>
-        });
-        let mut hooks: Vec<Box<dyn Hook<B, Mo>>> = vec![
-            Box::new(LrUpdaterHook {
-                schedule: self.lr_schedule(),
-            }),
-            Box::new(SnapshotHook::from_config(
-                &self.checkpoint_config,
-                self.runner.by_epoch(),
-            )),
-            Box::new(LoggerHook::new(self.log_config.interval)),
-            Box::new(StrategyKeys),
-            Box::new(RunChoices {
-                unused_with_cp: self.unused_with_cp,
-            }),
-        ];
-        hooks.extend(offload);
-        hooks
-    }
-}
-
-/// Puts the config's choices for the run in its context before the first step.
-struct RunChoices {
-    unused_with_cp: crate::checkpoint::UnusedWithCp,
-}
-
-impl<B: AutodiffBackend, M: TrainModel<B>> Hook<B, M> for RunChoices {
-    fn name(&self) -> &'static str {
-        "run_choices"
-    }
-
-    fn before_run(&mut self, _state: &mut crate::train::TrainState<B, M>) -> Result<()> {
-        crate::checkpoint::set_unused_with_cp(self.unused_with_cp);
-        Ok(())
-    }
-}
-
-/// Names the config keys of the strategies when a step does not fit.
-struct StrategyKeys;
-
-impl<B: AutodiffBackend, M: TrainModel<B>> Hook<B, M> for StrategyKeys {
-    fn name(&self) -> &'static str {
-        "strategy_keys"
-    }
-
-    fn out_of_memory_advice(&self, _state: &crate::train::TrainState<B, M>) -> Option<String> {
-        Some(
-            "in the config: mixed precision is `[fp16]`, accumulation \
-             `optimizer_config.cumulative_iters`, checkpointing `with_cp = true`; `memsave plan \
-             CONFIG --budget SIZE` measures which combination fits SIZE at the least cost, and \
-             `with_cp = \"auto\"` with `[memory] memory_budget = SIZE` checkpoints only the \
-             blocks that SIZE needs"
-                .to_string(),
-        )
     }
 }

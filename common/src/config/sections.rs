@@ -1,16 +1,17 @@
 //! The sections of a configuration that are not a runtime type as they stand: the optimizer
 //! (its learning rate beside the optimizer's kind), the optimizer hook (MMCV's hook names, each
-//! a corner of [`crate::hooks::OptimizerHook`]), and mixed precision (MMCV's three forms of
+//! a corner of the runtime's `OptimizerHook`), and mixed precision (MMCV's three forms of
 //! `loss_scale`). Every other section deserialises straight into its runtime type.
 
 use serde::de::{MapAccess, Visitor};
 use serde::{Deserialize, Deserializer};
 use smart_default::SmartDefault;
 
+use crate::clip::GradClip;
 use crate::fp16::Precision;
-use crate::hooks::GradClip;
+use crate::optim::{OptimizerKind, StateDtype};
 use crate::scaler::{LossScaler, ScaleMode};
-use crate::train::{OptimizerKind, StateDtype, WeightDtype, WeightRounding};
+use crate::weights::{WeightDtype, WeightRounding};
 use crate::Result;
 
 /// `[optimizer]`: `type`, `lr`, how the state is kept, and the optimizer's parameters.
@@ -34,7 +35,7 @@ pub struct OptimizerSection {
     /// do not train: `frozen_stages`, a frozen submodule) held so, dequantized per layer in the
     /// forward. Absent: as the trainable weights.
     #[serde(default)]
-    pub frozen_dtype: Option<crate::nn::FrozenDtype>,
+    pub frozen_dtype: Option<crate::weights::FrozenDtype>,
     /// The optimizer and its parameters.
     #[serde(flatten)]
     pub kind: OptimizerKind,
@@ -78,13 +79,13 @@ impl OptimizerHookSection {
     /// The grouping of micro-batches this section asks for: `cumulative_iters` for the
     /// accumulating hooks (1 when unset), a step every iteration for the others. Errors name
     /// `cumulative_iters`.
-    pub fn groups(&self) -> crate::Result<crate::hooks::Groups> {
+    pub fn groups(&self) -> crate::Result<crate::groups::Groups> {
         let iters = if self.kind.accumulates() {
             self.cumulative_iters.unwrap_or(1)
         } else {
             1
         };
-        crate::hooks::Groups::new(iters)
+        crate::groups::Groups::new(iters)
     }
 }
 
@@ -104,7 +105,7 @@ pub enum OptimizerHookType {
 
 impl OptimizerHookType {
     /// Whether the hook accumulates.
-    pub(crate) fn accumulates(self) -> bool {
+    pub fn accumulates(self) -> bool {
         matches!(
             self,
             OptimizerHookType::GradientCumulativeOptimizerHook
@@ -113,7 +114,7 @@ impl OptimizerHookType {
     }
 
     /// Whether the hook runs in mixed precision by its name alone.
-    pub(crate) fn is_fp16(self) -> bool {
+    pub fn is_fp16(self) -> bool {
         matches!(
             self,
             OptimizerHookType::Fp16OptimizerHook

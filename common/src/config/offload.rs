@@ -12,7 +12,7 @@
 
 use serde::Deserialize;
 
-use crate::checkpoint::ActivationOffload;
+use crate::offload::ActivationOffload;
 use crate::planner::Budget;
 
 /// `[offload]`: what goes to host memory (see the module docs). Unset values take
@@ -25,7 +25,7 @@ pub struct OffloadSection {
     #[serde(default)]
     pub activations: bool,
     /// The optimizer's state and the fp32 master weights in host memory, each parameter stepped
-    /// there as its gradient is final ([`crate::hooks::OptimizerHook::with_optimizer_offload`]).
+    /// there as its gradient is final (the optimizer hook's `with_optimizer_offload`).
     #[serde(default)]
     pub optimizer: bool,
     /// Tensors smaller than this stay on the device (bytes, or `"1KiB"`).

@@ -2,7 +2,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::train::weights::WeightSpec;
+use crate::weights::WeightSpec;
 use crate::{Error, Result};
 
 /// Which optimizer, with MMCV's names (`optimizer = dict(type='SGD', lr=0.02, momentum=0.9,
@@ -64,7 +64,7 @@ fn adamw_weight_decay() -> f64 {
 
 impl OptimizerKind {
     /// SGD with `momentum` (0: none), no weight decay, no Nesterov (PyTorch's defaults; the
-    /// learning rate is the schedule's: [`crate::train::Runner::set_lr`]).
+    /// learning rate is the schedule's: the runner's `set_lr`).
     pub fn sgd(momentum: f64) -> Self {
         OptimizerKind::Sgd {
             momentum,
@@ -122,7 +122,7 @@ impl OptimizerKind {
 
     /// Adam's and AdamW's settings: betas, eps and weight decay (zeros for SGD, which has none
     /// of them).
-    pub(crate) fn adam_settings(&self) -> ((f64, f64), f64, f64) {
+    pub fn adam_settings(&self) -> ((f64, f64), f64, f64) {
         match self {
             OptimizerKind::Sgd { .. } => ((0.0, 0.0), 0.0, 0.0),
             OptimizerKind::Adam {
@@ -178,7 +178,7 @@ pub struct OptimizerSpec {
     /// How its state is kept.
     pub state_dtype: StateDtype,
     /// How the trainable weights are kept: fp32, or 16 bits as their only copy
-    /// ([`crate::train::weights`]).
+    /// (memsave's `train::weights`).
     pub weights: WeightSpec,
 }
 
@@ -266,7 +266,7 @@ impl OptimizerSpec {
         let copies = self.kind.state_copies() as f64;
         match self.state_dtype {
             StateDtype::F32 => copies,
-            StateDtype::Int8 => copies * (1.0 + 4.0 / crate::train::quant::BLOCK as f64) / 4.0,
+            StateDtype::Int8 => copies * (1.0 + 4.0 / crate::quant::BLOCK as f64) / 4.0,
         }
     }
 }
