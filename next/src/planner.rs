@@ -139,9 +139,15 @@ pub struct Dynamic {
 impl Dynamic {
     /// Keeps `budget` on `device`. Errors where the device's memory cannot be read.
     pub fn new(budget: Budget, device: &Device) -> Result<Self> {
+        Self::with_keys(budget, OWN_LOOP_KEYS, device)
+    }
+
+    /// [`Dynamic::new`], its errors and advice naming the model's settings as `keys` says (a
+    /// config's `model.backbone.with_cp`, `data.samples_per_gpu`).
+    pub fn with_keys(budget: Budget, keys: ModelKeys, device: &Device) -> Result<Self> {
         let meter = meter(device)?;
         Ok(Dynamic {
-            engine: DynamicMemory::new(budget, OWN_LOOP_KEYS, meter, no_staging()),
+            engine: DynamicMemory::new(budget, keys, meter, no_staging()),
             device: device.clone(),
             iter: 0,
             interval: 50,
@@ -206,12 +212,19 @@ impl Dynamic {
     }
 }
 
-impl Drop for Dynamic {
-    fn drop(&mut self) {
-        // The chooser goes with it: later segments on this thread run as their flags say.
-        if self.started {
+impl Dynamic {
+    /// Ends the choosing: later segments on this thread run as their flags say (also done when
+    /// it is dropped).
+    pub fn end(&mut self) {
+        if std::mem::take(&mut self.started) {
             self.engine.end();
         }
+    }
+}
+
+impl Drop for Dynamic {
+    fn drop(&mut self) {
+        self.end();
     }
 }
 

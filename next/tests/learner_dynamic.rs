@@ -10,38 +10,18 @@ use burn::data::dataloader::batcher::Batcher;
 use burn::data::dataloader::{DataLoader, DataLoaderBuilder};
 use burn::data::dataset::InMemDataset;
 use burn::module::Module;
-use burn::nn::{Dropout, DropoutConfig, Linear, LinearConfig};
+use burn::nn::{Linear, LinearConfig};
 use burn::optim::SgdConfig;
 use burn::prelude::*;
 use burn::train::{InferenceStep, RegressionOutput, SupervisedTraining};
+use common::blocks::{blocks, Block, NARROW};
 use common::{param_bits, watchdog};
-use memsave_macros::{model, with_cp};
+use memsave_macros::model;
 use memsave_next::burn_train::{ForwardStep, Memsave};
 use memsave_next::planner::Budget;
 
 #[global_allocator]
 static ALLOCATOR: memsave_next::memory::CountingAllocator = memsave_next::memory::CountingAllocator;
-
-const WIDE: usize = 512;
-const NARROW: usize = 64;
-
-/// A wide block with a dropout inside.
-#[model]
-#[derive(Module, Debug)]
-struct Block {
-    up: Linear,
-    dropout: Dropout,
-    down: Linear,
-    with_cp: bool,
-}
-
-impl Block {
-    #[with_cp]
-    fn forward(&self, x: Tensor<2>) -> Tensor<2> {
-        let h = burn::tensor::activation::relu(self.up.forward(x));
-        self.down.forward(self.dropout.forward(h))
-    }
-}
 
 #[model]
 #[derive(Module, Debug)]
@@ -56,14 +36,7 @@ impl Net {
         device.seed(5);
         Net {
             input: LinearConfig::new(NARROW, NARROW).init(device),
-            blocks: (0..6)
-                .map(|_| Block {
-                    up: LinearConfig::new(NARROW, WIDE).init(device),
-                    dropout: DropoutConfig::new(0.25).init(),
-                    down: LinearConfig::new(WIDE, NARROW).init(device),
-                    with_cp: false,
-                })
-                .collect(),
+            blocks: blocks(device, 6),
         }
     }
 

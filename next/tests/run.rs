@@ -4,11 +4,9 @@
 //! `"dynamic"` chooser decides at each segment's entry whether it keeps its activations, and any
 //! mix of choices trains the plain run's gradients bit for bit.
 
-use std::cell::Cell;
 use std::sync::{Arc, Mutex};
 
 use burn::module::Module;
-use burn::nn::{Dropout, DropoutConfig, Linear, LinearConfig};
 use burn::prelude::*;
 use burn::tensor::Distribution;
 use memsave_macros::{model, with_cp};
@@ -19,37 +17,13 @@ use memsave_next::memory::{self, phase};
 use memsave_next::RunContext;
 
 mod common;
+use common::blocks::{Block, NARROW, WIDE};
 use common::{assert_same_bits, device, grad_bits, initialized, watchdog};
 
 #[global_allocator]
 static ALLOCATOR: memory::CountingAllocator = memory::CountingAllocator;
 
-thread_local! {
-    static RUNS: Cell<usize> = const { Cell::new(0) };
-}
-
-const WIDE: usize = 512;
-const NARROW: usize = 64;
 const BATCH: usize = 128;
-
-/// A wide block: its activations are 8 times its input, and a dropout draws inside it.
-#[model]
-#[derive(Module, Debug)]
-struct Block {
-    up: Linear,
-    dropout: Dropout,
-    down: Linear,
-    with_cp: bool,
-}
-
-impl Block {
-    #[with_cp]
-    fn forward(&self, x: Tensor<2>) -> Tensor<2> {
-        RUNS.with(|runs| runs.set(runs.get() + 1));
-        let h = burn::tensor::activation::relu(self.up.forward(x));
-        self.down.forward(self.dropout.forward(h))
-    }
-}
 
 #[model]
 #[derive(Module, Debug)]
@@ -61,14 +35,7 @@ struct Net {
 impl Net {
     fn new(device: &Device, blocks: usize) -> Self {
         Net {
-            blocks: (0..blocks)
-                .map(|_| Block {
-                    up: LinearConfig::new(NARROW, WIDE).init(device),
-                    dropout: DropoutConfig::new(0.25).init(),
-                    down: LinearConfig::new(WIDE, NARROW).init(device),
-                    with_cp: false,
-                })
-                .collect(),
+            blocks: common::blocks::blocks(device, blocks),
         }
     }
 
@@ -84,12 +51,12 @@ impl Net {
     /// gradients as bits and how many times a block's forward ran.
     fn step(&self, device: &Device, seed: u64) -> (Vec<Option<Vec<u32>>>, usize) {
         device.seed(seed);
-        RUNS.with(|runs| runs.set(0));
+        common::blocks::reset_runs();
         // Tracked, so that the first block is checkpointed too (MMCV's guard).
         let x = Tensor::<2>::random([BATCH, NARROW], Distribution::Default, device).require_grad();
         let loss = memory::in_phase(phase::FORWARD, || self.forward(x).powi_scalar(2).mean());
         let grads = memory::in_phase(phase::BACKWARD, || memsave_next::checkpoint::backward(loss));
-        (grad_bits(self, &grads), RUNS.with(Cell::get))
+        (grad_bits(self, &grads), common::blocks::runs())
     }
 }
 

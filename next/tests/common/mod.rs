@@ -3,6 +3,7 @@
 
 #![allow(dead_code)]
 
+pub mod blocks;
 pub mod mlp;
 
 use burn::module::{Module, ModuleVisitor, Param};
