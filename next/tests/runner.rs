@@ -644,3 +644,52 @@ fn a_users_mistakes_are_errors_that_name_what_to_change() {
         assert!(error.contains("other.ckpt"), "{error}");
     });
 }
+
+/// An MLP with a layer the loss never reads.
+#[memsave_macros::model]
+#[derive(burn::module::Module, Debug)]
+struct WithSpare {
+    mlp: Mlp,
+    spare: burn::nn::Linear,
+}
+
+impl TrainModel for WithSpare {
+    type Batch = Batch;
+
+    fn loss(&self, (x, y): Batch) -> Tensor<1> {
+        self.mlp.loss(x, y)
+    }
+}
+
+#[test]
+fn detect_anomalous_params_names_the_parameters_without_a_gradient() {
+    watchdog(300, || {
+        let model = WithSpare {
+            mlp: mlp(12),
+            spare: burn::nn::LinearConfig::new(4, 4).init(&device()),
+        };
+        let runner = |detect: bool| {
+            let mut run = Runner::new(
+                model.clone(),
+                SgdConfig::new().init(),
+                Box::new(OptimizerHook::new().with_detect_anomalous_params(detect)),
+                Data::new(4),
+                RunLength::Iters(2),
+                work_dir("anomalous"),
+                device(),
+            )
+            .unwrap();
+            run.set_lr(0.1).unwrap();
+            run.run().unwrap();
+            run.state().warnings().to_vec()
+        };
+        let warnings = runner(true);
+        assert_eq!(warnings.len(), 2, "one a step: {warnings:?}");
+        assert!(
+            warnings[0].starts_with("iteration 0: these trainable parameters got no gradient")
+                && warnings[0].ends_with("spare.weight, spare.bias"),
+            "{warnings:?}"
+        );
+        assert!(runner(false).is_empty(), "off: nothing said");
+    });
+}
