@@ -39,6 +39,7 @@ pub mod fp16;
 pub mod grads;
 pub mod hooks;
 pub mod memory;
+pub mod nn;
 pub mod optim8;
 pub mod planner;
 pub mod quant;
