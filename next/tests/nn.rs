@@ -367,3 +367,97 @@ fn batch_norm_in_a_checkpointed_block_moves_its_statistics_once_and_has_the_plai
         }
     });
 }
+
+#[test]
+fn batch_norm_relu_conv_is_the_two_steps_and_keeps_only_its_input() {
+    use burn::nn::conv::Conv2dConfig;
+    use burn::nn::PaddingConfig2d;
+    watchdog(120, || {
+        for (name, device) in devices() {
+            for (kernel, padding, bias) in [
+                (3, PaddingConfig2d::Explicit(1, 1, 1, 1), true),
+                // An even kernel: Burn's `Same` pads one side more.
+                (2, PaddingConfig2d::Same, false),
+            ] {
+                device.seed(8);
+                let mut bn = BatchNormConfig::new(6).init(&device);
+                bn.gamma = param(6, &device);
+                bn.beta = param(6, &device);
+                let conv = common::initialized(
+                    Conv2dConfig::new([6, 5], [kernel, kernel])
+                        .with_padding(padding.clone())
+                        .with_bias(bias)
+                        .init(&device),
+                );
+                let x = random([3, 6, 7, 7], &device).require_grad();
+                let two_steps = bn.clone().forward_relu(x.clone());
+                let two_steps = conv.forward(two_steps);
+                let fused = bn.forward_relu_conv(x.clone(), &conv);
+                let what = format!("{name}, kernel {kernel}");
+                assert_close(
+                    two_steps.clone(),
+                    fused.clone(),
+                    1e-5,
+                    &format!("{what}: output"),
+                );
+                let w = random(fused.dims(), &device);
+                let g_two = (two_steps * w.clone()).sum().backward();
+                let g_fused = (fused * w).sum().backward();
+                let x_grad = |g| x.grad(g).unwrap();
+                assert_close(
+                    x_grad(&g_two),
+                    x_grad(&g_fused),
+                    1e-4,
+                    &format!("{what}: x"),
+                );
+                let gamma = |g| bn.gamma.val().grad(g).unwrap();
+                assert_close(
+                    gamma(&g_two),
+                    gamma(&g_fused),
+                    1e-4,
+                    &format!("{what}: gamma"),
+                );
+                let weight = |g| conv.weight.val().grad(g).unwrap();
+                assert_close(
+                    weight(&g_two),
+                    weight(&g_fused),
+                    1e-4,
+                    &format!("{what}: weight"),
+                );
+                if bias {
+                    let b = |g| conv.bias.as_ref().unwrap().val().grad(g).unwrap();
+                    assert_close(b(&g_two), b(&g_fused), 1e-4, &format!("{what}: bias"));
+                }
+            }
+        }
+        // What each keeps before backward beyond its input: the two steps the ReLU's output
+        // (the convolution's input), the fused op the statistics alone.
+        let device = device();
+        let meter = memory::meter_for(&device).unwrap();
+        let conv = Conv2dConfig::new([32, 32], [3, 3])
+            .with_padding(PaddingConfig2d::Explicit(1, 1, 1, 1))
+            .init(&device);
+        let bn = BatchNormConfig::new(32).init(&device);
+        let kept = |fused: bool| {
+            let x = random([8, 32, 64, 64], &device)
+                .require_grad()
+                .mul_scalar(1.0);
+            let before = meter.live() as i64;
+            let y = match fused {
+                true => bn.forward_relu_conv(x, &conv),
+                false => conv.forward(bn.forward_relu(x)),
+            };
+            let loss = y.sum();
+            let kept = meter.live() as i64 - before;
+            drop(loss);
+            kept
+        };
+        let (two, fused) = (kept(false), kept(true));
+        let activation = (8 * 32 * 64 * 64 * 4) as i64;
+        println!("BatchNorm-ReLU-conv keeps beside its input ({activation} bytes): two steps {two}, fused {fused}");
+        assert!(
+            two - fused >= activation * 9 / 10,
+            "two steps {two}, fused {fused}"
+        );
+    });
+}

@@ -4,7 +4,11 @@
 use burn::module::{Module, Param, RunningState};
 use burn::prelude::*;
 
-use super::ops::{normalise, Norm, Statistics};
+use burn::nn::conv::Conv2d;
+use burn::nn::PaddingConfig2d;
+use burn::tensor::ops::ConvOptions;
+
+use super::ops::{normalise, normalise_relu_conv, Conv, Norm, Normalised, Statistics};
 use super::view::{Act, Grouping, View};
 use crate::fp16::{Fp16, Fp16Module, HasFp16Flag, Precision};
 
@@ -89,8 +93,50 @@ impl BatchNorm {
         self.forward_act(input, Act::Relu)
     }
 
+    /// `conv.forward(relu(self.forward(input)))` as one operation that keeps only `input` (and
+    /// two numbers per channel): the ReLU's output, which the convolution would keep for its
+    /// weight gradient, is recomputed from `input` in backward (In-Place Activated BatchNorm's
+    /// saving, exact for a ReLU). Where the input's type is not the convolution's (a half
+    /// model fed fp32), the two steps run as they are.
+    ///
+    /// - input: `[batch, channels, height, width]`
+    /// - output: the convolution's, `[batch, channels_out, height_out, width_out]`
+    pub fn forward_relu_conv(&self, input: Tensor<4>, conv: &Conv2d) -> Tensor<4> {
+        let weight = conv.weight.val();
+        if input.dtype() != weight.dtype() {
+            return conv.forward(self.forward_relu(input));
+        }
+        let [_, _, height, width] = input.dims();
+        let conv = Conv {
+            weight,
+            bias: conv.bias.as_ref().map(|bias| bias.val()),
+            options: conv_options(conv, height, width),
+        };
+        let (statistics, norm) = self.prepare(&input.dims(), &input, Act::Relu);
+        let out = normalise_relu_conv(
+            input,
+            self.gamma.val(),
+            self.beta.val(),
+            statistics,
+            norm,
+            conv,
+        );
+        self.update(out, norm)
+    }
+
     fn forward_act<const D: usize>(&self, input: Tensor<D>, act: Act) -> Tensor<D> {
-        let dims = input.dims();
+        let (statistics, norm) = self.prepare(&input.dims(), &input, act);
+        let out = normalise(input, self.gamma.val(), self.beta.val(), statistics, norm);
+        self.fp16_enabled.to_half(self.update(out, norm))
+    }
+
+    /// The statistics an input of `dims` is normalised with, and the op's settings.
+    fn prepare<const D: usize>(
+        &self,
+        dims: &[usize; D],
+        input: &Tensor<D>,
+        act: Act,
+    ) -> (Statistics, Norm) {
         let [channels] = self.gamma.val().dims();
         assert!(
             D >= 2 && dims[1] == channels,
@@ -116,10 +162,14 @@ impl BatchNorm {
             act,
             epsilon: self.epsilon,
         };
-        let out = normalise(input, self.gamma.val(), self.beta.val(), statistics, norm);
+        (statistics, norm)
+    }
+
+    /// The running statistics moved by the batch's (where it had them); the output.
+    fn update<const D: usize>(&self, out: Normalised<D>, norm: Norm) -> Tensor<D> {
         if let Some((mean, var)) = out.batch_stats {
             // PyTorch's running variance: the unbiased batch variance.
-            let n = view.group_size(Grouping::PerChannel) as f64;
+            let n = norm.view.group_size(Grouping::PerChannel) as f64;
             let var = if n > 1.0 {
                 var.mul_scalar(n / (n - 1.0))
             } else {
@@ -131,8 +181,31 @@ impl BatchNorm {
             self.running_mean.update(mean.detach());
             self.running_var.update(var.detach());
         }
-        self.fp16_enabled.to_half(out.output)
+        out.output
     }
+}
+
+/// `conv`'s options on an input of `height` x `width` (Burn's and PyTorch's `same` padding,
+/// asymmetric for an even kernel).
+fn conv_options(conv: &Conv2d, height: usize, width: usize) -> ConvOptions<2> {
+    let same = |kernel: usize, stride: usize, size: usize| {
+        let out = size.div_ceil(stride);
+        let total = if out > 0 {
+            ((out - 1) * stride + kernel).saturating_sub(size)
+        } else {
+            0
+        };
+        (total / 2, total - total / 2)
+    };
+    let padding = match conv.padding {
+        PaddingConfig2d::Valid => [(0, 0), (0, 0)],
+        PaddingConfig2d::Explicit(top, left, bottom, right) => [(top, bottom), (left, right)],
+        PaddingConfig2d::Same => [
+            same(conv.kernel_size[0], conv.stride[0], height),
+            same(conv.kernel_size[1], conv.stride[1], width),
+        ],
+    };
+    ConvOptions::new_with_padding(conv.stride, padding, conv.dilation, conv.groups)
 }
 
 impl HasFp16Flag for BatchNorm {
