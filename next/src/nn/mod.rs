@@ -7,8 +7,10 @@
 //! Burn 0.22's own `BatchNorm` is one operation already (`batch_norm_train`, keeping its input
 //! and the statistics), so memsave's brings its fused ReLU, PyTorch's running variance and fp32
 //! statistics of a half input; Burn's `LayerNorm` and `GroupNorm` keep an activation-sized
-//! tensor beside their input (see [`ops`]'s table, measured). The convolutions, pooling, the BatchNorm-ReLU-convolution
-//! fusion and frozen weights come with the rest of the lean layers.
+//! tensor beside their input (see [`ops`]'s table, measured). [`BatchNorm::forward_relu_conv`]
+//! runs the BatchNorm, its ReLU and the convolution after them as one node that keeps only the
+//! input. The convolutions' own weight gradient, pooling and frozen weights come with the rest
+//! of the lean layers.
 
 mod batch_norm;
 mod layer_norm;
