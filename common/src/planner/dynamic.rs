@@ -444,8 +444,6 @@ impl Chooser for Dynamic {
     }
 }
 
-/// `with_cp = "dynamic"` in training (see the [module docs](self)): profiles the run's first
-
 /// The shared state, as the engine reads it.
 fn lock(shared: &Mutex<Dynamic>) -> std::sync::MutexGuard<'_, Dynamic> {
     shared.lock().unwrap_or_else(|p| p.into_inner())
