@@ -45,7 +45,7 @@
 //! its activations or recomputes them ([`dynamic`]). Not here yet (the port's next slices): CPU
 //! staging of the kept inputs.
 
-mod nodes;
+pub(crate) mod nodes;
 mod ours;
 mod segment;
 mod state;

@@ -51,8 +51,9 @@ pub(super) fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
         .unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
-/// Records a compute-bound node of `backward` over `parents` (its output `output`).
-fn node<B, C, BO, const N: usize>(
+/// Records a compute-bound node of `backward` over `parents` (its output `output`): the
+/// segments' nodes and the lean layers' ops (`crate::nn`).
+pub(crate) fn node<B, C, BO, const N: usize>(
     backward: BO,
     parents: [&AdTensor<B>; N],
     state: BO::State,

@@ -20,7 +20,7 @@ use burn::backend::autodiff::checkpoint::strategy::{
     BalancedCheckpointing, CheckpointStrategy, NoCheckpointing,
 };
 use burn::backend::autodiff::grads::Gradients;
-use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
+use burn::backend::autodiff::ops::{Backward, Ops};
 use burn::backend::tensor::FloatTensor;
 use burn::prelude::*;
 use burn::tensor::ops::ConvOptions;
@@ -29,6 +29,7 @@ use burn::tensor::{DType, GradientCheckpointingStrategy};
 use super::math;
 use super::view::{Act, Grouping, View, Wanted};
 use crate::backend::{is_tracked, on_backend, AdTensor, DispatchBackend, OnBackend};
+use crate::checkpoint::nodes::node;
 
 /// A plain tensor of `B` as a dispatch tensor.
 fn plain<B: DispatchBackend, const D: usize>(t: FloatTensor<B>) -> Tensor<D> {
@@ -48,26 +49,16 @@ fn untracked<B: DispatchBackend, const D: usize>(
     Tensor::from_dispatch(B::from_autodiff(AdTensor::<B>::new(t), strategy))
 }
 
-/// Records a compute-bound node of `backward` over `parents`, its output `output`.
-fn node<B, C, BO, const N: usize>(
-    backward: BO,
-    parents: [&AdTensor<B>; N],
-    state: BO::State,
-    output: FloatTensor<B>,
-) -> AdTensor<B>
-where
-    B: DispatchBackend,
-    C: CheckpointStrategy,
-    BO: Backward<B, N>,
-{
-    match backward
-        .prepare::<C>(parents.map(|parent| parent.node()))
-        .compute_bound()
-        .stateful()
-    {
-        OpsKind::Tracked(prep) => prep.finish(state, output),
-        OpsKind::UnTracked(prep) => prep.finish(output),
-    }
+/// The batch statistics, plain, as untracked tensors on the autodiff device of `strategy`.
+fn untracked_stats<B: DispatchBackend>(
+    mean: Tensor<1>,
+    var: Tensor<1>,
+    strategy: GradientCheckpointingStrategy,
+) -> (Tensor<1>, Tensor<1>) {
+    (
+        untracked::<B, 1>(inner::<B, 1>(mean), strategy),
+        untracked::<B, 1>(inner::<B, 1>(var), strategy),
+    )
 }
 
 /// The statistics a normalisation uses.
@@ -77,6 +68,28 @@ pub(crate) enum Statistics {
     Batch,
     /// Given ones, constants (BatchNorm in eval mode): mean and biased variance, `[groups]`.
     Running { mean: Tensor<1>, var: Tensor<1> },
+}
+
+impl Statistics {
+    /// The mean and variance to normalise the plain tensor `x` with (fp32, plain), and whether
+    /// they are its own (training).
+    fn of<B: DispatchBackend, const D: usize>(
+        self,
+        x: &Tensor<D>,
+        norm: Norm,
+    ) -> (Tensor<1>, Tensor<1>, bool) {
+        match self {
+            Statistics::Batch => {
+                let (mean, var) = math::stats(x, norm.view, norm.grouping);
+                (mean, var, true)
+            }
+            Statistics::Running { mean, var } => (
+                plain::<B, 1>(inner::<B, 1>(mean)).cast(DType::F32),
+                plain::<B, 1>(inner::<B, 1>(var)).cast(DType::F32),
+                false,
+            ),
+        }
+    }
 }
 
 /// A normalisation's output, and the batch statistics where it computed them (fp32,
@@ -204,17 +217,7 @@ impl<const D: usize> NormOp<D> {
             ba.primitive().clone(),
         );
         let xp = plain::<B, D>(xi.clone());
-        let (mean, var, batch) = match statistics {
-            Statistics::Batch => {
-                let (mean, var) = math::stats(&xp, norm.view, norm.grouping);
-                (mean, var, true)
-            }
-            Statistics::Running { mean, var } => (
-                plain::<B, 1>(inner::<B, 1>(mean)).cast(DType::F32),
-                plain::<B, 1>(inner::<B, 1>(var)).cast(DType::F32),
-                false,
-            ),
-        };
+        let (mean, var, batch) = statistics.of::<B, D>(&xp, norm);
         let invstd = math::inv_std(var.clone(), norm.epsilon);
         let output = math::apply(
             xp,
@@ -243,12 +246,7 @@ impl<const D: usize> NormOp<D> {
         );
         Normalised {
             output: Tensor::from_dispatch(B::from_autodiff(output, strategy)),
-            batch_stats: batch.then(|| {
-                (
-                    untracked::<B, 1>(inner::<B, 1>(mean), strategy),
-                    untracked::<B, 1>(inner::<B, 1>(var), strategy),
-                )
-            }),
+            batch_stats: batch.then(|| untracked_stats::<B>(mean, var, strategy)),
         }
     }
 }
@@ -489,17 +487,7 @@ impl NormConvOp {
         let bias = conv.bias.map(|bias| B::autodiff_of(bias.into_dispatch()));
         let xi = xa.primitive().clone();
         let xp = plain::<B, 4>(xi.clone());
-        let (mean, var, batch) = match statistics {
-            Statistics::Batch => {
-                let (mean, var) = math::stats(&xp, norm.view, norm.grouping);
-                (mean, var, true)
-            }
-            Statistics::Running { mean, var } => (
-                plain::<B, 1>(inner::<B, 1>(mean)).cast(DType::F32),
-                plain::<B, 1>(inner::<B, 1>(var)).cast(DType::F32),
-                false,
-            ),
-        };
+        let (mean, var, batch) = statistics.of::<B, 4>(&xp, norm);
         let invstd = math::inv_std(var.clone(), norm.epsilon);
         let (gi, bi, wi) = (
             ga.primitive().clone(),
@@ -542,12 +530,7 @@ impl NormConvOp {
             node::<B, C, _, 5>(NormConvBackward, [&xa, &ga, &ba, &wa, &bias], state, output);
         Normalised {
             output: Tensor::from_dispatch(B::from_autodiff(output, strategy)),
-            batch_stats: batch.then(|| {
-                (
-                    untracked::<B, 1>(inner::<B, 1>(mean), strategy),
-                    untracked::<B, 1>(inner::<B, 1>(var), strategy),
-                )
-            }),
+            batch_stats: batch.then(|| untracked_stats::<B>(mean, var, strategy)),
         }
     }
 }
