@@ -8,7 +8,8 @@ use burn::nn::conv::Conv2d;
 use burn::nn::PaddingConfig2d;
 use burn::tensor::ops::ConvOptions;
 
-use super::ops::{normalise, normalise_relu_conv, Conv, Norm, Normalised, Statistics};
+use super::fused::{normalise_relu_conv, Conv};
+use super::ops::{normalise, Norm, Normalised, Statistics};
 use super::view::{Act, Grouping, View};
 use crate::fp16::{Fp16, Fp16Module, HasFp16Flag, Precision};
 

@@ -13,6 +13,7 @@
 //! of the lean layers.
 
 mod batch_norm;
+mod fused;
 mod layer_norm;
 mod math;
 pub(crate) mod ops;
