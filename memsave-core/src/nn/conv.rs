@@ -10,8 +10,10 @@ use super::ops;
 /// `conv.forward(x)` for one of Burn's `Conv2d` layers, with memsave's backward: on Flex the
 /// weight gradient is one matrix product per sample over an im2col buffer, contiguous and
 /// exactly the weight's size (Burn's default makes two strided activation-sized copies and a
-/// strided, sometimes fourfold, weight gradient). The forward and the input gradient are the
-/// backend's own. Asymmetric `Same` padding (an even kernel) runs Burn's forward as it is.
+/// strided, sometimes fourfold, weight gradient). On Flex, fp32 convolutions with one group
+/// run memsave's kernels for the forward and the input gradient too (`kernels::conv`); other
+/// backends and types run the backend's own. Asymmetric `Same` padding (an even kernel) runs
+/// Burn's forward as it is.
 ///
 /// - x: `[batch, channels_in, height, width]`
 /// - output: `[batch, channels_out, height_out, width_out]`
