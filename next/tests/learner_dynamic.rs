@@ -32,12 +32,14 @@ struct Net {
 }
 
 impl Net {
+    /// Initialized at once from seed 5 (Burn initializes a parameter at its first use, from
+    /// the stream of that moment).
     fn new(device: &Device) -> Self {
         device.seed(5);
-        Net {
+        common::initialized(Net {
             input: LinearConfig::new(NARROW, NARROW).init(device),
             blocks: blocks(device, 6),
-        }
+        })
     }
 
     fn regression(&self, batch: Batch) -> RegressionOutput {
@@ -184,13 +186,16 @@ fn the_learner_keeps_a_dynamic_budget_at_both_batch_sizes_and_trains_as_plain() 
 
 #[test]
 fn dynamic_needs_its_own_learner() {
-    let device = common::device();
-    let memsave = Memsave::new()
-        .dynamic(Budget::Fraction(0.8), &device)
-        .unwrap();
-    let error = match memsave.learner(Net::new(&device), SgdConfig::new().init(), 0.01) {
-        Ok(_) => panic!("a plain learner under \"dynamic\""),
-        Err(error) => error.to_string(),
-    };
-    assert!(error.contains("Memsave::dynamic_learner"), "{error}");
+    // Under the watchdog: one test at a time (a model seeds Flex's one random generator).
+    watchdog(120, || {
+        let device = common::device();
+        let memsave = Memsave::new()
+            .dynamic(Budget::Fraction(0.8), &device)
+            .unwrap();
+        let error = match memsave.learner(Net::new(&device), SgdConfig::new().init(), 0.01) {
+            Ok(_) => panic!("a plain learner under \"dynamic\""),
+            Err(error) => error.to_string(),
+        };
+        assert!(error.contains("Memsave::dynamic_learner"), "{error}");
+    });
 }
