@@ -20,7 +20,7 @@ use burn::optim::ModuleOptimizer;
 pub use memsave_common::config::*;
 
 /// A config's optimizer and hooks for memsave's runner on Burn 0.22. The settings Burn 0.22
-/// does not have yet (the step in backward, CPU staging, ZeRO, frozen weights held compressed)
+/// does not have yet (CPU staging, ZeRO, frozen weights held compressed, optimizer offload)
 /// are errors naming the key, never dropped in silence.
 pub trait ConfigHooks {
     /// The optimizer (`[optimizer]`: its kind, its state's type, the weights' type).
@@ -58,13 +58,6 @@ impl<M, D> ConfigHooks for Config<M, D> {
 
     fn optimizer_hook_of(&self) -> Result<OptimizerHook> {
         let section = &self.optimizer_config;
-        if section.step_in_backward {
-            return Err(not_yet(
-                "optimizer_config.step_in_backward",
-                "the step in backward",
-                "set it false",
-            ));
-        }
         if section.zero_stage != 0 {
             return Err(not_yet("optimizer_config.zero_stage", "ZeRO", "set it 0"));
         }
@@ -81,7 +74,8 @@ impl<M, D> ConfigHooks for Config<M, D> {
         let mut hook = OptimizerHook::new()
             .with_grad_clip(section.grad_clip)
             .with_detect_anomalous_params(section.detect_anomalous_params)
-            .with_groups(groups);
+            .with_groups(groups)
+            .with_step_in_backward(section.step_in_backward);
         let fp16 = match (&self.fp16, section.kind.is_fp16()) {
             (Some(fp16), _) => Some(fp16.clone()),
             (None, true) => Some(Default::default()),

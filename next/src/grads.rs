@@ -91,55 +91,79 @@ pub fn accumulate<M: Module>(
 pub fn global_norm<M: Module>(model: &M, grads: &GradientsParams, norm_type: f64) -> Option<f64> {
     struct Parts<'a> {
         grads: &'a GradientsParams,
-        norm_type: f64,
-        total: Option<Tensor<1>>,
+        norm: NormParts,
     }
     impl ModuleVisitor for Parts<'_> {
         fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
-            let Some(grad) = self.grads.get::<D>(param.id) else {
-                return;
-            };
-            let grad = grad.cast(DType::F32);
-            let part = if self.norm_type.is_infinite() {
-                // `max` may pass over a NaN on some backends; the sum cannot, and times zero it
-                // is 0, or NaN where a value is inf or NaN: the overflow test reads this norm.
-                let nan_if_not_finite = grad.clone().sum().mul_scalar(0.0);
-                grad.abs().max().add(nan_if_not_finite)
-            } else if self.norm_type == 2.0 {
-                // No `abs` pass: squares are non-negative anyway.
-                grad.square().sum()
-            } else {
-                grad.abs().powf_scalar(self.norm_type).sum()
-            };
-            // Added in the model's order: the same bits wherever the parts were computed.
-            self.total = Some(match self.total.take() {
-                None => part,
-                // `max_pair` keeps the finite side of a NaN: `part - part` (0, or NaN) keeps it.
-                Some(total) if self.norm_type.is_infinite() => {
-                    let nan_if_not_finite = part.clone().sub(part.clone());
-                    total.max_pair(part).add(nan_if_not_finite)
-                }
-                Some(total) => total + part,
-            });
+            if let Some(grad) = self.grads.get::<D>(param.id) {
+                let part = norm_part(grad, self.norm.norm_type);
+                self.norm.add(part);
+            }
         }
     }
     let mut parts = Parts {
         grads,
-        norm_type,
-        total: None,
+        norm: NormParts::new(norm_type),
     };
     model.visit(&mut parts);
-    let total = parts.total?.into_scalar::<f32>() as f64;
-    Some(if norm_type.is_infinite() {
-        total
-    } else {
-        total.powf(1.0 / norm_type)
-    })
+    parts.norm.finish()
 }
 
-/// The global norm of `grads` (`clip`'s `p`), clipping them to `clip.max_norm` (PyTorch's
-/// coefficient `max_norm / (norm + 1e-6)`, applied when below 1). The norm before clipping is
-/// returned; a norm that is not finite clips nothing.
+/// One gradient's part of a `p`-norm (see [`global_norm`]): a one-element fp32 tensor.
+pub(crate) fn norm_part<const D: usize>(grad: Tensor<D>, norm_type: f64) -> Tensor<1> {
+    let grad = grad.cast(DType::F32);
+    if norm_type.is_infinite() {
+        // `max` may pass over a NaN on some backends; the sum cannot, and times zero it is 0,
+        // or NaN where a value is inf or NaN: the overflow test reads this norm.
+        let nan_if_not_finite = grad.clone().sum().mul_scalar(0.0);
+        grad.abs().max().add(nan_if_not_finite)
+    } else if norm_type == 2.0 {
+        // No `abs` pass: squares are non-negative anyway.
+        grad.square().sum()
+    } else {
+        grad.abs().powf_scalar(norm_type).sum()
+    }
+}
+
+/// Parts of a `p`-norm added up in the model's order: the same bits wherever the parts were
+/// computed (after backward, or by the step in backward's taps).
+pub(crate) struct NormParts {
+    norm_type: f64,
+    total: Option<Tensor<1>>,
+}
+
+impl NormParts {
+    pub(crate) fn new(norm_type: f64) -> Self {
+        NormParts {
+            norm_type,
+            total: None,
+        }
+    }
+
+    /// Adds the next parameter's part.
+    pub(crate) fn add(&mut self, part: Tensor<1>) {
+        self.total = Some(match self.total.take() {
+            None => part,
+            // `max_pair` keeps the finite side of a NaN: `part - part` (0, or NaN) keeps it.
+            Some(total) if self.norm_type.is_infinite() => {
+                let nan_if_not_finite = part.clone().sub(part.clone());
+                total.max_pair(part).add(nan_if_not_finite)
+            }
+            Some(total) => total + part,
+        });
+    }
+
+    /// The norm (`None` without any part).
+    pub(crate) fn finish(self) -> Option<f64> {
+        let total = self.total?.into_scalar::<f32>() as f64;
+        Some(if self.norm_type.is_infinite() {
+            total
+        } else {
+            total.powf(1.0 / self.norm_type)
+        })
+    }
+}
+
 /// Clips `grads` by `clip` given their global norm `norm` (the clipping's `p`-norm, already
 /// computed): scaled by `max_norm / (norm + 1e-6)` where that is below 1 and the norm finite.
 pub fn clip_with_norm<M: Module>(
@@ -148,12 +172,20 @@ pub fn clip_with_norm<M: Module>(
     clip: &GradClip,
     norm: f64,
 ) {
-    let coefficient = clip.max_norm / (norm + 1e-6);
-    if norm.is_finite() && coefficient < 1.0 {
+    if let Some(coefficient) = clip_coefficient(clip, norm) {
         scale(model, grads, coefficient);
     }
 }
 
+/// The factor [`clip_with_norm`] scales the gradients by, where it does.
+pub(crate) fn clip_coefficient(clip: &GradClip, norm: f64) -> Option<f64> {
+    let coefficient = clip.max_norm / (norm + 1e-6);
+    (norm.is_finite() && coefficient < 1.0).then_some(coefficient)
+}
+
+/// The global norm of `grads` (`clip`'s `p`), clipping them to `clip.max_norm` (PyTorch's
+/// coefficient `max_norm / (norm + 1e-6)`, applied when below 1). The norm before clipping is
+/// returned; a norm that is not finite clips nothing.
 pub fn clip_by_global_norm<M: Module>(
     model: &M,
     grads: &mut GradientsParams,

@@ -176,6 +176,12 @@ impl Dynamic {
         self.engine.begin_step(meter, segment_ids(model));
     }
 
+    /// Between the two passes of a step (the step in backward with clipping or mixed
+    /// precision): the second runs on `model` (tapped afresh), with the first's choices.
+    pub fn first_pass_done<M: CheckpointModule>(&mut self, model: &M) {
+        self.engine.first_pass_done(segment_ids(model));
+    }
+
     /// After a step (`overflow`: the optimizer skipped it): the step's failure if it had one (its
     /// least over the budget: an error naming the input's shape and what holds the memory), else
     /// the engine's lines, said as events with target `memsave` and returned.

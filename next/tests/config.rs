@@ -251,10 +251,6 @@ fn settings_burn_0_22_does_not_have_yet_are_errors_naming_their_key() {
     let sgd = "[optimizer]\ntype = \"SGD\"\nlr = 0.1\n";
     let cases = [
         (
-            format!("{base}{sgd}[optimizer_config]\nstep_in_backward = true\n"),
-            "optimizer_config.step_in_backward",
-        ),
-        (
             format!("{base}{sgd}[optimizer_config]\nzero_stage = 1\n"),
             "optimizer_config.zero_stage",
         ),
@@ -273,6 +269,12 @@ fn settings_burn_0_22_does_not_have_yet_are_errors_naming_their_key() {
             error.contains(key) && error.contains("Burn 0.22"),
             "{error}"
         );
+    }
+    // The step in backward is read (`next/tests/in_backward.rs` trains with it).
+    for on in [false, true] {
+        let text = format!("{base}{sgd}[optimizer_config]\nstep_in_backward = {on}\n");
+        let hook = parse(&text).unwrap().optimizer_hook_of().unwrap();
+        assert_eq!(hook.step_in_backward(), on);
     }
     let text = format!("{base}{sgd}[offload]\nactivations = true\n");
     let error = match parse(&text).unwrap().hooks::<Mlp>() {

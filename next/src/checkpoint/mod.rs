@@ -46,9 +46,9 @@
 //! staging of the kept inputs.
 
 pub(crate) mod nodes;
-mod ours;
+pub(crate) mod ours;
 mod segment;
-mod state;
+pub(crate) mod state;
 
 use std::cell::Cell;
 use std::marker::PhantomData;
@@ -603,7 +603,13 @@ fn recompute<B, C, M, I, O, F>(
     for param in fresh.taken {
         match inner.as_ref().and_then(|inner| param.fresh.grad(inner)) {
             Some(grad) => grads.register::<B>(param.id, grad),
-            // A parameter made by Burn's ops (not a leaf) has a step that consumes a gradient.
+            // A parameter behind a node of memsave's (a tap of the step in backward) is told
+            // "none", as a segment's output is; one made by Burn's ops (not a leaf) has a step
+            // that consumes a gradient.
+            None if param.ours => grads.register::<B>(
+                param.id,
+                nodes::no_gradient::<B>(&param.fresh.shape(), device, param.fresh.dtype().into()),
+            ),
             None if !param.leaf => grads.register::<B>(
                 param.id,
                 zeros::<B>(&param.fresh.shape(), device, param.fresh.dtype().into()),
@@ -631,6 +637,8 @@ struct FreshParam<B: DispatchBackend> {
     id: NodeId,
     /// Whether the original is a leaf (a parameter made by Burn's ops is not).
     leaf: bool,
+    /// Whether the original is a node of memsave's (a tap), told "none" where it gets nothing.
+    ours: bool,
     fresh: AdTensor<B>,
 }
 
@@ -651,6 +659,7 @@ impl<B: DispatchBackend> ModuleMapper for FreshParams<B> {
         self.taken.push(FreshParam {
             id: original.id(),
             leaf: Autodiff::<B>::float_is_require_grad(&original),
+            ours: ours::contains(original.id()),
             fresh: fresh.clone(),
         });
         let value = Tensor::from_dispatch(B::from_autodiff(fresh, self.strategy));

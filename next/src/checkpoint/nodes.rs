@@ -44,7 +44,7 @@ impl<T> std::fmt::Debug for Once<T> {
     }
 }
 
-pub(super) fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
+pub(crate) fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
     // Poisoned only if a step panicked, which the backward pass reports already.
     mutex
         .lock()

@@ -1,6 +1,6 @@
-//! The segment outputs memsave made on this thread, by node id: a segment whose input is one
-//! of them marks "no gradient" for it rather than registering nothing (the output's step
-//! consumes a gradient). Burn 0.22 gives no weak handle to a node, so the set keeps the newest
+//! The segment outputs and taps memsave made on this thread, by node id: a segment whose input
+//! or parameter is one of them marks "no gradient" for it rather than registering nothing (the
+//! node's step consumes a gradient). Burn 0.22 gives no weak handle to a node, so the set keeps the newest
 //! `LIMIT` ids (ids only grow): an input made more than `LIMIT` segment outputs ago is taken
 //! for a Burn op's, and gets zeros (its true value) where it would have got none.
 
@@ -15,7 +15,7 @@ thread_local! {
     static OURS: RefCell<(HashSet<u64>, VecDeque<u64>)> = RefCell::new(Default::default());
 }
 
-pub(super) fn insert(id: NodeId) {
+pub(crate) fn insert(id: NodeId) {
     OURS.with(|ours| {
         let (set, order) = &mut *ours.borrow_mut();
         if set.insert(id.value) {
@@ -29,6 +29,6 @@ pub(super) fn insert(id: NodeId) {
     });
 }
 
-pub(super) fn contains(id: NodeId) -> bool {
+pub(crate) fn contains(id: NodeId) -> bool {
     OURS.with(|ours| ours.borrow().0.contains(&id.value))
 }

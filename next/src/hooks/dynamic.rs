@@ -63,8 +63,15 @@ impl<M: TrainModel + CheckpointModule> Hook<M> for DynamicHook {
         Ok(())
     }
 
-    fn before_iter(&mut self, state: &mut TrainState<M>) -> Result<()> {
-        self.dynamic.begin_step(state.forward_model());
+    /// The step begins at its forward, on the model as the forward runs it (the optimizer
+    /// hook's taps, for the step in backward, make it afresh: a segment is known by its
+    /// module's place in memory); a second pass keeps the first's choices.
+    fn before_forward(&mut self, state: &mut TrainState<M>) -> Result<()> {
+        if state.pass == 0 {
+            self.dynamic.begin_step(state.forward_model());
+        } else {
+            self.dynamic.first_pass_done(state.forward_model());
+        }
         Ok(())
     }
 

@@ -29,7 +29,20 @@ pub trait Hook<M: TrainModel> {
         Ok(())
     }
 
-    /// After each iteration's forward (`state.loss` is set).
+    /// Right before each forward of the iteration (twice where a hook asked for two passes,
+    /// [`TrainState::forward_passes`]; [`TrainState::pass`] says which), after the batch is made.
+    fn before_forward(&mut self, _state: &mut TrainState<M>) -> Result<()> {
+        Ok(())
+    }
+
+    /// After the first forward of an iteration of two passes (`state.loss` is set): the first
+    /// pass's backward. Setting [`TrainState::forward_passes`] to 1 gives the second pass up
+    /// (an overflow): `after_iter` follows at once.
+    fn after_first_pass(&mut self, _state: &mut TrainState<M>) -> Result<()> {
+        Ok(())
+    }
+
+    /// After each iteration's forward (`state.loss` is set; the second one's, in two passes).
     fn after_iter(&mut self, _state: &mut TrainState<M>) -> Result<()> {
         Ok(())
     }

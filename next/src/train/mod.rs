@@ -13,7 +13,7 @@
 //! runner.run()?;
 //! ```
 //!
-//! Not yet on Burn 0.22 (the port's later slices): the step in backward, optimizer offload,
+//! Not yet on Burn 0.22 (the port's later slices): optimizer offload,
 //! data-parallel peers and ZeRO, frozen-weight compression, the memory check before the run
 //! and the reading of a device's out-of-memory panic.
 
@@ -23,6 +23,7 @@ pub(crate) mod params;
 mod runner;
 mod state;
 pub(crate) mod step;
+pub(crate) mod taps;
 
 use burn::prelude::*;
 use burn::tensor::DType;

@@ -1,7 +1,7 @@
 //! What the runner and the adapters read of a model's parameters: the first half one, whether
 //! it has Burn's BatchNorm, which trainable ones a backward left without a gradient.
 
-use burn::module::{Module, ModuleVisitor, Param};
+use burn::module::{Module, ModuleVisitor, Param, ParamId};
 use burn::optim::GradientsParams;
 use burn::tensor::{DType, Tensor};
 
@@ -66,12 +66,42 @@ pub(crate) fn has_batch_norm<M: Module>(model: &M) -> bool {
 /// The module paths of `model`'s trainable parameters that have no gradient in `grads` (MMCV's
 /// `detect_anomalous_params`).
 pub(crate) fn params_without_grad<M: Module>(model: &M, grads: &GradientsParams) -> Vec<String> {
-    struct Find<'a> {
-        grads: &'a GradientsParams,
+    struct InGrads<'a>(&'a GradientsParams);
+    impl HasGrad for InGrads<'_> {
+        fn has<const D: usize>(&self, id: ParamId) -> bool {
+            self.0.get::<D>(id).is_some()
+        }
+    }
+    params_without(model, &InGrads(grads))
+}
+
+/// The module paths of `model`'s trainable parameters that `reached` lacks (the step in
+/// backward's taps that ran).
+pub(crate) fn params_not_reached<M: Module>(
+    model: &M,
+    reached: &std::collections::HashSet<ParamId>,
+) -> Vec<String> {
+    struct Reached<'a>(&'a std::collections::HashSet<ParamId>);
+    impl HasGrad for Reached<'_> {
+        fn has<const D: usize>(&self, id: ParamId) -> bool {
+            self.0.contains(&id)
+        }
+    }
+    params_without(model, &Reached(reached))
+}
+
+/// Whether a parameter got a gradient.
+trait HasGrad {
+    fn has<const D: usize>(&self, id: ParamId) -> bool;
+}
+
+fn params_without<M: Module, H: HasGrad>(model: &M, has: &H) -> Vec<String> {
+    struct Find<'a, H> {
+        has: &'a H,
         path: Path,
         missing: Vec<String>,
     }
-    impl ModuleVisitor for Find<'_> {
+    impl<H: HasGrad> ModuleVisitor for Find<'_, H> {
         fn enter_module(&mut self, name: &str, _container_type: &str) {
             self.path.enter(name);
         }
@@ -79,16 +109,34 @@ pub(crate) fn params_without_grad<M: Module>(model: &M, grads: &GradientsParams)
             self.path.exit();
         }
         fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
-            if param.val().is_require_grad() && self.grads.get::<D>(param.id).is_none() {
+            if param.val().is_require_grad() && !self.has.has::<D>(param.id) {
                 self.missing.push(self.path.joined());
             }
         }
     }
     let mut find = Find {
-        grads,
+        has,
         path: Path::default(),
         missing: Vec::new(),
     };
     model.visit(&mut find);
     find.missing
+}
+
+/// The ids of `model`'s parameters that have a gradient in `grads`.
+pub(crate) fn ids_with_grad<M: Module>(
+    model: &M,
+    grads: &GradientsParams,
+) -> std::collections::HashSet<ParamId> {
+    struct Ids<'a>(&'a GradientsParams, std::collections::HashSet<ParamId>);
+    impl ModuleVisitor for Ids<'_> {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            if self.0.get::<D>(param.id).is_some() {
+                self.1.insert(param.id);
+            }
+        }
+    }
+    let mut ids = Ids(grads, std::collections::HashSet::new());
+    model.visit(&mut ids);
+    ids.1
 }

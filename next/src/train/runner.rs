@@ -145,12 +145,12 @@ impl<M: TrainModel, D: DataSource<M::Batch>> Runner<M, D> {
                 self.call(|hook, state| hook.before_epoch(state))?;
             }
             self.state.log = IterLog::default();
+            (self.state.forward_passes, self.state.pass) = (1, 0);
             self.call(|hook, state| hook.before_iter(state))?;
             if self.state.lr.is_nan() {
                 return Err(no_learning_rate());
             }
-            let batch = self.data.batch(epoch, index, &self.state.device)?;
-            self.step(batch)
+            self.step(epoch, index)
                 .map_err(|error| error.in_step(self.state.iter, &self.state.work_dir))?;
             if std::mem::take(&mut first_step) {
                 self.check_segments_ran()?;
@@ -167,24 +167,65 @@ impl<M: TrainModel, D: DataSource<M::Batch>> Runner<M, D> {
         self.save_if_requested()
     }
 
-    /// The forward of `batch` (the loss for the hooks, its parts for the log), then the hooks'
-    /// backward and optimizer step. A failure a segment recorded in the run ends the step.
-    fn step(&mut self, batch: M::Batch) -> Result<()> {
+    /// The forward of batch `index` of `epoch` (the loss for the hooks, its parts for the log),
+    /// then the hooks' backward and optimizer step; twice where a hook asked for two passes
+    /// ([`TrainState::forward_passes`]): the second forward on the same batch, with the same
+    /// random draws (the iteration's forward draws from a seed the runner takes from the
+    /// device's stream, given again before the second) and the running statistics as they were
+    /// before the first. A failure a segment recorded in the run ends the step.
+    fn step(&mut self, epoch: usize, index: usize) -> Result<()> {
         // A failure recorded outside a step (a segment run without the runner) is not this
         // step's.
         let _ = crate::run::take_failure();
+        let batch = self.data.batch(epoch, index, &self.state.device)?;
+        let device = self.state.device.clone();
+        let seed = crate::checkpoint::state::draw_seed(&device);
+        device.seed(seed);
+        if self.state.forward_passes < 2 {
+            self.forward(batch)?;
+            return self.after_forward();
+        }
+        let running = crate::checkpoint::state::Running::save(self.state.forward_model());
+        self.forward(batch)?;
+        self.call(|hook, state| hook.after_first_pass(state))?;
+        self.fail_if_recorded()?;
+        if self.state.forward_passes < 2 {
+            // A hook gave the second pass up (an overflow): the iteration ends here.
+            return self.after_forward();
+        }
+        self.state.pass = 1;
+        let batch = self.data.batch(epoch, index, &self.state.device)?;
+        if let Some(running) = running {
+            running.restore(self.state.forward_model());
+        }
+        device.seed(seed);
+        self.forward(batch)?;
+        self.after_forward()
+    }
+
+    /// The hooks' `before_forward`, then the forward of `batch`.
+    fn forward(&mut self, batch: M::Batch) -> Result<()> {
+        self.call(|hook, state| hook.before_forward(state))?;
         let (loss, parts) = in_phase(phase::FORWARD, || {
             self.state.forward_model().loss_with_parts(batch)
         });
-        if let Some(failure) = crate::run::take_failure() {
-            return Err(failure);
-        }
+        self.fail_if_recorded()?;
         self.state.log.parts = parts
             .iter()
             .map(|(name, part)| (*name, super::scalar(part)))
             .collect();
         self.state.loss = Some(loss);
+        Ok(())
+    }
+
+    /// The hooks' `after_iter` (the backward and the step), then any failure recorded.
+    fn after_forward(&mut self) -> Result<()> {
         self.call(|hook, state| hook.after_iter(state))?;
+        self.fail_if_recorded()
+    }
+
+    /// A failure a segment recorded in the run, as the step's error.
+    fn fail_if_recorded(&self) -> Result<()> {
         match crate::run::take_failure() {
             Some(failure) => Err(failure),
             None => Ok(()),

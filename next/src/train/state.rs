@@ -82,6 +82,13 @@ pub struct TrainState<M: TrainModel> {
     pub snapshot_due: bool,
     /// The run's directory: snapshots and the log file.
     pub work_dir: PathBuf,
+    /// How many times this iteration runs its forward and backward: 1, or 2 where a hook asks
+    /// for it in `before_iter` (the step in backward with clipping or mixed precision: a norm
+    /// pass, then a step pass). The second forward sees the same batch, the same random draws
+    /// and the running statistics as the first did.
+    pub forward_passes: usize,
+    /// The pass under way (0, or 1 in the second of two).
+    pub pass: usize,
     /// This run's place among data-parallel peers; rank 0 of 1 when training alone (the only
     /// place on Burn 0.22 so far).
     pub peer: PeerPlace,
@@ -112,6 +119,8 @@ impl<M: TrainModel> TrainState<M> {
             save_request: None,
             snapshot_due: false,
             work_dir,
+            forward_passes: 1,
+            pass: 0,
             peer: PeerPlace::ALONE,
             warnings: Vec::new(),
         }

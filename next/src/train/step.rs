@@ -44,18 +44,7 @@ pub(crate) fn end_group<M: Module>(
         grads::scale(&model, &mut sums, 1.0 / scale);
         end.grad_norm = grads::global_norm(&model, &sums, norm_type);
         if end.grad_norm.is_some_and(|norm| !norm.is_finite()) {
-            end.warnings.extend(scaler.first_overflow_advice(true));
-            scaler.update_scale(true);
-            let after = match scaler.mode() {
-                ScaleMode::Dynamic => format!("the loss scale lowered to {}", scaler.loss_scale()),
-                ScaleMode::Static => "the loss scale is static and stays".to_string(),
-            };
-            end.warnings.push(format!(
-                "iteration {iter}: gradient overflow (inf or NaN) at loss scale {scale}; the \
-                 step is skipped and {after}"
-            ));
-            end.overflow = true;
-            end.loss_scale = Some(scaler.loss_scale());
+            skip_on_overflow(scaler, scale, iter, &mut end);
             return (model, end);
         }
         scaler.update_scale(false);
@@ -68,4 +57,27 @@ pub(crate) fn end_group<M: Module>(
     }
     end.stepped = true;
     (optimizer.step(lr, model, sums), end)
+}
+
+/// A group whose gradients overflowed at loss scale `scale`: the step skipped, the scale
+/// lowered (MMCV's warning naming the micro-batch `iter`, the first overflow's advice).
+pub(crate) fn skip_on_overflow(
+    scaler: &mut LossScaler,
+    scale: f64,
+    iter: usize,
+    end: &mut GroupEnd,
+) {
+    end.warnings.extend(scaler.first_overflow_advice(true));
+    scaler.update_scale(true);
+    let after = match scaler.mode() {
+        ScaleMode::Dynamic => format!("the loss scale lowered to {}", scaler.loss_scale()),
+        ScaleMode::Static => "the loss scale is static and stays".to_string(),
+    };
+    end.warnings.push(format!(
+        "iteration {iter}: gradient overflow (inf or NaN) at loss scale {scale}; the step is \
+         skipped and {after}"
+    ));
+    end.overflow = true;
+    end.stepped = false;
+    end.loss_scale = Some(scaler.loss_scale());
 }

@@ -11,12 +11,17 @@
 //! Each iteration: backward of `loss / factor` (times the loss scale in half precision, the loss
 //! in fp32), its gradients added to the group's sums; at a group's end: unscale, overflow check
 //! (half precision), clip, step or skip, update the scaler (the engine burn-train's adapter
-//! steps with too). The step runs after backward, on one device; the step in backward, optimizer
-//! offload and data-parallel reduction come with later slices of the port.
+//! steps with too). The step runs after backward, or in it ([`OptimizerHook::with_step_in_backward`],
+//! [`in_backward`]), on one device; optimizer offload and data-parallel reduction come with later
+//! slices of the port.
+
+mod in_backward;
+mod tapped;
 
 use std::path::Path;
 
 use burn::optim::GradientsParams;
+use burn::prelude::*;
 use burn::tensor::DType;
 
 use crate::fp16::{wrap_fp16_model, Precision};
@@ -71,6 +76,8 @@ pub struct OptimizerHook {
     /// A resumed snapshot's state of this hook, kept until the run starts where 16-bit
     /// weights imply the loss scaler it holds.
     saved_state: Option<serde_json::Value>,
+    /// The step in backward, where it is on.
+    in_backward: Option<tapped::StepInBackward>,
 }
 
 impl Default for OptimizerHook {
@@ -91,6 +98,7 @@ impl OptimizerHook {
             summed: None,
             pending: 0,
             saved_state: None,
+            in_backward: None,
         }
     }
 
@@ -209,13 +217,13 @@ impl OptimizerHook {
         state.forward_model = Some(copy);
     }
 
-    /// The iteration's backward: the loss divided by MMCV's factor (and scaled in fp32 under
-    /// mixed precision), its gradients added to the group's sums.
-    fn backward<M: TrainModel>(&mut self, state: &mut TrainState<M>) -> Option<GradientsParams> {
+    /// The iteration's loss as back-propagated: divided by MMCV's factor (and scaled in fp32
+    /// under mixed precision); the loss logged.
+    fn scaled_loss<M: TrainModel>(&self, state: &mut TrainState<M>) -> Option<Tensor<1>> {
         let loss = state.loss.take()?;
         state.log.loss = Some(crate::train::scalar(&loss));
         let divisor = self.groups.loss_factor(state.iter, state.max_iters) as f64;
-        let loss = match &self.mixed {
+        Some(match &self.mixed {
             None => loss.div_scalar(divisor),
             // MMCV's order: the loss divided by its factor, then scaled; in fp32 (a half loss's
             // own gradient, the scale, would overflow f16).
@@ -223,7 +231,13 @@ impl OptimizerHook {
                 .cast(DType::F32)
                 .div_scalar(divisor)
                 .mul_scalar(mixed.scaler.loss_scale()),
-        };
+        })
+    }
+
+    /// The iteration's backward: the loss divided by MMCV's factor (and scaled in fp32 under
+    /// mixed precision), its gradients added to the group's sums.
+    fn backward<M: TrainModel>(&mut self, state: &mut TrainState<M>) -> Option<GradientsParams> {
+        let loss = self.scaled_loss(state)?;
         let grads = in_phase(phase::BACKWARD, || {
             GradientsParams::from_grads(crate::checkpoint::backward(loss), state.forward_model())
         });
@@ -305,6 +319,7 @@ impl<M: TrainModel> Hook<M> for OptimizerHook {
     }
 
     fn before_run(&mut self, state: &mut TrainState<M>) -> Result<()> {
+        self.check_step_in_backward(state)?;
         self.prepare(state)?;
         // A scaler saved by a resumed run whose 16-bit weights implied it.
         if let Some(saved) = self.saved_state.take().filter(|_| self.mixed.is_some()) {
@@ -337,7 +352,25 @@ impl<M: TrainModel> Hook<M> for OptimizerHook {
         Ok(())
     }
 
+    fn before_iter(&mut self, state: &mut TrainState<M>) -> Result<()> {
+        self.plan_passes(state);
+        Ok(())
+    }
+
+    fn before_forward(&mut self, state: &mut TrainState<M>) -> Result<()> {
+        self.tap_forward(state);
+        Ok(())
+    }
+
+    fn after_first_pass(&mut self, state: &mut TrainState<M>) -> Result<()> {
+        self.norm_pass(state);
+        Ok(())
+    }
+
     fn after_iter(&mut self, state: &mut TrainState<M>) -> Result<()> {
+        if self.step_pass(state) {
+            return Ok(());
+        }
         let Some(sums) = self.backward(state) else {
             return Ok(());
         };

@@ -1,0 +1,384 @@
+//! The step in backward on Burn 0.22 (`OptimizerHook::with_step_in_backward`): each parameter
+//! steps as soon as backward has made its final gradient, and the gradient is freed at once, so
+//! the whole set of gradients never exists (PyTorch's optimizer hooks in backward, torchtune's
+//! `optimizer_in_bwd`, LOMO). The taps are [`crate::train::taps`]'s.
+//!
+//! Each parameter's step is the ordinary step's arithmetic on the same tensors: the gradient
+//! cast to its master's type (fp32 under 16-bit weights) and added to the group's earlier sum,
+//! unscaled, clipped by the same factor, stepped by the user's `ModuleOptimizer` (its rule and
+//! state, its parameter groups' rates): the same bits. What needs every gradient before any step
+//! takes two passes (LOMO's answer): global-norm clipping, and the overflow check of mixed
+//! precision and 16-bit weights. The first pass runs the forward and a backward that keeps only
+//! each gradient's part of the norm (added in the model's order after backward: the ordinary
+//! norm's bits); the second runs the forward again (the runner repeats it with the same batch,
+//! the same random draws and the running statistics put back) and a backward that steps. An
+//! overflow skips the second pass. Under accumulation, the group's last micro-batch steps in its
+//! backward; the earlier ones add up as without.
+
+use std::any::Any;
+use std::collections::{HashMap, HashSet};
+use std::sync::{Arc, Mutex};
+
+use burn::module::{Module, ModuleMapper, ModuleVisitor, Param, ParamId};
+use burn::optim::{GradientsParams, ModuleOptimizer, SgdConfig};
+use burn::prelude::*;
+use burn::tensor::DType;
+
+use crate::checkpoint::nodes::lock;
+use crate::grads::{self, NormParts};
+use crate::train::taps::{DepthChain, Sink, Tapper, Untap};
+use crate::train::TrainModel;
+
+/// How many orders apart the taps of two consecutive parameters are (see
+/// [`crate::train::taps`]): more than the ops between two parameters' first uses in the models
+/// memsave knows (a convolution, its norm and activation, a residual add, an upsampling).
+const TAP_GAP: usize = 24;
+
+/// What a pass's taps do with each gradient.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Phase {
+    /// Keep its part of the norm, free it.
+    Norm,
+    /// Step its parameter with it, free it.
+    Step,
+}
+
+/// The settings of one pass.
+pub(super) struct PassSettings {
+    pub(super) phase: Phase,
+    pub(super) norm_type: f64,
+    /// Keep each gradient's part of the norm in a step pass too (the norm is logged).
+    pub(super) log_norm: bool,
+    /// The factor each gradient is multiplied by first (`1 / loss_scale`).
+    pub(super) unscale: Option<f64>,
+    /// The clipping factor, applied after unscaling.
+    pub(super) coefficient: Option<f64>,
+    /// The dtype a gradient is cast to where it starts a sum (fp32 under 16-bit weights).
+    pub(super) sum_dtype: Option<DType>,
+    pub(super) lr: f64,
+}
+
+/// The sink of a pass: what its taps share.
+struct Table<M> {
+    inner: Mutex<Inner<M>>,
+}
+
+struct Inner<M> {
+    settings: PassSettings,
+    /// Each gradient's part of the norm, by parameter.
+    parts: HashMap<ParamId, Tensor<1>>,
+    /// The parameters whose tap ran.
+    reached: HashSet<ParamId>,
+    /// The group's earlier sums (read in a norm pass, taken in a step pass).
+    sums: GradientsParams,
+    /// Each master's dtype, by parameter.
+    dtypes: HashMap<ParamId, DType>,
+    /// The weights a step pass steps (the masters), and the optimizer.
+    model: Option<M>,
+    optimizer: Option<ModuleOptimizer>,
+}
+
+impl<M: Module + 'static> Sink for Table<M> {
+    fn on_grad<const D: usize>(&self, id: ParamId, grad: Tensor<D>) {
+        let mut inner = lock(&self.inner);
+        let inner = &mut *inner;
+        inner.reached.insert(id);
+        let settings = &inner.settings;
+        // As `grads::accumulate` adds it to the group's sum, in the sum's dtype or its master's.
+        let earlier = match settings.phase {
+            Phase::Norm => inner.sums.get::<D>(id),
+            Phase::Step => inner.sums.remove::<D>(id),
+        };
+        let grad = match earlier {
+            Some(sum) => {
+                let dtype = sum.dtype();
+                sum + grad.cast(dtype)
+            }
+            None => {
+                let dtype = settings
+                    .sum_dtype
+                    .or_else(|| inner.dtypes.get(&id).copied())
+                    .unwrap_or(grad.dtype());
+                grad.cast(dtype)
+            }
+        };
+        let grad = match settings.unscale {
+            Some(factor) => grad.mul_scalar(factor),
+            None => grad,
+        };
+        if settings.phase == Phase::Norm || settings.log_norm {
+            let part = grads::norm_part(grad.clone(), settings.norm_type);
+            inner.parts.insert(id, part);
+        }
+        if settings.phase == Phase::Norm {
+            return;
+        }
+        let grad = match settings.coefficient {
+            Some(factor) => grad.mul_scalar(factor),
+            None => grad,
+        };
+        let mut one = GradientsParams::new();
+        one.register::<D>(id, grad);
+        let (Some(model), Some(optimizer)) = (inner.model.take(), inner.optimizer.as_mut()) else {
+            return;
+        };
+        inner.model = Some(optimizer.step(settings.lr, model, one));
+    }
+}
+
+/// A pass under way: its sink and the tapped parameters (visiting order).
+struct Pass<M> {
+    table: Arc<Table<M>>,
+    ids: Vec<ParamId>,
+}
+
+/// What a finished pass found.
+pub(super) struct PassEnd {
+    /// The norm of the gradients (unscaled), where kept.
+    pub(super) norm: Option<f64>,
+    /// The parameters that got a gradient.
+    pub(super) reached: HashSet<ParamId>,
+}
+
+/// The step in backward's state across iterations: the depth chain and the pass under way.
+#[derive(Default)]
+pub(super) struct InBackward {
+    chain: Option<DepthChain>,
+    pass: Option<Box<dyn Any>>,
+}
+
+impl std::fmt::Debug for InBackward {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("InBackward")
+            .field("tapped", &self.pass.is_some())
+            .finish()
+    }
+}
+
+impl InBackward {
+    /// Taps `forward` (the model the forward runs on) for a pass with `settings`.
+    pub(super) fn tap<M: TrainModel>(
+        &mut self,
+        forward: M,
+        device: &Device,
+        settings: PassSettings,
+    ) -> M {
+        let chain = self.chain.get_or_insert_with(|| DepthChain::new(device));
+        let table = Arc::new(Table::<M> {
+            inner: Mutex::new(Inner {
+                settings,
+                parts: HashMap::new(),
+                reached: HashSet::new(),
+                sums: GradientsParams::new(),
+                dtypes: HashMap::new(),
+                model: None,
+                optimizer: None,
+            }),
+        });
+        let mut tapper = Tapper::new(chain, TAP_GAP, table.clone());
+        let forward = forward.map(&mut tapper);
+        let ids = std::mem::take(&mut tapper.ids);
+        self.pass = Some(Box::new(Pass { table, ids }));
+        forward
+    }
+
+    /// Whether a pass is tapped.
+    pub(super) fn is_tapped(&self) -> bool {
+        self.pass.is_some()
+    }
+
+    fn take_pass<M: TrainModel>(&mut self) -> Pass<M> {
+        let pass = self.pass.take().expect("a pass was tapped");
+        *pass
+            .downcast::<Pass<M>>()
+            .expect("a pass of the model the hook trains")
+    }
+
+    /// The model the pass was tapped on made plain again (the pass given up or done).
+    pub(super) fn untap<M: TrainModel>(&mut self, forward: M) -> M {
+        match self.pass.take() {
+            Some(pass) => {
+                let pass = pass
+                    .downcast::<Pass<M>>()
+                    .expect("a pass of the model the hook trains");
+                forward.map(&mut Untap { ids: &pass.ids })
+            }
+            None => forward,
+        }
+    }
+
+    /// A norm pass: `backward()` runs the backward of the loss (`sums`: the group's earlier
+    /// gradients, added to each new one); `masters` gives the norm's order and each gradient's
+    /// dtype. The sums are handed back.
+    pub(super) fn norm_pass<M: TrainModel>(
+        &mut self,
+        masters: &M,
+        sums: GradientsParams,
+        backward: impl FnOnce(),
+    ) -> (PassEnd, GradientsParams) {
+        let pass = self.take_pass::<M>();
+        {
+            let mut inner = lock(&pass.table.inner);
+            inner.sums = sums;
+            inner.dtypes = dtypes(masters);
+        }
+        backward();
+        let mut inner = lock(&pass.table.inner);
+        let inner = &mut *inner;
+        let sums = std::mem::take(&mut inner.sums);
+        leftover_parts(masters, &sums, inner);
+        let norm = norm_of(masters, &mut inner.parts, inner.settings.norm_type);
+        let reached = std::mem::take(&mut inner.reached);
+        self.pass = Some(Box::new(Pass {
+            table: pass.table.clone(),
+            ids: pass.ids.clone(),
+        }));
+        (PassEnd { norm, reached }, sums)
+    }
+
+    /// A step pass: the masters and the optimizer go into the pass (the masters' tapped weights
+    /// replaced in `masters` by one-element placeholders, so that each old weight is freed as
+    /// its parameter steps), `backward()` runs the backward, each parameter steps as its tap
+    /// runs, and the stepped masters and the optimizer come back.
+    pub(super) fn step_pass<M: TrainModel>(
+        &mut self,
+        masters: &mut M,
+        optimizer: &mut ModuleOptimizer,
+        sums: GradientsParams,
+        backward: impl FnOnce(),
+    ) -> PassEnd {
+        let pass = self.take_pass::<M>();
+        {
+            let mut inner = lock(&pass.table.inner);
+            inner.sums = sums;
+            inner.dtypes = dtypes(masters);
+            let plain = masters.clone().map(&mut Untap { ids: &pass.ids });
+            inner.model = Some(plain);
+            *masters = masters.clone().map(&mut Placeholders { ids: &pass.ids });
+            inner.optimizer = Some(std::mem::replace(optimizer, SgdConfig::new().init()));
+        }
+        backward();
+        let mut guard = lock(&pass.table.inner);
+        let inner = &mut *guard;
+        *masters = inner.model.take().expect("the masters are back");
+        *optimizer = inner.optimizer.take().expect("the optimizer is back");
+        // The group's sums of parameters this micro-batch gave no gradient: stepped as the
+        // ordinary step steps them.
+        let mut left = std::mem::take(&mut inner.sums);
+        if inner.settings.log_norm {
+            leftover_parts(masters, &left, inner);
+        }
+        if let Some(factor) = inner.settings.unscale {
+            grads::scale(masters, &mut left, factor);
+        }
+        if let Some(factor) = inner.settings.coefficient {
+            grads::scale(masters, &mut left, factor);
+        }
+        if left.len() > 0 {
+            *masters = optimizer.step(inner.settings.lr, masters.clone(), left);
+        }
+        let norm = if inner.settings.log_norm {
+            norm_of(masters, &mut inner.parts, inner.settings.norm_type)
+        } else {
+            None
+        };
+        let reached = std::mem::take(&mut inner.reached);
+        drop(guard);
+        self.pass = Some(Box::new(pass));
+        PassEnd { norm, reached }
+    }
+}
+
+/// The norm's parts of the group's sums whose parameters' taps did not run (no gradient in
+/// this micro-batch), unscaled as the taps' are.
+fn leftover_parts<M: Module>(masters: &M, sums: &GradientsParams, inner: &mut Inner<M>) {
+    struct Left<'a> {
+        sums: &'a GradientsParams,
+        reached: &'a HashSet<ParamId>,
+        parts: &'a mut HashMap<ParamId, Tensor<1>>,
+        unscale: Option<f64>,
+        norm_type: f64,
+    }
+    impl ModuleVisitor for Left<'_> {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            if self.reached.contains(&param.id) || self.parts.contains_key(&param.id) {
+                return;
+            }
+            let Some(sum) = self.sums.get::<D>(param.id) else {
+                return;
+            };
+            let sum = match self.unscale {
+                Some(factor) => sum.mul_scalar(factor),
+                None => sum,
+            };
+            self.parts
+                .insert(param.id, grads::norm_part(sum, self.norm_type));
+        }
+    }
+    masters.visit(&mut Left {
+        sums,
+        reached: &inner.reached,
+        parts: &mut inner.parts,
+        unscale: inner.settings.unscale,
+        norm_type: inner.settings.norm_type,
+    });
+}
+
+/// Each float parameter's dtype, by id.
+fn dtypes<M: Module>(model: &M) -> HashMap<ParamId, DType> {
+    struct Dtypes(HashMap<ParamId, DType>);
+    impl ModuleVisitor for Dtypes {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            self.0.insert(param.id, param.val().dtype());
+        }
+    }
+    let mut found = Dtypes(HashMap::new());
+    model.visit(&mut found);
+    found.0
+}
+
+/// The norm of the parts, added in `model`'s visiting order (as [`grads::global_norm`] adds
+/// them).
+fn norm_of<M: Module>(
+    model: &M,
+    parts: &mut HashMap<ParamId, Tensor<1>>,
+    norm_type: f64,
+) -> Option<f64> {
+    struct Order<'a> {
+        parts: &'a HashMap<ParamId, Tensor<1>>,
+        norm: NormParts,
+    }
+    impl ModuleVisitor for Order<'_> {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            if let Some(part) = self.parts.get(&param.id) {
+                self.norm.add(part.clone());
+            }
+        }
+    }
+    let mut order = Order {
+        parts,
+        norm: NormParts::new(norm_type),
+    };
+    model.visit(&mut order);
+    let norm = order.norm.finish();
+    parts.clear();
+    norm
+}
+
+/// The parameters `ids` replaced by one-element placeholders of their dtype: while backward
+/// runs, the model that held them holds none, so that each old weight is freed as soon as its
+/// parameter has stepped.
+struct Placeholders<'a> {
+    ids: &'a [ParamId],
+}
+
+impl ModuleMapper for Placeholders<'_> {
+    fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
+        let (id, tensor, mapper) = param.consume();
+        if !self.ids.contains(&id) {
+            return Param::from_mapped_value(id, tensor, mapper);
+        }
+        let placeholder = Tensor::<D>::zeros([1; D], &tensor.device()).cast(tensor.dtype());
+        Param::from_mapped_value(id, placeholder, mapper)
+    }
+}
