@@ -20,7 +20,7 @@ use burn::optim::ModuleOptimizer;
 pub use memsave_common::config::*;
 
 /// A config's optimizer and hooks for memsave's runner on Burn 0.22. The settings Burn 0.22
-/// does not have yet (CPU staging, ZeRO, frozen weights held compressed, optimizer offload)
+/// does not have yet (CPU staging, ZeRO, optimizer offload)
 /// are errors naming the key, never dropped in silence.
 pub trait ConfigHooks {
     /// The optimizer (`[optimizer]`: its kind, its state's type, the weights' type).
@@ -75,7 +75,8 @@ impl<M, D> ConfigHooks for Config<M, D> {
             .with_grad_clip(section.grad_clip)
             .with_detect_anomalous_params(section.detect_anomalous_params)
             .with_groups(groups)
-            .with_step_in_backward(section.step_in_backward);
+            .with_step_in_backward(section.step_in_backward)
+            .with_frozen_dtype(self.optimizer.frozen_dtype);
         let fp16 = match (&self.fp16, section.kind.is_fp16()) {
             (Some(fp16), _) => Some(fp16.clone()),
             (None, true) => Some(Default::default()),

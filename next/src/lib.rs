@@ -36,6 +36,7 @@ pub mod check;
 pub mod checkpoint;
 pub mod config;
 pub mod fp16;
+pub mod frozen;
 pub mod grads;
 pub mod hooks;
 pub mod memory;

@@ -7,23 +7,14 @@ use burn::optim::{ModuleOptimizer, Optimizer};
 
 use crate::optim8::{Adam8, Sgd8};
 use crate::weights16::Weights16;
-use crate::{Error, Result};
+use crate::Result;
 
 pub use memsave_common::optim::{OptimizerKind, OptimizerSpec, StateDtype};
 
-/// The module optimizer `spec` describes; an error names the setting at fault, or the one Burn
-/// 0.22 does not have yet (frozen weights held compressed).
+/// The module optimizer `spec` describes; an error names the setting at fault. (Its frozen
+/// weights' type is the optimizer hook's: `OptimizerHook::with_frozen_dtype`.)
 pub fn optimizer(spec: &OptimizerSpec) -> Result<ModuleOptimizer> {
     spec.validate()?;
-    if let Some(frozen) = spec.weights.frozen {
-        return Err(Error::invalid(
-            "optimizer.frozen_dtype",
-            format!(
-                "frozen weights held in {frozen} are not on Burn 0.22 yet (a later slice of the \
-                 port brings them): leave `frozen_dtype` out, or train with memsave on Burn 0.21"
-            ),
-        ));
-    }
     let eight_bit = spec.state_dtype == StateDtype::Int8;
     match &spec.kind {
         OptimizerKind::Sgd {

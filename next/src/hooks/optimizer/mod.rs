@@ -15,8 +15,14 @@
 //! [`in_backward`]), on one device; optimizer offload and data-parallel reduction come with later
 //! slices of the port.
 
+mod frozen;
 mod in_backward;
+mod mmcv;
 mod tapped;
+
+pub use mmcv::{
+    Fp16OptimizerHook, GradientCumulativeFp16OptimizerHook, GradientCumulativeOptimizerHook,
+};
 
 use std::path::Path;
 
@@ -27,7 +33,7 @@ use burn::tensor::DType;
 use crate::fp16::{wrap_fp16_model, Precision};
 use crate::grads::{self, GradClip};
 use crate::memory::{in_phase, phase, scope};
-use crate::scaler::{LossScaler, ScaleMode, MMCV_STATIC_SCALE, PYTORCH_INIT_SCALE};
+use crate::scaler::{LossScaler, ScaleMode, PYTORCH_INIT_SCALE};
 use crate::snapshot::SnapshotMeta;
 use crate::train::params::{first_half_param, has_batch_norm, params_without_grad};
 use crate::train::step::end_group;
@@ -78,6 +84,8 @@ pub struct OptimizerHook {
     saved_state: Option<serde_json::Value>,
     /// The step in backward, where it is on.
     in_backward: Option<tapped::StepInBackward>,
+    /// The type frozen weights are held in, where they are compressed.
+    frozen: Option<crate::frozen::FrozenDtype>,
 }
 
 impl Default for OptimizerHook {
@@ -99,6 +107,7 @@ impl OptimizerHook {
             pending: 0,
             saved_state: None,
             in_backward: None,
+            frozen: None,
         }
     }
 
@@ -321,6 +330,7 @@ impl<M: TrainModel> Hook<M> for OptimizerHook {
     fn before_run(&mut self, state: &mut TrainState<M>) -> Result<()> {
         self.check_step_in_backward(state)?;
         self.prepare(state)?;
+        self.compress_frozen(state)?;
         // A scaler saved by a resumed run whose 16-bit weights implied it.
         if let Some(saved) = self.saved_state.take().filter(|_| self.mixed.is_some()) {
             if let Err(error) = Hook::<M>::load_state_dict(self, saved) {
@@ -456,51 +466,5 @@ impl<M: TrainModel> Hook<M> for OptimizerHook {
             other => other,
         })?;
         Ok(())
-    }
-}
-
-/// MMCV's `Fp16OptimizerHook`: mixed precision with fp32 master weights and loss scaling, a
-/// step every iteration. Before the run the forward model becomes a half copy of the weights
-/// (`wrap_fp16_model`); each iteration back-propagates `loss * scale` through it, casts the half
-/// gradients onto the fp32 weights and divides them by the scale; on any inf or NaN the step is
-/// skipped (weights and optimizer state untouched) and the scale backs off, else the gradients
-/// are clipped, the fp32 weights step and the half copy is made again.
-pub struct Fp16OptimizerHook;
-
-impl Fp16OptimizerHook {
-    /// The hook, in f16 (`OptimizerHook::with_mixed_precision` for bf16).
-    #[allow(clippy::new_ret_no_self)]
-    pub fn new(loss_scaler: LossScaler) -> OptimizerHook {
-        OptimizerHook::new().with_mixed_precision(loss_scaler, Precision::F16)
-    }
-
-    /// MMCV's default: a static scale of 512.
-    #[allow(clippy::should_implement_trait)]
-    pub fn default() -> OptimizerHook {
-        Self::new(LossScaler::fixed(MMCV_STATIC_SCALE).expect("512 is a valid scale"))
-    }
-}
-
-/// MMCV's `GradientCumulativeOptimizerHook`: each iteration back-propagates `loss / factor`
-/// and adds the gradients up; the optimizer steps every `cumulative_iters` iterations and at
-/// the last one.
-pub struct GradientCumulativeOptimizerHook;
-
-impl GradientCumulativeOptimizerHook {
-    /// Steps every `cumulative_iters` iterations; 0 is an error.
-    #[allow(clippy::new_ret_no_self)]
-    pub fn new(cumulative_iters: usize) -> Result<OptimizerHook> {
-        Ok(OptimizerHook::new().with_groups(Groups::new(cumulative_iters)?))
-    }
-}
-
-/// MMCV's `GradientCumulativeFp16OptimizerHook`: accumulation under mixed precision.
-pub struct GradientCumulativeFp16OptimizerHook;
-
-impl GradientCumulativeFp16OptimizerHook {
-    /// Steps every `cumulative_iters` iterations; 0 is an error.
-    #[allow(clippy::new_ret_no_self)]
-    pub fn new(cumulative_iters: usize, loss_scaler: LossScaler) -> Result<OptimizerHook> {
-        Ok(Fp16OptimizerHook::new(loss_scaler).with_groups(Groups::new(cumulative_iters)?))
     }
 }
