@@ -14,7 +14,7 @@
 //! ```
 //!
 //! Not yet on Burn 0.22 (the port's later slices): optimizer offload,
-//! data-parallel peers and ZeRO, frozen-weight compression, the memory check before the run
+//! data-parallel peers and ZeRO, the memory check before the run
 //! and the reading of a device's out-of-memory panic.
 
 mod hook;
