@@ -107,7 +107,10 @@ fn main() {
         Device::flex().autodiff()
     };
     device.seed(0);
-    let backbone = match ResNetConfig::new(args.depth).init(&device) {
+    let backbone = match ResNetConfig::new(args.depth)
+        .with_out_indices(vec![3])
+        .init(&device)
+    {
         Ok(backbone) => backbone,
         Err(error) => {
             eprintln!("error: {error}");

@@ -1,6 +1,7 @@
-//! The ResNet on Burn 0.22: its shapes, and every block checkpointed giving the plain
-//! network's gradients and running statistics bit for bit under both of Burn's checkpointing
-//! strategies.
+//! The ResNet on Burn 0.22: its shapes, every block checkpointed giving the plain network's
+//! gradients and running statistics bit for bit under both of Burn's checkpointing strategies,
+//! MMDetection's `frozen_stages` and `norm_eval`, frozen stages held in int8, and the settings'
+//! errors.
 
 use burn::module::{Module, ModuleVisitor, Param};
 use burn::prelude::*;
@@ -124,4 +125,120 @@ fn every_block_checkpointed_trains_as_plain_bit_for_bit() {
             );
         }
     }
+}
+
+/// The values of `module`'s floats as bits (running statistics with their last update, read
+/// from `valid()`).
+fn values<M: Module>(module: &M) -> Vec<Vec<u32>> {
+    struct Values(Vec<Vec<u32>>);
+    impl ModuleVisitor for Values {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            self.0.push(bits(param.val().dequantize()));
+        }
+    }
+    let mut found = Values(Vec::new());
+    module.valid().visit(&mut found);
+    found.0
+}
+
+#[test]
+fn frozen_stages_take_no_gradient_and_keep_their_statistics_and_norm_eval_keeps_every_one() {
+    let _one = one_at_a_time();
+    let device = Device::flex().autodiff();
+    device.seed(1);
+    let model = ResNetConfig::new(50)
+        .with_base_channels(8)
+        .with_frozen_stages(1)
+        .init(&device)
+        .unwrap();
+    let before = values(&model);
+    let (grads, after) = step(&model, &device);
+    // The stem (conv, BN's two weights and two statistics) and layer1 (3 bottlenecks of 3
+    // convs and 3 BNs, and a downsample) are frozen.
+    let frozen = 5 + 3 * 15 + 5;
+    assert!(grads[..frozen].iter().all(Option::is_none));
+    assert!(grads[frozen..].iter().any(Option::is_some));
+    assert_eq!(
+        before[..frozen],
+        after[..frozen],
+        "the frozen statistics moved"
+    );
+    assert_ne!(
+        before[frozen..],
+        after[frozen..],
+        "layer2's statistics stay"
+    );
+
+    device.seed(1);
+    let model = ResNetConfig::new(50)
+        .with_base_channels(8)
+        .with_norm_eval(true)
+        .init(&device)
+        .unwrap();
+    let before = values(&model);
+    let (grads, after) = step(&model, &device);
+    assert!(grads.iter().any(Option::is_some));
+    // Only the weights moved: every statistic is as it was (the step computes gradients only,
+    // so the values are the same everywhere).
+    assert_eq!(before, after, "a statistic moved under norm_eval");
+}
+
+#[test]
+fn int8_frozen_stages_train_as_their_int8_values() {
+    use memsave_next::frozen::{compress_frozen, int8_scheme, FrozenDtype};
+    let _one = one_at_a_time();
+    for (name, device) in devices() {
+        let build = || {
+            device.seed(1);
+            ResNetConfig::new(50)
+                .with_base_channels(8)
+                .with_frozen_stages(1)
+                .init(&device)
+                .unwrap()
+        };
+        let (int8, figures) = compress_frozen(build(), FrozenDtype::Int8);
+        // The stem's convolution, layer1's nine and its downsample's.
+        assert_eq!(figures.count, 11, "{name}");
+        struct Round;
+        impl burn::module::ModuleMapper for Round {
+            fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
+                if D < 2 || param.val().is_require_grad() {
+                    return param;
+                }
+                param.map(|t| t.quantize_dynamic(&int8_scheme()).dequantize())
+            }
+        }
+        let rounded = build().map(&mut Round);
+        let (a, _) = step(&int8, &device);
+        let (b, _) = step(&rounded, &device);
+        assert!(a.iter().filter(|g| g.is_some()).count() > 10);
+        assert_eq!(
+            a, b,
+            "{name}: the gradients of the int8 frozen stages' network"
+        );
+        // The int8 values are read: the fp32 frozen stages give other gradients.
+        let (c, _) = step(&build(), &device);
+        assert_ne!(a, c, "{name}");
+    }
+}
+
+#[test]
+fn bad_backbone_settings_name_their_field() {
+    let device = Device::flex().autodiff();
+    let error = ResNetConfig::new(50)
+        .with_frozen_stages(5)
+        .init(&device)
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(error.contains("frozen_stages"), "{error}");
+    let mut config = ResNetConfig::new(50);
+    config.init_cfg = Some(memsave_models_next::resnet::InitCfg::Pretrained {
+        checkpoint: "resnet50.pth".into(),
+    });
+    let error = config.init(&device).err().unwrap().to_string();
+    assert!(
+        error.contains("init_cfg") && error.contains("resnet50.pth"),
+        "{error}"
+    );
 }

@@ -38,6 +38,13 @@ pub struct Stem {
 }
 
 impl Stem {
+    pub(super) fn norm_eval(self) -> Self {
+        Stem {
+            bn: self.bn.with_eval(true),
+            ..self
+        }
+    }
+
     /// `[N, C, H, W]` -> `[N, base_channels, H/4, W/4]`.
     pub fn forward(&self, x: Tensor<4>) -> Tensor<4> {
         self.pool
@@ -64,6 +71,13 @@ impl Downsample {
     /// `[N, C_in, H, W]` -> `[N, C_out, H/s, W/s]`.
     pub fn forward(&self, x: Tensor<4>) -> Tensor<4> {
         self.bn.forward(self.conv.forward(x))
+    }
+
+    fn norm_eval(self) -> Self {
+        Downsample {
+            bn: self.bn.with_eval(true),
+            ..self
+        }
     }
 }
 
@@ -217,6 +231,24 @@ impl Block {
         match self {
             Block::Basic(block) => Block::Basic(block.zero_last_norm()),
             Block::Bottleneck(block) => Block::Bottleneck(block.zero_last_norm()),
+        }
+    }
+
+    pub(super) fn norm_eval(self) -> Self {
+        match self {
+            Block::Basic(block) => Block::Basic(BasicBlock {
+                bn1: block.bn1.with_eval(true),
+                bn2: block.bn2.with_eval(true),
+                downsample: block.downsample.map(Downsample::norm_eval),
+                ..block
+            }),
+            Block::Bottleneck(block) => Block::Bottleneck(Bottleneck {
+                bn1: block.bn1.with_eval(true),
+                bn2: block.bn2.with_eval(true),
+                bn3: block.bn3.with_eval(true),
+                downsample: block.downsample.map(Downsample::norm_eval),
+                ..block
+            }),
         }
     }
 }

@@ -3,6 +3,7 @@
 //! features of the stages `out_indices` names.
 
 mod blocks;
+mod config;
 
 use burn::module::{Module, ModuleVisitor, Param};
 use burn::nn::pool::MaxPool2dConfig;
@@ -15,38 +16,7 @@ use memsave_next::nn::BatchNormConfig;
 use memsave_next::{Error, Result};
 
 pub use blocks::{BasicBlock, Block, Bottleneck, Downsample, Stem};
-
-/// Where a bottleneck's stride is: on the 3x3 (`pytorch`, torchvision's) or on the first 1x1
-/// (`caffe`).
-#[derive(Config, Debug, Copy, PartialEq, Eq)]
-pub enum Style {
-    /// The stride on the 3x3 convolution.
-    Pytorch,
-    /// The stride on the first 1x1 convolution.
-    Caffe,
-}
-
-/// A ResNet's settings (MMDetection's `backbone = dict(type='ResNet', depth=50, ...)`).
-#[derive(Config, Debug)]
-pub struct ResNetConfig {
-    /// 18, 34, 50, 101 or 152.
-    pub depth: usize,
-    /// Channels of the input images.
-    #[config(default = 3)]
-    pub in_channels: usize,
-    /// Channels after the stem (64 for torchvision's networks).
-    #[config(default = 64)]
-    pub base_channels: usize,
-    /// Where a bottleneck's stride is.
-    #[config(default = "Style::Pytorch")]
-    pub style: Style,
-    /// The stages (0 to 3) whose output `forward` returns.
-    #[config(default = "vec![3]")]
-    pub out_indices: Vec<usize>,
-    /// The last BatchNorm of each block starts at zero (its residual branch at 0).
-    #[config(default = false)]
-    pub zero_init_residual: bool,
-}
+pub use config::{BackboneType, InitCfg, ResNetConfig, Style};
 
 /// The kind of block, and how many a stage has, by depth.
 fn layout(depth: usize) -> Result<(bool, [usize; 4])> {
@@ -69,16 +39,16 @@ impl ResNetConfig {
     /// The network on `device`; an error names a setting out of range.
     pub fn init(&self, device: &Device) -> Result<ResNet> {
         let (bottleneck, counts) = layout(self.depth)?;
-        if let Some(&index) = self.out_indices.iter().find(|&&index| index > 3) {
+        self.check()?;
+        if let Some(InitCfg::Pretrained { checkpoint }) = &self.init_cfg {
             return Err(Error::invalid(
-                "out_indices",
-                format!("the stages are 0 to 3, got {index}"),
-            ));
-        }
-        if self.base_channels == 0 || self.in_channels == 0 {
-            return Err(Error::invalid(
-                "base_channels",
-                "the channels must be at least 1",
+                "init_cfg",
+                format!(
+                    "loading {} is not on Burn 0.22 yet (a later slice of memsave's port brings \
+                     torchvision's weights): leave `init_cfg` out, or train with memsave on \
+                     Burn 0.21",
+                    checkpoint.display()
+                ),
             ));
         }
         let base = self.base_channels;
@@ -120,7 +90,7 @@ impl ResNetConfig {
         }
         let mut stages = stages.into_iter();
         let mut next = || stages.next().expect("four stages were built");
-        Ok(initialized(ResNet {
+        let mut resnet = initialized(ResNet {
             stem,
             layer1: next(),
             layer2: next(),
@@ -128,7 +98,15 @@ impl ResNetConfig {
             layer4: next(),
             out_indices: self.out_indices.clone(),
             fp16_enabled: Fp16::Off,
-        }))
+        });
+        if self.norm_eval {
+            resnet = resnet.norm_eval();
+        }
+        resnet = resnet.freeze_stages(self.frozen_stages);
+        Ok(memsave_next::checkpoint::set_with_cp(
+            resnet,
+            self.with_cp.starts_on(),
+        ))
     }
 }
 
@@ -187,6 +165,50 @@ impl ResNet {
             }
         }
         features
+    }
+
+    /// Every BatchNorm in eval mode during training (MMDetection's `norm_eval`): the running
+    /// statistics normalise and stay as they are; the norms' weights still train unless frozen.
+    pub fn norm_eval(self) -> Self {
+        let eval = |layer: Vec<Block>| layer.into_iter().map(Block::norm_eval).collect();
+        ResNet {
+            stem: self.stem.norm_eval(),
+            layer1: eval(self.layer1),
+            layer2: eval(self.layer2),
+            layer3: eval(self.layer3),
+            layer4: eval(self.layer4),
+            ..self
+        }
+    }
+
+    /// Freezes the stem (`stages >= 0`) and stages 1..=`stages`: no gradient for their
+    /// parameters, their BatchNorms in eval mode (MMDetection's `frozen_stages`; -1 freezes
+    /// nothing). Frozen weights are what `frozen_dtype` holds compressed.
+    pub fn freeze_stages(self, stages: i64) -> Self {
+        let frozen = |stage: i64| stages >= stage;
+        let freeze = |layer: Vec<Block>, stage: i64| -> Vec<Block> {
+            if frozen(stage) {
+                layer
+                    .into_iter()
+                    .map(|block| block.norm_eval().no_grad())
+                    .collect()
+            } else {
+                layer
+            }
+        };
+        let stem = if frozen(0) {
+            self.stem.norm_eval().no_grad()
+        } else {
+            self.stem
+        };
+        ResNet {
+            stem,
+            layer1: freeze(self.layer1, 1),
+            layer2: freeze(self.layer2, 2),
+            layer3: freeze(self.layer3, 3),
+            layer4: freeze(self.layer4, 4),
+            ..self
+        }
     }
 
     /// The number of blocks, stage by stage.
