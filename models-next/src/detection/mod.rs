@@ -1,7 +1,7 @@
-//! Object detection on Burn 0.22: RetinaNet's pieces (Lin et al., 2017), as MMDetection 2.x
-//! builds it, ported from `memsave-models` (boxes, anchors, the box coder, the assigner, the
-//! losses, the neck, the head; the detector and the post-processing come with the port's next
-//! slice).
+//! Object detection on Burn 0.22: RetinaNet (Lin et al., 2017) with a ResNet-FPN backbone, as
+//! MMDetection 2.x builds it, ported from `memsave-models` in the same small named pieces:
+//! boxes, anchors, the box coder, the assigner, the losses, the neck, the head, the detector,
+//! and the post-processing.
 
 pub mod anchors;
 pub mod assigner;
@@ -10,6 +10,8 @@ pub mod coder;
 pub mod fpn;
 pub mod head;
 pub mod losses;
+pub mod postprocess;
+pub mod retinanet;
 
 use burn::prelude::*;
 
