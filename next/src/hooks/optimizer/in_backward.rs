@@ -223,16 +223,15 @@ impl InBackward {
             inner.dtypes = dtypes(masters);
         }
         backward();
-        let mut inner = lock(&pass.table.inner);
-        let inner = &mut *inner;
+        let mut guard = lock(&pass.table.inner);
+        let inner = &mut *guard;
         let sums = std::mem::take(&mut inner.sums);
         leftover_parts(masters, &sums, inner);
         let norm = norm_of(masters, &mut inner.parts, inner.settings.norm_type);
         let reached = std::mem::take(&mut inner.reached);
-        self.pass = Some(Box::new(Pass {
-            table: pass.table.clone(),
-            ids: pass.ids.clone(),
-        }));
+        drop(guard);
+        // Kept for `untap`.
+        self.pass = Some(Box::new(pass));
         (PassEnd { norm, reached }, sums)
     }
 

@@ -267,15 +267,7 @@ impl OptimizerHook {
     ) -> Result<()> {
         self.pending = 0;
         if self.detect_anomalous_params {
-            let missing = params_without_grad(&state.model, &sums);
-            if !missing.is_empty() {
-                state.warn(format!(
-                    "iteration {}: these trainable parameters got no gradient (not used in the \
-                     loss): {}",
-                    state.iter,
-                    missing.join(", ")
-                ));
-            }
+            warn_no_gradient(state, params_without_grad(&state.model, &sums));
         }
         let scaler = self.mixed.as_mut().map(|mixed| &mut mixed.scaler);
         let (lr, iter) = (state.lr, state.iter);
@@ -297,6 +289,18 @@ impl OptimizerHook {
             self.refresh_forward(state);
         }
         Ok(())
+    }
+}
+
+/// MMCV's `detect_anomalous_params` warning: the trainable parameters (module paths) that got
+/// no gradient in the group ending at this iteration, where there are any.
+fn warn_no_gradient<M: TrainModel>(state: &mut TrainState<M>, missing: Vec<String>) {
+    if !missing.is_empty() {
+        state.warn(format!(
+            "iteration {}: these trainable parameters got no gradient (not used in the loss): {}",
+            state.iter,
+            missing.join(", ")
+        ));
     }
 }
 

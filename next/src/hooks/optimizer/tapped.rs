@@ -226,14 +226,6 @@ impl OptimizerHook {
         if !self.detect_anomalous_params {
             return;
         }
-        let missing = params_not_reached(&state.model, reached);
-        if !missing.is_empty() {
-            state.warn(format!(
-                "iteration {}: these trainable parameters got no gradient (not used in the \
-                 loss): {}",
-                state.iter,
-                missing.join(", ")
-            ));
-        }
+        super::warn_no_gradient(state, params_not_reached(&state.model, reached));
     }
 }
