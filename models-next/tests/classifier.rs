@@ -4,6 +4,9 @@
 //! checkpointed the run trains the same weights bit for bit; the data set is the same for the
 //! same `(epoch, index)` and names a bad setting.
 
+mod common;
+
+use common::watchdog;
 use std::path::Path;
 use std::sync::{Arc, Mutex};
 
@@ -33,13 +36,6 @@ enum Model {
 #[serde(tag = "type")]
 enum Data {
     SyntheticClassification(SyntheticClassificationConfig),
-}
-
-/// One test at a time: Flex's random generator is one for the process.
-fn one_at_a_time() -> std::sync::MutexGuard<'static, ()> {
-    static LOCK: Mutex<()> = Mutex::new(());
-    LOCK.lock()
-        .unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
 /// Each iteration's loss.
@@ -123,35 +119,37 @@ const SMALL: [&str; 4] = [
 
 #[test]
 fn the_main_jobs_config_trains_the_classifier_and_the_loss_falls() {
-    let _one = one_at_a_time();
-    let (_, losses) = main_job(&SMALL, "main");
-    let mean = |part: &[f64]| part.iter().sum::<f64>() / part.len() as f64;
-    let per_epoch = losses.len() / 3;
-    let (first, last) = (
-        mean(&losses[..per_epoch]),
-        mean(&losses[losses.len() - per_epoch..]),
-    );
-    println!(
-        "{} iterations: mean loss {first:.4} in the first epoch, {last:.4} in the last",
-        losses.len()
-    );
-    assert_eq!(losses.len(), 36);
-    assert!(last < first * 0.9, "{first} -> {last}: {losses:?}");
+    watchdog(300, || {
+        let (_, losses) = main_job(&SMALL, "main");
+        let mean = |part: &[f64]| part.iter().sum::<f64>() / part.len() as f64;
+        let per_epoch = losses.len() / 3;
+        let (first, last) = (
+            mean(&losses[..per_epoch]),
+            mean(&losses[losses.len() - per_epoch..]),
+        );
+        println!(
+            "{} iterations: mean loss {first:.4} in the first epoch, {last:.4} in the last",
+            losses.len()
+        );
+        assert_eq!(losses.len(), 36);
+        assert!(last < first * 0.9, "{first} -> {last}: {losses:?}");
+    });
 }
 
 #[test]
 fn every_block_checkpointed_trains_the_same_classifier_bit_for_bit() {
-    let _one = one_at_a_time();
-    let short = [
-        "model.backbone.base_channels=8",
-        "data.num_samples=24",
-        "runner.max_epochs=1",
-    ];
-    let (plain, _) = main_job(&short, "plain");
-    let mut checkpointed = short.to_vec();
-    checkpointed.push("model.backbone.with_cp=true");
-    let (checkpointed, _) = main_job(&checkpointed, "checkpointed");
-    assert!(param_bits(&plain) == param_bits(&checkpointed));
+    watchdog(300, || {
+        let short = [
+            "model.backbone.base_channels=8",
+            "data.num_samples=24",
+            "runner.max_epochs=1",
+        ];
+        let (plain, _) = main_job(&short, "plain");
+        let mut checkpointed = short.to_vec();
+        checkpointed.push("model.backbone.with_cp=true");
+        let (checkpointed, _) = main_job(&checkpointed, "checkpointed");
+        assert!(param_bits(&plain) == param_bits(&checkpointed));
+    });
 }
 
 #[test]

@@ -4,9 +4,12 @@
 //! shapes, the head's initial scores at the prior, and each with every segment checkpointed
 //! giving the plain gradients bit for bit under both of Burn's checkpointing strategies.
 
+mod common;
+
 use burn::module::{Module, ModuleVisitor, Param};
 use burn::prelude::*;
 use burn::tensor::Distribution;
+use common::watchdog;
 use memsave_models_next::detection::anchors::AnchorGeneratorConfig;
 use memsave_models_next::detection::assigner::{Assignment, MaxIoUAssignerConfig};
 use memsave_models_next::detection::boxes::{iou, iou_matrix};
@@ -270,9 +273,6 @@ fn devices() -> [(&'static str, Device); 2] {
     ]
 }
 
-/// The tests that read the counting allocator run one at a time.
-static MEASURED: std::sync::Mutex<()> = std::sync::Mutex::new(());
-
 /// A small pyramid: C2..C5 of 8, 16, 32, 64 channels at strides 4..32 of a 256 x 384 image,
 /// RetinaNet's FPN (P3..P7 of 16 channels, extra convs on the input).
 fn small_fpn() -> FpnConfig {
@@ -294,110 +294,109 @@ fn backbone_levels(device: &Device) -> Vec<Tensor<4>> {
 
 #[test]
 fn the_neck_gives_five_levels_and_its_segment_the_plain_gradients() {
-    let _turn = MEASURED
-        .lock()
-        .unwrap_or_else(|poisoned| poisoned.into_inner());
-    for (strategy, device) in devices() {
-        device.seed(4);
-        let fpn = small_fpn().init(&device).unwrap();
-        let inputs = backbone_levels(&device);
-        let meter = memory::meter_for(&device).unwrap();
-        let run = |with_cp: bool| {
-            let fpn = set_with_cp(fpn.clone(), with_cp);
-            let before = meter.live();
-            let outs = fpn.forward(inputs.clone());
-            let kept = meter.live().saturating_sub(before);
-            let shapes: Vec<[usize; 4]> = outs.iter().map(|o| o.dims()).collect();
-            let loss = outs
-                .into_iter()
-                .enumerate()
-                .map(|(i, o)| o.powi_scalar(2).sum().mul_scalar(1.0 + i as f64))
-                .reduce(|a, b| a + b)
-                .unwrap();
-            let grads = memsave_next::checkpoint::backward(loss);
-            (shapes, grad_bits(&fpn, &grads), kept)
-        };
-        let (shapes, plain, kept_plain) = run(false);
-        assert_eq!(
-            shapes,
-            [
-                [2, 16, 32, 48],
-                [2, 16, 16, 24],
-                [2, 16, 8, 12],
-                [2, 16, 4, 6],
-                [2, 16, 2, 3]
-            ],
-            "{strategy}"
-        );
-        let (_, checkpointed, kept) = run(true);
-        assert!(
-            plain.iter().all(Option::is_some),
-            "{strategy}: every parameter has one"
-        );
-        assert_eq!(plain, checkpointed, "{strategy}");
-        // The switch is read: the pyramid's laterals and sums are not kept.
-        println!("{strategy}: the neck keeps {kept} bytes checkpointed, {kept_plain} plain");
-        assert!(
-            kept * 4 < kept_plain * 3,
-            "{strategy}: {kept} kept against {kept_plain}"
-        );
-    }
+    watchdog(300, || {
+        for (strategy, device) in devices() {
+            device.seed(4);
+            let fpn = small_fpn().init(&device).unwrap();
+            let inputs = backbone_levels(&device);
+            let meter = memory::meter_for(&device).unwrap();
+            let run = |with_cp: bool| {
+                let fpn = set_with_cp(fpn.clone(), with_cp);
+                let before = meter.live();
+                let outs = fpn.forward(inputs.clone());
+                let kept = meter.live().saturating_sub(before);
+                let shapes: Vec<[usize; 4]> = outs.iter().map(|o| o.dims()).collect();
+                let loss = outs
+                    .into_iter()
+                    .enumerate()
+                    .map(|(i, o)| o.powi_scalar(2).sum().mul_scalar(1.0 + i as f64))
+                    .reduce(|a, b| a + b)
+                    .unwrap();
+                let grads = memsave_next::checkpoint::backward(loss);
+                (shapes, grad_bits(&fpn, &grads), kept)
+            };
+            let (shapes, plain, kept_plain) = run(false);
+            assert_eq!(
+                shapes,
+                [
+                    [2, 16, 32, 48],
+                    [2, 16, 16, 24],
+                    [2, 16, 8, 12],
+                    [2, 16, 4, 6],
+                    [2, 16, 2, 3]
+                ],
+                "{strategy}"
+            );
+            let (_, checkpointed, kept) = run(true);
+            assert!(
+                plain.iter().all(Option::is_some),
+                "{strategy}: every parameter has one"
+            );
+            assert_eq!(plain, checkpointed, "{strategy}");
+            // The switch is read: the pyramid's laterals and sums are not kept.
+            println!("{strategy}: the neck keeps {kept} bytes checkpointed, {kept_plain} plain");
+            assert!(
+                kept * 4 < kept_plain * 3,
+                "{strategy}: {kept} kept against {kept_plain}"
+            );
+        }
+    });
 }
 
 #[test]
 fn the_head_starts_at_the_prior_and_its_segments_give_the_plain_gradients() {
-    let _turn = MEASURED
-        .lock()
-        .unwrap_or_else(|poisoned| poisoned.into_inner());
-    for (strategy, device) in devices() {
-        device.seed(5);
-        let config = RetinaHeadConfig {
-            num_classes: 3,
-            in_channels: 16,
-            feat_channels: 16,
-            stacked_convs: 2,
-            ..RetinaHeadConfig::default()
-        };
-        let head = config.init(&device).unwrap();
-        let feats: Vec<Tensor<4>> = [(32, 48), (16, 24)]
-            .into_iter()
-            .map(|(h, w)| {
-                Tensor::<4>::random([2, 16, h, w], Distribution::Default, &device).require_grad()
-            })
-            .collect();
-        let meter = memory::meter_for(&device).unwrap();
-        let run = |with_cp: bool| {
-            let head = set_with_cp(head.clone(), with_cp);
-            let before = meter.live();
-            let outs = head.forward(feats.clone());
-            let kept = meter.live().saturating_sub(before);
-            let first = outs[0].0.clone();
-            let loss = outs
+    watchdog(300, || {
+        for (strategy, device) in devices() {
+            device.seed(5);
+            let config = RetinaHeadConfig {
+                num_classes: 3,
+                in_channels: 16,
+                feat_channels: 16,
+                stacked_convs: 2,
+                ..RetinaHeadConfig::default()
+            };
+            let head = config.init(&device).unwrap();
+            let feats: Vec<Tensor<4>> = [(32, 48), (16, 24)]
                 .into_iter()
-                .map(|(cls, reg)| cls.powi_scalar(2).sum() + reg.abs().sum())
-                .reduce(|a, b| a + b)
+                .map(|(h, w)| {
+                    Tensor::<4>::random([2, 16, h, w], Distribution::Default, &device)
+                        .require_grad()
+                })
+                .collect();
+            let meter = memory::meter_for(&device).unwrap();
+            let run = |with_cp: bool| {
+                let head = set_with_cp(head.clone(), with_cp);
+                let before = meter.live();
+                let outs = head.forward(feats.clone());
+                let kept = meter.live().saturating_sub(before);
+                let first = outs[0].0.clone();
+                let loss = outs
+                    .into_iter()
+                    .map(|(cls, reg)| cls.powi_scalar(2).sum() + reg.abs().sum())
+                    .reduce(|a, b| a + b)
+                    .unwrap();
+                let grads = memsave_next::checkpoint::backward(loss);
+                (first, grad_bits(&head, &grads), kept)
+            };
+            let (first, plain, kept_plain) = run(false);
+            // Location-major: 32 x 48 locations x 9 anchors, 3 classes; every score at the prior.
+            assert_eq!(first.dims(), [2, 32 * 48 * 9, 3]);
+            let scores = burn::tensor::activation::sigmoid(first)
+                .into_data()
+                .convert::<f32>()
+                .try_to_vec::<f32>()
                 .unwrap();
-            let grads = memsave_next::checkpoint::backward(loss);
-            (first, grad_bits(&head, &grads), kept)
-        };
-        let (first, plain, kept_plain) = run(false);
-        // Location-major: 32 x 48 locations x 9 anchors, 3 classes; every score at the prior.
-        assert_eq!(first.dims(), [2, 32 * 48 * 9, 3]);
-        let scores = burn::tensor::activation::sigmoid(first)
-            .into_data()
-            .convert::<f32>()
-            .try_to_vec::<f32>()
-            .unwrap();
-        assert!(scores.iter().all(|s| (s - 0.01).abs() < 2e-3), "{strategy}");
-        let (_, checkpointed, kept) = run(true);
-        assert_eq!(plain, checkpointed, "{strategy}");
-        // The switch is read: the stacked convs' activations are not kept.
-        println!("{strategy}: the head keeps {kept} bytes checkpointed, {kept_plain} plain");
-        assert!(
-            kept * 4 < kept_plain * 3,
-            "{strategy}: {kept} kept against {kept_plain}"
-        );
-    }
+            assert!(scores.iter().all(|s| (s - 0.01).abs() < 2e-3), "{strategy}");
+            let (_, checkpointed, kept) = run(true);
+            assert_eq!(plain, checkpointed, "{strategy}");
+            // The switch is read: the stacked convs' activations are not kept.
+            println!("{strategy}: the head keeps {kept} bytes checkpointed, {kept_plain} plain");
+            assert!(
+                kept * 4 < kept_plain * 3,
+                "{strategy}: {kept} kept against {kept_plain}"
+            );
+        }
+    });
 }
 
 #[test]

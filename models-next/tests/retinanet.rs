@@ -4,8 +4,11 @@
 //! the switch read by the bytes its forward keeps), half precision against fp32, and the
 //! pinned list of segments.
 
+mod common;
+
 use burn::module::{Module, ModuleVisitor, Param};
 use burn::prelude::*;
+use common::watchdog;
 use memsave_models_next::detection::fpn::FpnConfig;
 use memsave_models_next::detection::postprocess::{batched_nms, detections, TestCfg};
 use memsave_models_next::detection::retinanet::RetinaNetConfig;
@@ -19,13 +22,6 @@ use memsave_next::train::TrainModel;
 
 #[global_allocator]
 static ALLOCATOR: memory::CountingAllocator = memory::CountingAllocator;
-
-/// The tests that read the counting allocator or seed Flex's one generator run one at a time.
-fn one_at_a_time() -> std::sync::MutexGuard<'static, ()> {
-    static LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
-    LOCK.lock()
-        .unwrap_or_else(std::sync::PoisonError::into_inner)
-}
 
 fn param_grads<M: Module>(model: &M, grads: &burn::tensor::Gradients) -> Vec<Vec<f32>> {
     struct Collect<'a>(&'a burn::tensor::Gradients, Vec<Vec<f32>>);
@@ -200,196 +196,198 @@ fn targets_ignore_the_padding_and_average_over_positives() {
 /// bytes than the plain one.
 #[test]
 fn checkpointing_any_part_leaves_the_detectors_gradients_unchanged() {
-    let _one = one_at_a_time();
-    let device = Device::flex().autodiff();
-    device.seed(3);
-    let plain = small_config(4).init(&device).unwrap();
-    // Four times the area of `batch`'s images, so that the activations outweigh what a segment
-    // keeps of its own.
-    let mut b = batch(&device);
-    b.images = Tensor::<4>::random(
-        [2, 3, 192, 256],
-        burn::tensor::Distribution::Normal(0.0, 1.0),
-        &device,
-    );
-    for meta in &mut b.metas {
-        meta.img_shape = [meta.img_shape[0] * 2, meta.img_shape[1] * 2];
-        meta.pad_shape = meta.img_shape;
-        meta.ori_shape = meta.img_shape;
-    }
-    let meter = memory::meter_for(&device).unwrap();
-    let run = |model: &memsave_models_next::detection::retinanet::RetinaNet| {
-        let before = meter.live();
-        let loss = model.loss(b.clone());
-        let kept = meter.live().saturating_sub(before);
-        let grads = memsave_next::checkpoint::backward(loss);
-        (param_grads(model, &grads), kept)
-    };
-    // Once to initialise the lazily made parameters (the neck's and the head's), whose bytes
-    // would count as kept; then the reference.
-    let _ = run(&plain);
-    let (reference, kept_plain) = run(&plain);
-    assert!(reference.len() > 20);
-    let paths = segment_paths(&plain);
-    assert!(
-        paths.contains(&"neck".to_string()) && paths.contains(&"bbox_head".to_string()),
-        "{paths:?}"
-    );
-    let under = |prefix: &str| -> Vec<String> {
-        paths
-            .iter()
-            .filter(|p| p.starts_with(prefix))
-            .cloned()
-            .collect()
-    };
-    let rounding = 1e-6;
-    let cases = [
-        ("the backbone", under("backbone."), 0.0),
-        (
-            "the neck and the head",
-            vec!["neck".into(), "bbox_head".into()],
-            rounding,
-        ),
-        ("the neck", vec!["neck".into()], rounding),
-        ("the head", vec!["bbox_head".into()], rounding),
-    ];
-    let mut worst = Vec::new();
-    let mut models: Vec<(&str, _, f32)> = cases
-        .into_iter()
-        .map(|(what, paths, bound)| {
-            (
-                what,
-                set_with_cp_paths(plain.clone(), &paths).unwrap(),
-                bound,
-            )
-        })
-        .collect();
-    models.push((
-        "everything (set_with_cp)",
-        set_with_cp(plain.clone(), true),
-        rounding,
-    ));
-    for (what, model, bound) in models {
-        let (got, kept) = run(&model);
-        assert!(
-            kept < kept_plain,
-            "{what}: {kept} bytes kept, plain {kept_plain}"
+    watchdog(300, || {
+        let device = Device::flex().autodiff();
+        device.seed(3);
+        let plain = small_config(4).init(&device).unwrap();
+        // Four times the area of `batch`'s images, so that the activations outweigh what a segment
+        // keeps of its own.
+        let mut b = batch(&device);
+        b.images = Tensor::<4>::random(
+            [2, 3, 192, 256],
+            burn::tensor::Distribution::Normal(0.0, 1.0),
+            &device,
         );
-        assert_eq!(reference.len(), got.len());
-        let mut case_worst = 0.0f32;
-        for (index, (x, y)) in reference.iter().zip(&got).enumerate() {
-            let diff = x
-                .iter()
-                .zip(y)
-                .map(|(p, q)| (p - q).abs())
-                .fold(0.0, f32::max);
-            let scale = x.iter().map(|p| p.abs()).fold(f32::MIN_POSITIVE, f32::max);
-            let relative = diff / scale;
-            assert!(
-                relative <= bound,
-                "{what}: parameter {index}: max difference {diff:e} of {scale:e}"
-            );
-            case_worst = case_worst.max(relative);
+        for meta in &mut b.metas {
+            meta.img_shape = [meta.img_shape[0] * 2, meta.img_shape[1] * 2];
+            meta.pad_shape = meta.img_shape;
+            meta.ori_shape = meta.img_shape;
         }
-        worst.push(format!(
-            "{what} {case_worst:.1e} ({kept} of {kept_plain} bytes kept)"
+        let meter = memory::meter_for(&device).unwrap();
+        let run = |model: &memsave_models_next::detection::retinanet::RetinaNet| {
+            let before = meter.live();
+            let loss = model.loss(b.clone());
+            let kept = meter.live().saturating_sub(before);
+            let grads = memsave_next::checkpoint::backward(loss);
+            (param_grads(model, &grads), kept)
+        };
+        // Once to initialise the lazily made parameters (the neck's and the head's), whose bytes
+        // would count as kept; then the reference.
+        let _ = run(&plain);
+        let (reference, kept_plain) = run(&plain);
+        assert!(reference.len() > 20);
+        let paths = segment_paths(&plain);
+        assert!(
+            paths.contains(&"neck".to_string()) && paths.contains(&"bbox_head".to_string()),
+            "{paths:?}"
+        );
+        let under = |prefix: &str| -> Vec<String> {
+            paths
+                .iter()
+                .filter(|p| p.starts_with(prefix))
+                .cloned()
+                .collect()
+        };
+        let rounding = 1e-6;
+        let cases = [
+            ("the backbone", under("backbone."), 0.0),
+            (
+                "the neck and the head",
+                vec!["neck".into(), "bbox_head".into()],
+                rounding,
+            ),
+            ("the neck", vec!["neck".into()], rounding),
+            ("the head", vec!["bbox_head".into()], rounding),
+        ];
+        let mut worst = Vec::new();
+        let mut models: Vec<(&str, _, f32)> = cases
+            .into_iter()
+            .map(|(what, paths, bound)| {
+                (
+                    what,
+                    set_with_cp_paths(plain.clone(), &paths).unwrap(),
+                    bound,
+                )
+            })
+            .collect();
+        models.push((
+            "everything (set_with_cp)",
+            set_with_cp(plain.clone(), true),
+            rounding,
         ));
-    }
-    eprintln!(
-        "RetinaNet checkpointed vs plain, worst relative gradient difference: {}",
-        worst.join(", ")
-    );
+        for (what, model, bound) in models {
+            let (got, kept) = run(&model);
+            assert!(
+                kept < kept_plain,
+                "{what}: {kept} bytes kept, plain {kept_plain}"
+            );
+            assert_eq!(reference.len(), got.len());
+            let mut case_worst = 0.0f32;
+            for (index, (x, y)) in reference.iter().zip(&got).enumerate() {
+                let diff = x
+                    .iter()
+                    .zip(y)
+                    .map(|(p, q)| (p - q).abs())
+                    .fold(0.0, f32::max);
+                let scale = x.iter().map(|p| p.abs()).fold(f32::MIN_POSITIVE, f32::max);
+                let relative = diff / scale;
+                assert!(
+                    relative <= bound,
+                    "{what}: parameter {index}: max difference {diff:e} of {scale:e}"
+                );
+                case_worst = case_worst.max(relative);
+            }
+            worst.push(format!(
+                "{what} {case_worst:.1e} ({kept} of {kept_plain} bytes kept)"
+            ));
+        }
+        eprintln!(
+            "RetinaNet checkpointed vs plain, worst relative gradient difference: {}",
+            worst.join(", ")
+        );
+    });
 }
 
 #[test]
 fn the_detector_in_half_precision_gives_the_fp32_loss_and_gradients() {
-    let _one = one_at_a_time();
-    // The same weights in every run, whatever else draws from Flex's process-wide random
-    // stream meanwhile (tests run in parallel): each parameter redrawn from a seeded generator,
-    // constants (the classifier's prior bias, BatchNorm's ones) kept.
-    struct Seeded(u64);
-    impl burn::module::ModuleMapper for Seeded {
-        fn map_float<const D: usize>(
-            &mut self,
-            param: burn::module::Param<Tensor<D>>,
-        ) -> burn::module::Param<Tensor<D>> {
-            let (id, tensor, mapper) = param.consume();
-            let shape = tensor.shape();
-            let values: Vec<f32> = tensor
-                .clone()
-                .into_data()
-                .convert::<f32>()
-                .try_to_vec()
-                .unwrap();
-            let n = values.len() as f64;
-            let mean = values.iter().map(|&v| v as f64).sum::<f64>() / n;
-            let varies = values.iter().any(|&v| (v as f64 - mean).abs() > 1e-6);
-            // Weights: centred, spread 1 / sqrt(fan-in); vectors: their constant (to 1e-3) or
-            // a small spread.
-            let (mean, spread) = if D >= 2 {
-                (
-                    0.0,
-                    1.0 / ((shape.num_elements() / tensor.dims()[0]) as f64).sqrt(),
-                )
-            } else if varies {
-                (0.0, 0.05)
-            } else {
-                ((mean * 1000.0).round() / 1000.0, 0.0)
-            };
-            let fresh: Vec<f32> = (0..values.len())
-                .map(|_| {
-                    self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-                    let mut z = self.0;
-                    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-                    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-                    z ^= z >> 31;
-                    let unit = (z >> 11) as f64 / (1u64 << 53) as f64;
-                    (mean + spread * (2.0 * unit - 1.0)) as f32
-                })
-                .collect();
-            let data = burn::tensor::TensorData::new(fresh, shape);
-            let value = Tensor::<D>::from_data(data, &tensor.device());
-            let value = if tensor.is_require_grad() {
-                value.require_grad()
-            } else {
-                value
-            };
-            burn::module::Param::from_mapped_value(id, value, mapper)
-        }
-    }
-    let device = Device::flex().autodiff();
-    let fp32 = small_config(4).init(&device).unwrap().map(&mut Seeded(11));
-    let mut b = batch(&device);
-    // Seeded images too (a smooth pattern, normalised-image scale).
-    let values: Vec<f32> = (0..2 * 3 * 96 * 128)
-        .map(|i| ((i as f32 * 0.37).sin() + (i as f32 * 0.011).cos()) * 0.8)
-        .collect();
-    b.images = Tensor::from_data(
-        burn::tensor::TensorData::new(values, [2, 3, 96, 128]),
-        &device,
-    );
-    for precision in [Precision::F16, Precision::Bf16] {
-        let half = wrap_fp16_model(fp32.clone(), precision);
-        let (l32, l16) = (fp32.loss(b.clone()), half.loss(b.clone()));
-        let (v32, v16): (f32, f32) = (l32.clone().into_scalar(), l16.clone().into_scalar());
-        assert!(
-            (v32 - v16).abs() <= 1e-2 * v32.abs(),
-            "{precision:?}: loss {v16} vs {v32}"
-        );
-        let (g32, g16) = (l32.backward(), l16.backward());
-        let (a, b) = (param_grads(&fp32, &g32), param_grads(&half, &g16));
-        assert_eq!(a.len(), b.len());
-        let (mut diff, mut norm) = (0.0f64, 0.0f64);
-        for (x, y) in a.iter().zip(&b) {
-            for (p, q) in x.iter().zip(y) {
-                diff += ((p - q) as f64).powi(2);
-                norm += (*p as f64).powi(2);
+    watchdog(300, || {
+        // The same weights in every run, whatever else draws from Flex's process-wide random
+        // stream meanwhile (tests run in parallel): each parameter redrawn from a seeded generator,
+        // constants (the classifier's prior bias, BatchNorm's ones) kept.
+        struct Seeded(u64);
+        impl burn::module::ModuleMapper for Seeded {
+            fn map_float<const D: usize>(
+                &mut self,
+                param: burn::module::Param<Tensor<D>>,
+            ) -> burn::module::Param<Tensor<D>> {
+                let (id, tensor, mapper) = param.consume();
+                let shape = tensor.shape();
+                let values: Vec<f32> = tensor
+                    .clone()
+                    .into_data()
+                    .convert::<f32>()
+                    .try_to_vec()
+                    .unwrap();
+                let n = values.len() as f64;
+                let mean = values.iter().map(|&v| v as f64).sum::<f64>() / n;
+                let varies = values.iter().any(|&v| (v as f64 - mean).abs() > 1e-6);
+                // Weights: centred, spread 1 / sqrt(fan-in); vectors: their constant (to 1e-3) or
+                // a small spread.
+                let (mean, spread) = if D >= 2 {
+                    (
+                        0.0,
+                        1.0 / ((shape.num_elements() / tensor.dims()[0]) as f64).sqrt(),
+                    )
+                } else if varies {
+                    (0.0, 0.05)
+                } else {
+                    ((mean * 1000.0).round() / 1000.0, 0.0)
+                };
+                let fresh: Vec<f32> = (0..values.len())
+                    .map(|_| {
+                        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+                        let mut z = self.0;
+                        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+                        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+                        z ^= z >> 31;
+                        let unit = (z >> 11) as f64 / (1u64 << 53) as f64;
+                        (mean + spread * (2.0 * unit - 1.0)) as f32
+                    })
+                    .collect();
+                let data = burn::tensor::TensorData::new(fresh, shape);
+                let value = Tensor::<D>::from_data(data, &tensor.device());
+                let value = if tensor.is_require_grad() {
+                    value.require_grad()
+                } else {
+                    value
+                };
+                burn::module::Param::from_mapped_value(id, value, mapper)
             }
         }
-        let relative = (diff / norm).sqrt();
-        println!("{precision:?}: loss {v16} vs {v32}, gradients {relative:.2e}");
-        assert!(relative <= 5e-2, "{precision:?}: gradients {relative:.2e}");
-    }
+        let device = Device::flex().autodiff();
+        let fp32 = small_config(4).init(&device).unwrap().map(&mut Seeded(11));
+        let mut b = batch(&device);
+        // Seeded images too (a smooth pattern, normalised-image scale).
+        let values: Vec<f32> = (0..2 * 3 * 96 * 128)
+            .map(|i| ((i as f32 * 0.37).sin() + (i as f32 * 0.011).cos()) * 0.8)
+            .collect();
+        b.images = Tensor::from_data(
+            burn::tensor::TensorData::new(values, [2, 3, 96, 128]),
+            &device,
+        );
+        for precision in [Precision::F16, Precision::Bf16] {
+            let half = wrap_fp16_model(fp32.clone(), precision);
+            let (l32, l16) = (fp32.loss(b.clone()), half.loss(b.clone()));
+            let (v32, v16): (f32, f32) = (l32.clone().into_scalar(), l16.clone().into_scalar());
+            assert!(
+                (v32 - v16).abs() <= 1e-2 * v32.abs(),
+                "{precision:?}: loss {v16} vs {v32}"
+            );
+            let (g32, g16) = (l32.backward(), l16.backward());
+            let (a, b) = (param_grads(&fp32, &g32), param_grads(&half, &g16));
+            assert_eq!(a.len(), b.len());
+            let (mut diff, mut norm) = (0.0f64, 0.0f64);
+            for (x, y) in a.iter().zip(&b) {
+                for (p, q) in x.iter().zip(y) {
+                    diff += ((p - q) as f64).powi(2);
+                    norm += (*p as f64).powi(2);
+                }
+            }
+            let relative = (diff / norm).sqrt();
+            println!("{precision:?}: loss {v16} vs {v32}, gradients {relative:.2e}");
+            assert!(relative <= 5e-2, "{precision:?}: gradients {relative:.2e}");
+        }
+    });
 }
 
 /// With the backbone's segments pinned by path, the neck's and head's own keys join the list,
