@@ -38,24 +38,38 @@ enum Data {
     SyntheticClassification(SyntheticClassificationConfig),
 }
 
-/// Each iteration's loss.
+#[global_allocator]
+static ALLOCATOR: memsave_next::memory::CountingAllocator = memsave_next::memory::CountingAllocator;
+
+/// Each iteration's loss, and its peak above the bytes live before it.
 #[derive(Clone, Default)]
-struct Losses(Arc<Mutex<Vec<f64>>>);
+struct Losses(Arc<Mutex<Vec<f64>>>, Arc<Mutex<Vec<u64>>>, Arc<Mutex<u64>>);
 
 impl Hook<ImageClassifier> for Losses {
     fn name(&self) -> &'static str {
         "losses"
     }
 
+    fn before_iter(&mut self, state: &mut TrainState<ImageClassifier>) -> memsave_next::Result<()> {
+        let meter = memsave_next::memory::meter_for(&state.device).unwrap();
+        *self.2.lock().unwrap() = meter.reset_peak();
+        Ok(())
+    }
+
     fn after_iter(&mut self, state: &mut TrainState<ImageClassifier>) -> memsave_next::Result<()> {
         self.0.lock().unwrap().extend(state.log.loss);
+        let peak = memsave_next::memory::meter_for(&state.device)
+            .unwrap()
+            .peak();
+        let rise = peak.saturating_sub(*self.2.lock().unwrap());
+        self.1.lock().unwrap().push(rise);
         Ok(())
     }
 }
 
 /// The main job's config with `overrides` (`--set`), run on Burn 0.22 in `dir`: the trained
-/// classifier and each iteration's loss.
-fn main_job(overrides: &[&str], dir: &str) -> (ImageClassifier, Vec<f64>) {
+/// classifier, each iteration's loss, and each iteration's peak above the bytes live before it.
+fn main_job(overrides: &[&str], dir: &str) -> (ImageClassifier, Vec<f64>, Vec<u64>) {
     let overrides: Vec<String> = overrides.iter().map(|s| s.to_string()).collect();
     let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../configs/resnet18_synthetic.toml");
     let config = Config::<Model, Data>::load(&path, &overrides).unwrap();
@@ -86,8 +100,9 @@ fn main_job(overrides: &[&str], dir: &str) -> (ImageClassifier, Vec<f64>) {
     let losses = Losses::default();
     runner.register_hook(Box::new(losses.clone()));
     runner.run().unwrap();
+    let peaks = losses.1.lock().unwrap().clone();
     let losses = losses.0.lock().unwrap().clone();
-    (runner.into_model(), losses)
+    (runner.into_model(), losses, peaks)
 }
 
 fn param_bits<M: Module>(module: &M) -> Vec<Vec<u32>> {
@@ -120,7 +135,7 @@ const SMALL: [&str; 4] = [
 #[test]
 fn the_main_jobs_config_trains_the_classifier_and_the_loss_falls() {
     watchdog(300, || {
-        let (_, losses) = main_job(&SMALL, "main");
+        let (_, losses, _) = main_job(&SMALL, "main");
         let mean = |part: &[f64]| part.iter().sum::<f64>() / part.len() as f64;
         let per_epoch = losses.len() / 3;
         let (first, last) = (
@@ -144,11 +159,19 @@ fn every_block_checkpointed_trains_the_same_classifier_bit_for_bit() {
             "data.num_samples=24",
             "runner.max_epochs=1",
         ];
-        let (plain, _) = main_job(&short, "plain");
+        let (plain, _, plain_peaks) = main_job(&short, "plain");
         let mut checkpointed = short.to_vec();
         checkpointed.push("model.backbone.with_cp=true");
-        let (checkpointed, _) = main_job(&checkpointed, "checkpointed");
+        let (checkpointed, _, peaks) = main_job(&checkpointed, "checkpointed");
         assert!(param_bits(&plain) == param_bits(&checkpointed));
+        // The key is read: every step peaks lower.
+        let highest = |peaks: &[u64]| peaks.iter().copied().max().unwrap();
+        println!(
+            "step peak above the live bytes: plain {}, every block checkpointed {}",
+            highest(&plain_peaks),
+            highest(&peaks)
+        );
+        assert!(highest(&peaks) < highest(&plain_peaks));
     });
 }
 
