@@ -683,7 +683,7 @@ fn resuming_mixed_precision_restores_the_loss_scale_and_the_weights() {
 
 /// The snapshots kept for the two runtimes' readers (issue 55, item 7): one written by this
 /// runner on Burn 0.21 (fp16 with a dynamic scale, SGD with momentum, iteration 3), and one
-/// written by memsave on Burn 0.22 (`next/tests/snapshot.rs` writes and reads it).
+/// written by memsave on Burn 0.22 (`next/tests/suite/snapshot.rs` writes and reads it).
 /// `MEMSAVE_WRITE_FIXTURES=1` writes this runner's again.
 fn fixture(name: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))

@@ -12,6 +12,7 @@ use burn::nn::{Linear, LinearConfig};
 use burn::prelude::*;
 use memsave_next::checkpoint::checkpoint;
 
+#[path = "suite/common/mod.rs"]
 mod common;
 use common::watchdog;
 

@@ -4,7 +4,7 @@
 //!
 //! | op | keeps for backward | Burn 0.22 keeps |
 //! |---|---|---|
-//! | normalisation (+ ReLU) | its input, fp32 mean and 1/std per group | LayerNorm, GroupNorm: an activation-sized tensor beside the input (`next/tests/nn.rs`: 8,465,084 and 8,403,580 bytes for an 8 MiB input, ours 69,888 and 7,616); BatchNorm (`batch_norm_train`, one op already): its input and the statistics, and its ReLU's input besides |
+//! | normalisation (+ ReLU) | its input, fp32 mean and 1/std per group | LayerNorm, GroupNorm: an activation-sized tensor beside the input (`next/tests/suite/nn.rs`: 8,465,084 and 8,403,580 bytes for an 8 MiB input, ours 69,888 and 7,616); BatchNorm (`batch_norm_train`, one op already): its input and the statistics, and its ReLU's input besides |
 //! | ReLU | its output (which its consumer keeps anyway) | its input (alive beside the output: 256 KiB more for a 256 KiB input) |
 //! | BatchNorm + ReLU + convolution ([`super::fused`]) | the BatchNorm's input and statistics | the ReLU's output besides (the convolution's input) |
 //!
