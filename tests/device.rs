@@ -247,7 +247,7 @@ fn checkpointed_gradients_equal_plain_ones_with_batch_norm_moved_once_and_dropou
         // The recomputation runs the same kernels on the same inputs: bit-identical where the
         // device's kernels are deterministic (Flex, and lavapipe's in our runs), but for the
         // detector's neck and head, whose gradients Burn sums in another order (up to 4e-7 on
-        // Flex: models/tests/detection.rs); 1e-5 allows a device whose reductions are not.
+        // Flex: models/tests/suite/detection.rs); 1e-5 allows a device whose reductions are not.
         for (what, diff) in [
             ("ResNet-18", resnet),
             ("transformer block", transformer),

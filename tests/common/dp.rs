@@ -1,4 +1,4 @@
-//! Helpers of the data-parallel tests (tests/distributed.rs, tests/zero.rs): peers as threads
+//! Helpers of the data-parallel tests (tests/suite/distributed.rs, tests/suite/zero.rs): peers as threads
 //! of this process on Flex, the tiny classifier, traces of every step.
 //!
 //! burn-collective keeps one server per backend in a process: the tests take turns ([`turn`]).

@@ -1,4 +1,4 @@
-//! The checkpointing trap (tests/with_cp_trap.rs, tests/run_context/events.rs): a block with a `with_cp`
+//! The checkpointing trap (tests/suite/with_cp_trap.rs, tests/suite/run_context/events.rs): a block with a `with_cp`
 //! flag whose forward is not marked `#[with_cp]`, beside one done right, in a net whose
 //! `#[with_cp]` fields switch both on.
 

@@ -1,5 +1,5 @@
 //! The edges of checkpointing on Burn 0.22.1 (Flex), ported from memsave 0.21's
-//! `tests/checkpoint_edges.rs` and `tests/checkpoint.rs`: segments nested in segments (a
+//! `tests/suite/checkpoint_edges.rs` and `tests/suite/checkpoint.rs`: segments nested in segments (a
 //! backward inside a backward inside a backward), outputs shared by several consumers, many
 //! inputs, a segment that panics while it is recomputed, and `#[with_cp]` where its generated
 //! names could collide. Each against the plain run, bit for bit, under both of Burn's strategies.

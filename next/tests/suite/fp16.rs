@@ -150,7 +150,7 @@ fn normal<const D: usize>(shape: [usize; D], seed: u64) -> Tensor<D> {
 /// Seeded weights: normal with standard deviation `1 / sqrt(fan_in)`, biases zero, and every
 /// normalisation layer with gamma 0.2 and beta 1, so that its output sits five standard
 /// deviations above ReLU's kink (f16 rounding would otherwise flip activations across it, which
-/// measures where the kinks fall, not the casts: 0.21's `tests/wrap_fp16.rs` says how much).
+/// measures where the kinks fall, not the casts: 0.21's `tests/suite/wrap_fp16.rs` says how much).
 struct SeededInit {
     seed: u64,
     path: Vec<String>,

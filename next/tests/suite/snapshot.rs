@@ -230,7 +230,7 @@ fn running_statistics_and_16_bit_weights_come_back_as_saved() {
     });
 }
 
-/// The snapshot memsave on Burn 0.22 keeps for the 0.21 reader's test (`tests/runner.rs`),
+/// The snapshot memsave on Burn 0.22 keeps for the 0.21 reader's test (`tests/suite/runner.rs`),
 /// written again with `MEMSAVE_WRITE_FIXTURES=1`; it must keep loading here.
 #[test]
 fn the_kept_0_22_snapshot_loads_and_a_0_21_one_is_refused_naming_its_version() {
@@ -258,7 +258,7 @@ fn the_kept_0_22_snapshot_loads_and_a_0_21_one_is_refused_naming_its_version() {
             "trained weights"
         );
 
-        // Written by memsave on Burn 0.21 (its runner, `tests/runner.rs`): refused by name.
+        // Written by memsave on Burn 0.21 (its runner, `tests/suite/runner.rs`): refused by name.
         let older = fixture("written-on-burn-0.21.ckpt");
         let error = Snapshot::load(&older).unwrap_err();
         let said = error.to_string();
