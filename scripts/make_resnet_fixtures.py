@@ -1,4 +1,4 @@
-"""Makes the torchvision-layout ResNet fixtures that models/tests/weights.rs loads.
+"""Makes the torchvision-layout ResNet fixtures that models/tests/suite/weights.rs loads.
 
 Two narrow ResNets built from torchvision's own blocks and `_make_layer` (so their state-dict
 keys and their arithmetic are torchvision's), random weights and random BN statistics, and

@@ -36,6 +36,15 @@ pub fn watchdog<T: Send + 'static>(seconds: u64, f: impl FnOnce() -> T + Send + 
     }
 }
 
+/// The tests whose training steps panic take turns. memsave's panic hook keeps the panics of
+/// every thread of the process, and a step that fails reads them to tell an out-of-memory from
+/// another panic: one test's "can't allocate" would make another test's panic an out-of-memory.
+/// Taken before any other turn.
+pub fn panicking_steps() -> std::sync::MutexGuard<'static, ()> {
+    static TURN: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    TURN.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
 /// The next value of a splitmix64 generator: seeded, reproducible draws that do not touch
 /// Flex's process-wide random stream (tests run in parallel).
 pub fn splitmix64(state: &mut u64) -> u64 {

@@ -3,8 +3,9 @@
 //! other's right; a user's own loop holds a run of its own in a scope, and gets a step's failure
 //! as an `Error` from `join_helpers`. Activation offload runs here on the CPU through the
 //! host-resident switch (the same copier, prefetch, host limit and failures as on a device,
-//! nothing saved), alone and with two data-parallel peers. No test here takes a lock: each run's
-//! state is its own. Its modules: errors that keep their causes (`errors`), and the library's
+//! nothing saved), alone and with two data-parallel peers. Each run's state is its own: only the
+//! tests with peers take the data-parallel tests' turn (burn-collective's server is one per
+//! process). Its modules: errors that keep their causes (`errors`), and the library's
 //! events instead of stderr (`events`).
 
 use crate::common;
@@ -155,6 +156,7 @@ fn staging_here() {
 #[test]
 fn two_runs_on_two_threads_see_their_own_settings_and_figures_and_a_panic_in_a_third_leaves_them_right(
 ) {
+    let _panics = common::panicking_steps();
     watchdog(300, || {
         let start = Arc::new(Barrier::new(3));
         // Run A offloads every block's input; its figures must be its own.
@@ -269,6 +271,7 @@ fn two_runs_on_two_threads_see_their_own_settings_and_figures_and_a_panic_in_a_t
 /// a copy back lost in the backward), each naming the segment.
 #[test]
 fn a_users_loop_holds_its_run_in_a_scope_and_gets_a_steps_failure_from_join_helpers() {
+    let _panics = common::panicking_steps();
     watchdog(300, || {
         let run = RunContext::named("my loop");
         let device = Default::default();
@@ -430,6 +433,7 @@ fn activation_offload_with_two_data_parallel_peers_trains_as_without_it() {
 /// the user's loss) is not the cause.
 #[test]
 fn a_failure_recorded_before_a_panic_is_the_runs_error() {
+    let _panics = common::panicking_steps();
     watchdog(120, || {
         let run = RunContext::new();
         let mut runner = run
@@ -454,6 +458,7 @@ fn a_failure_recorded_before_a_panic_is_the_runs_error() {
 /// peer's (its own loop's `join_helpers` returns it), and the other's is whole.
 #[test]
 fn a_peers_failure_is_its_own() {
+    let _panics = common::panicking_steps();
     use std::sync::mpsc;
     use std::sync::Mutex;
     let _turn = common::dp::turn();

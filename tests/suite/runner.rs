@@ -1015,6 +1015,7 @@ impl Hook<AB, Net> for DeviceFull {
 
 #[test]
 fn a_device_out_of_memory_at_a_step_ends_the_run_with_an_error_and_keeps_the_checkpoints() {
+    let _panics = common::panicking_steps();
     let dir = work_dir("device-full");
     let mut run = checkpointed_run(&dir, plain(), net());
     run.register_hook(Box::new(DeviceFull { at: 4 }));
@@ -1050,6 +1051,7 @@ fn a_device_out_of_memory_at_a_step_ends_the_run_with_an_error_and_keeps_the_che
 
 #[test]
 fn any_other_panic_in_a_step_is_not_taken_for_out_of_memory() {
+    let _panics = common::panicking_steps();
     struct Broken;
     impl Hook<AB, Net> for Broken {
         fn name(&self) -> &'static str {

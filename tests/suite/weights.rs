@@ -67,7 +67,15 @@ struct Run {
 }
 
 fn run(name: &str, optimizer: &OptimizerSpec, hook: OptimizerHook, iters: usize) -> Run {
-    run_in(&work_dir(name), optimizer, hook, iters, None, None)
+    // Named apart from the other data-parallel files' runs (they share `work_dir`'s folder).
+    run_in(
+        &work_dir(&format!("weights-{name}")),
+        optimizer,
+        hook,
+        iters,
+        None,
+        None,
+    )
 }
 
 fn run_in(
