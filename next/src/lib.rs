@@ -42,6 +42,12 @@ pub mod hooks;
 pub mod memory;
 pub mod nn;
 pub mod optim8;
+/// Data parallelism on Burn 0.22: so far which samples each peer reads ([`parallel::Shard`],
+/// PyTorch's `DistributedSampler`), which the data sets take; the peers and the collective come
+/// with the port's slice 7 (`docs/src/port-0.22.md`).
+pub mod parallel {
+    pub use memsave_common::parallel::Shard;
+}
 pub mod planner;
 pub mod quant;
 pub mod snapshot;

@@ -29,7 +29,6 @@ pub(crate) mod in_backward;
 mod parts;
 #[cfg(feature = "parallel")]
 pub mod peer;
-mod sampler;
 #[cfg(feature = "parallel")]
 mod topology;
 pub mod zero;
@@ -44,12 +43,12 @@ use burn::tensor::ops::FloatTensor;
 use burn::tensor::{DType, Tensor, TensorData, TensorPrimitive};
 
 pub use in_backward::TapPeers;
+pub use memsave_common::parallel::Shard;
 pub use parts::{attach, BroadcastHook, PeerReducer};
 #[cfg(feature = "parallel")]
 pub use peer::{
     report_network_failure, run_local, serve_orchestrator, BurnPeer, Topology, DEFAULT_TIMEOUT,
 };
-pub use sampler::Shard;
 pub use zero::ZeroStage;
 
 use crate::Result;

@@ -1,4 +1,6 @@
-//! Training data on Burn 0.22: the synthetic classification set so far (Pascal VOC comes with
-//! the port's next slice; data-parallel shards with the collective).
+//! Training data on Burn 0.22: Pascal VOC (the devkit's files, MMDetection's pipeline, batches
+//! made by background threads, a synthetic set in VOC's format) and the synthetic classification
+//! set, each readable by data-parallel shards.
 
 pub mod synthetic;
+pub mod voc;

@@ -6,6 +6,7 @@ use rand::{Rng, SeedableRng};
 use serde::Deserialize;
 
 use crate::classifier::ClassificationBatch;
+use crate::memsave::parallel::Shard;
 use crate::memsave::train::{BatchFootprint, DataSource};
 use crate::memsave::{Error, Result};
 
@@ -74,6 +75,7 @@ pub struct SyntheticClassification {
     config: SyntheticClassificationConfig,
     num_classes: usize,
     device: Device,
+    shard: Shard,
 }
 
 impl SyntheticClassification {
@@ -121,7 +123,15 @@ impl SyntheticClassification {
             config,
             num_classes,
             device,
+            shard: Shard::whole(),
         })
+    }
+
+    /// The same data set, reading only `shard` of each epoch (PyTorch's `DistributedSampler`:
+    /// the same shuffled order on every peer, each taking its share).
+    pub fn with_shard(mut self, shard: Shard) -> Self {
+        self.shard = shard;
+        self
     }
 
     /// The order of the samples in `epoch`.
@@ -163,8 +173,8 @@ impl SyntheticClassification {
 
 impl DataSource<ClassificationBatch> for SyntheticClassification {
     fn batches_per_epoch(&self) -> usize {
-        self.config
-            .num_samples
+        self.shard
+            .len(self.config.num_samples)
             .div_ceil(self.config.samples_per_gpu)
     }
 
@@ -188,7 +198,7 @@ impl DataSource<ClassificationBatch> for SyntheticClassification {
     }
 
     fn batch(&self, epoch: usize, index: usize, device: &Device) -> Result<ClassificationBatch> {
-        let order = self.order(epoch);
+        let order = self.shard.select(&self.order(epoch));
         let start = index * self.config.samples_per_gpu;
         let ids = order
             .get(start..(start + self.config.samples_per_gpu).min(order.len()))

@@ -14,5 +14,7 @@ mod common;
 
 mod classifier;
 mod detection;
+mod eval;
 mod resnet;
 mod retinanet;
+mod voc;

@@ -1,7 +1,10 @@
-//! Data parallelism's Burn-free parts: what ZeRO shards (`[optimizer_config] zero_stage`) and
-//! which peer owns each parameter.
+//! Data parallelism's Burn-free parts: what ZeRO shards (`[optimizer_config] zero_stage`),
+//! which peer owns each parameter, and which samples each peer reads ([`Shard`]).
 
 use crate::{Error, Result};
+
+mod sampler;
+pub use sampler::Shard;
 
 /// What is sharded across the peers (`[optimizer_config] zero_stage`).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord)]
