@@ -708,3 +708,83 @@ fn multiscale_batches_vary_in_size_and_pad_to_their_largest_image() {
         assert!(shapes.len() > 1, "batches of one size only: {shapes:?}");
     });
 }
+
+#[test]
+fn two_peers_shards_read_the_whole_epoch_batch_by_batch() {
+    let _turn = super::common::one_at_a_time();
+    use memsave_models_next::data::synthetic::{
+        SyntheticClassification, SyntheticClassificationConfig,
+    };
+    use memsave_next::parallel::Shard;
+    use memsave_next::train::DataSource;
+    let dir = tempfile::tempdir().unwrap();
+    let root = synth(dir.path(), 16, 2);
+    let config = VocDatasetConfig {
+        kind: DatasetType::VOCDataset,
+        ann_file: OneOrMany::One(root.join("ImageSets/Main/trainval.txt")),
+        img_prefix: OneOrMany::One(root.clone()),
+        pipeline: None,
+        skip_bad_images: false,
+    };
+    // PyTorch's DistributedSampler: batch i of two peers reading batches of 2 holds batch i of
+    // one process reading batches of 4, in the same shuffled order.
+    let whole = VocDetection::new(&config, "data.train", true, 4, 0, 7, Device::flex()).unwrap();
+    let peers: Vec<VocDetection> = (0..2)
+        .map(|rank| {
+            VocDetection::new_shard(
+                &config,
+                "data.train",
+                true,
+                2,
+                0,
+                7,
+                Shard { rank, world: 2 },
+                Device::flex(),
+            )
+            .unwrap()
+        })
+        .collect();
+    assert_eq!(whole.batches_per_epoch(), 3, "12 training images");
+    for epoch in 0..2 {
+        for index in 0..whole.batches_per_epoch() {
+            let ids = |data: &VocDetection| -> Vec<String> {
+                let batch = data.batch(epoch, index, &Device::flex()).unwrap();
+                batch.metas.into_iter().map(|m| m.id).collect()
+            };
+            let mut joined = ids(&peers[0]);
+            joined.extend(ids(&peers[1]));
+            let (mut joined, mut expected) = (joined, ids(&whole));
+            joined.sort();
+            expected.sort();
+            assert_eq!(joined, expected, "epoch {epoch}, batch {index}");
+        }
+    }
+    // The classification set the same way.
+    let set = |shard: Shard, batch: usize| {
+        SyntheticClassification::new(
+            SyntheticClassificationConfig::new(batch, 12, 16),
+            4,
+            Device::flex(),
+        )
+        .unwrap()
+        .with_shard(shard)
+    };
+    let labels = |data: &SyntheticClassification, index: usize| -> Vec<i64> {
+        let batch = data.batch(1, index, &Device::flex()).unwrap();
+        batch.labels.into_data().iter::<i64>().collect()
+    };
+    let whole = set(Shard::whole(), 4);
+    let halves = [
+        set(Shard { rank: 0, world: 2 }, 2),
+        set(Shard { rank: 1, world: 2 }, 2),
+    ];
+    assert_eq!(halves[0].batches_per_epoch(), whole.batches_per_epoch());
+    for index in 0..whole.batches_per_epoch() {
+        let mut joined = labels(&halves[0], index);
+        joined.extend(labels(&halves[1], index));
+        let mut expected = labels(&whole, index);
+        joined.sort();
+        expected.sort();
+        assert_eq!(joined, expected, "batch {index}");
+    }
+}
