@@ -40,17 +40,6 @@ impl ResNetConfig {
     pub fn init(&self, device: &Device) -> Result<ResNet> {
         let (bottleneck, counts) = layout(self.depth)?;
         self.check()?;
-        if let Some(InitCfg::Pretrained { checkpoint }) = &self.init_cfg {
-            return Err(Error::invalid(
-                "init_cfg",
-                format!(
-                    "loading {} is not on Burn 0.22 yet (a later slice of memsave's port brings \
-                     torchvision's weights): leave `init_cfg` out, or train with memsave on \
-                     Burn 0.21",
-                    checkpoint.display()
-                ),
-            ));
-        }
         let base = self.base_channels;
         let stem = Stem {
             conv: blocks::conv(self.in_channels, base, 7, 2, device),
@@ -99,6 +88,9 @@ impl ResNetConfig {
             out_indices: self.out_indices.clone(),
             fp16_enabled: Fp16::Off,
         });
+        if let Some(InitCfg::Pretrained { checkpoint }) = &self.init_cfg {
+            resnet = crate::weights::load_torchvision_resnet(resnet, checkpoint)?;
+        }
         if self.norm_eval {
             resnet = resnet.norm_eval();
         }

@@ -18,3 +18,4 @@ mod eval;
 mod resnet;
 mod retinanet;
 mod voc;
+mod weights;
