@@ -22,11 +22,11 @@ use memsave_models_next::eval::voc::ApMode;
 use memsave_next::config::{Config, ConfigHooks};
 use memsave_next::train::Runner;
 
-fn configs() -> PathBuf {
+pub fn configs() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../configs")
 }
 
-fn work_dir(name: &str) -> PathBuf {
+pub fn work_dir(name: &str) -> PathBuf {
     let dir = std::env::temp_dir().join(format!(
         "memsave-models-next-eval-{name}-{}",
         std::process::id()
@@ -35,11 +35,11 @@ fn work_dir(name: &str) -> PathBuf {
     dir
 }
 
-/// `configs/retinanet_r18_fpn_synthvoc.toml` on a synthetic set in `root`, narrowed (test speed),
-/// trained two epochs with an evaluation after each.
-fn synthvoc_config(root: &Path) -> Config<RetinaNetSection, DetectionDataSection> {
+/// The `--set` lines that put `configs/retinanet_r18_fpn_synthvoc.toml` on a synthetic set in
+/// `root`, narrowed (test speed), trained two epochs with an evaluation after each.
+pub fn synthvoc_sets(root: &Path) -> Vec<String> {
     let root = root.display();
-    let sets: Vec<String> = [
+    [
         "model.backbone.base_channels=8".to_string(),
         "model.neck.in_channels=[8, 16, 32, 64]".into(),
         "model.neck.out_channels=32".into(),
@@ -59,8 +59,16 @@ fn synthvoc_config(root: &Path) -> Config<RetinaNetSection, DetectionDataSection
         "evaluation.interval=1".into(),
         "log_config.interval=1".into(),
     ]
-    .into();
-    Config::load(&configs().join("retinanet_r18_fpn_synthvoc.toml"), &sets).unwrap()
+    .into()
+}
+
+/// `configs/retinanet_r18_fpn_synthvoc.toml` with [`synthvoc_sets`].
+fn synthvoc_config(root: &Path) -> Config<RetinaNetSection, DetectionDataSection> {
+    Config::load(
+        &configs().join("retinanet_r18_fpn_synthvoc.toml"),
+        &synthvoc_sets(root),
+    )
+    .unwrap()
 }
 
 #[test]

@@ -15,6 +15,7 @@ mod common;
 mod classifier;
 mod detection;
 mod eval;
+mod registry;
 mod resnet;
 mod retinanet;
 mod voc;
