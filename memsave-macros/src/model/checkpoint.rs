@@ -7,7 +7,7 @@ use syn::spanned::Spanned;
 use syn::Member;
 
 use super::ast::{Body, Field, Model, CP_FLAG, FP16_FLAG};
-use super::expand::{binding, impl_header, rebuild, variant_pattern};
+use super::shape::{binding, impl_header, rebuild, variant_pattern};
 use crate::crate_path::Burn;
 
 /// `CheckpointModule`, when checkpointing can be switched on: the flag set, the marked fields

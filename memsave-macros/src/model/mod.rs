@@ -4,6 +4,7 @@ mod ast;
 mod checkpoint;
 mod expand;
 mod fallback;
+mod shape;
 mod valid;
 
 use proc_macro2::TokenStream;
