@@ -28,7 +28,7 @@ impl Shard {
     }
 
     /// Whether this is all of the data.
-    pub fn is_whole(self) -> bool {
+    pub(crate) fn is_whole(self) -> bool {
         self.world <= 1
     }
 

@@ -79,8 +79,8 @@ pub struct SyntheticClassification {
 }
 
 impl SyntheticClassification {
-    /// The device it was made for: where direct calls (evaluation) make batches; the runner
-    /// passes its own to [`DataSource::batch`].
+    /// The device it was made for: where direct calls (evaluation) make batches (on it without
+    /// autodiff); the runner passes its own to [`DataSource::batch`].
     pub fn device(&self) -> &Device {
         &self.device
     }
@@ -98,6 +98,11 @@ impl SyntheticClassification {
                 Err(Error::invalid(field, message))
             }
         };
+        check(
+            num_classes >= 2,
+            "model.num_classes",
+            format!("a classifier tells at least 2 classes apart, got {num_classes}"),
+        )?;
         check(
             config.samples_per_gpu > 0,
             "data.samples_per_gpu",

@@ -26,9 +26,20 @@ pub fn detect(model: &RetinaNet, data: &VocDetection) -> Result<Vec<DetectionRec
         let detections = model.predict(batch.images, &batch.metas);
         for (meta, dets) in batch.metas.iter().zip(detections) {
             for d in dets {
+                let class = VOC_CLASSES.get(d.label).ok_or_else(|| {
+                    Error::invalid(
+                        "model.bbox_head.num_classes",
+                        format!(
+                            "a VOC detector tells the {} VOC classes apart; this one gave \
+                             class {}",
+                            VOC_CLASSES.len(),
+                            d.label
+                        ),
+                    )
+                })?;
                 records.push(DetectionRecord {
                     image: meta.id.clone(),
-                    class: VOC_CLASSES[d.label].to_string(),
+                    class: class.to_string(),
                     score: d.score,
                     bbox: d.bbox,
                 });

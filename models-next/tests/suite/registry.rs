@@ -47,6 +47,20 @@ fn weights<M: Module>(model: &M) -> Vec<u32> {
     bits.0
 }
 
+/// The float parameters of `model`, and those not initialized yet.
+fn lazy_params<M: Module>(model: &M) -> (usize, usize) {
+    struct Lazy(usize, usize);
+    impl ModuleVisitor for Lazy {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            self.0 += 1;
+            self.1 += !param.is_initialized() as usize;
+        }
+    }
+    let mut lazy = Lazy(0, 0);
+    model.visit(&mut lazy);
+    (lazy.0, lazy.1)
+}
+
 /// Reports what it was handed; trains it in `work` with the config's optimizer and hooks and the
 /// model's own when `work` is given.
 struct Job {
@@ -66,6 +80,12 @@ impl ModelJob for Job {
         M: TrainModel + CheckpointModule,
         Data: DataSource<M::Batch> + 'static,
     {
+        // `build` drew every parameter (Burn 0.22's are lazy): none is left for a later draw.
+        let (params, lazy) = lazy_params(&built.model);
+        assert!(
+            params > 0 && lazy == 0,
+            "{lazy} of {params} parameters lazy"
+        );
         let mut report = Report {
             batch: built.batch,
             hooks: built.hooks.len(),

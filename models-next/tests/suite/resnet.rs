@@ -247,3 +247,41 @@ fn bad_backbone_settings_name_their_field() {
         "{error}"
     );
 }
+
+#[test]
+fn caffe_style_moves_the_stride_to_the_first_convolution() {
+    let _turn = common::one_at_a_time();
+    use memsave_models_next::resnet::{InitCfg, Style};
+    let device = Device::flex();
+    let fixture = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../models/tests/fixtures/resnet50_w8.safetensors");
+    let config = |style| ResNetConfig {
+        style,
+        base_channels: 8,
+        init_cfg: Some(InitCfg::Pretrained {
+            checkpoint: fixture.clone(),
+        }),
+        ..ResNetConfig::default()
+    };
+    let images = Tensor::<4>::random([1, 3, 64, 64], Distribution::Normal(0.0, 1.0), &device);
+    let pytorch = config(Style::Pytorch)
+        .init(&device)
+        .unwrap()
+        .forward(images.clone());
+    let caffe = config(Style::Caffe).init(&device).unwrap().forward(images);
+    // The same weights, the same shapes; only C2 (no stride in stage 1) agrees.
+    for (stage, (a, b)) in pytorch.into_iter().zip(caffe).enumerate() {
+        assert_eq!(a.dims(), b.dims());
+        let diff: f32 = (a - b).abs().max().into_scalar();
+        assert_eq!(diff > 1e-4, stage > 0, "C{}: difference {diff}", stage + 2);
+    }
+    let basic = ResNetConfig {
+        style: Style::Caffe,
+        base_channels: 8,
+        ..ResNetConfig::new(18)
+    };
+    assert!(
+        basic.init(&device).is_ok(),
+        "basic blocks have no 1x1 convolution: the style changes nothing"
+    );
+}

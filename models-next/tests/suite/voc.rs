@@ -759,11 +759,11 @@ fn two_peers_shards_read_the_whole_epoch_batch_by_batch() {
             assert_eq!(joined, expected, "epoch {epoch}, batch {index}");
         }
     }
-    // The classification set the same way.
+    // The classification set the same way: 12 samples of 12 classes, each label its sample's.
     let set = |shard: Shard, batch: usize| {
         SyntheticClassification::new(
             SyntheticClassificationConfig::new(batch, 12, 16),
-            4,
+            12,
             Device::flex(),
         )
         .unwrap()

@@ -34,7 +34,7 @@ pub fn is_recomputing() -> bool {
 }
 
 /// The segments of the current run that ran without checkpointing because a tracked tensor
-/// entered them other than as an input or a parameter (see [`checkpoint`]), by name, in the order
+/// entered them other than as an input or a parameter (see [`checkpoint`](super::checkpoint)), by name, in the order
 /// first seen.
 pub fn uncheckpointed_segments() -> Vec<String> {
     nodes::lock(&memsave_common::run::current().part::<Uncheckpointed>().0).clone()
@@ -44,9 +44,11 @@ pub fn uncheckpointed_segments() -> Vec<String> {
 #[derive(Default)]
 struct Uncheckpointed(Mutex<Vec<String>>);
 
+/// One call of the segment op, run on the tensors' backend ([`OnBackend`]).
 pub(super) struct Checkpoint<'a, M, I, O, F> {
-    pub(super) module: &'a M,
     /// The module as the model holds it: the recomputation runs a clone.
+    pub(super) module: &'a M,
+    /// The segment (its type and place), as the run's record and the chooser know it.
     pub(super) id: SegmentId,
     pub(super) input: I,
     pub(super) segment: F,

@@ -225,8 +225,8 @@ pub struct VocDetection {
 }
 
 impl VocDetection {
-    /// The device it was made for: where direct calls (evaluation) make batches; the runner
-    /// passes its own to [`DataSource::batch`].
+    /// The device it was made for: where direct calls (evaluation) make batches (on it without
+    /// autodiff); the runner passes its own to [`DataSource::batch`].
     pub fn device(&self) -> &Device {
         &self.device
     }
@@ -442,8 +442,8 @@ pub fn describe(config: &VocDatasetConfig) -> String {
         .join(", ")
 }
 
-/// `images` without the damaged ones ([`super::pipeline::check_image`]), with one warning on
-/// stderr counting and naming them; an error when none is left.
+/// `images` without the damaged ones ([`super::pipeline::check_image`]), with one `memsave`
+/// warning event counting and naming them; an error when none is left.
 fn skip_bad_images(images: Vec<VocImage>, field: &str) -> Result<Vec<VocImage>> {
     let total = images.len();
     let mut bad = Vec::new();
