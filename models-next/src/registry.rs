@@ -8,7 +8,7 @@
 
 use std::path::Path;
 
-use burn::module::{Module, ModuleVisitor, Param};
+use burn::module::Module;
 use burn::prelude::*;
 
 use crate::classifier::ImageClassifier;
@@ -141,17 +141,9 @@ static INIT: std::sync::Mutex<()> = std::sync::Mutex::new(());
 /// `init` on a device seeded with `seed`, every (lazily initialised) weight drawn before the
 /// next model is.
 fn seeded<M: Module>(device: &Device, seed: u64, init: impl FnOnce() -> Result<M>) -> Result<M> {
-    struct Draw;
-    impl ModuleVisitor for Draw {
-        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
-            drop(param.val());
-        }
-    }
     let _one_at_a_time = INIT.lock().unwrap_or_else(|e| e.into_inner());
     device.seed(seed);
-    let model = init()?;
-    model.visit(&mut Draw);
-    Ok(model)
+    Ok(crate::resnet::initialized(init()?))
 }
 
 /// The evaluation a job runs: the config's, in a training run, on rank 0 (a measuring job trains

@@ -107,7 +107,7 @@ impl ResNetConfig {
 /// stream of that moment: the weights would then depend on the order of first uses, which a
 /// checkpointed block changes (its segment initializes its parameters in visiting order), and
 /// on what drew from the stream before.
-fn initialized<M: Module>(model: M) -> M {
+pub(crate) fn initialized<M: Module>(model: M) -> M {
     struct Read;
     impl ModuleVisitor for Read {
         fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
