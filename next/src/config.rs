@@ -20,7 +20,7 @@ use burn::optim::ModuleOptimizer;
 pub use memsave_common::config::*;
 
 /// A config's optimizer and hooks for memsave's runner on Burn 0.22. The settings Burn 0.22
-/// does not have yet (CPU staging, ZeRO, optimizer offload)
+/// does not have yet (activation offload, ZeRO)
 /// are errors naming the key, never dropped in silence.
 pub trait ConfigHooks {
     /// The optimizer (`[optimizer]`: its kind, its state's type, the weights' type).
@@ -61,13 +61,6 @@ impl<M, D> ConfigHooks for Config<M, D> {
         if section.zero_stage != 0 {
             return Err(not_yet("optimizer_config.zero_stage", "ZeRO", "set it 0"));
         }
-        if self.offload.optimizer {
-            return Err(not_yet(
-                "offload.optimizer",
-                "optimizer offload",
-                "set it false",
-            ));
-        }
         let groups = section
             .groups()
             .map_err(|error| error.within("optimizer_config"))?;
@@ -76,6 +69,7 @@ impl<M, D> ConfigHooks for Config<M, D> {
             .with_detect_anomalous_params(section.detect_anomalous_params)
             .with_groups(groups)
             .with_step_in_backward(section.step_in_backward)
+            .with_optimizer_offload(self.offload.optimizer)
             .with_frozen_dtype(self.optimizer.frozen_dtype);
         let fp16 = match (&self.fp16, section.kind.is_fp16()) {
             (Some(fp16), _) => Some(fp16.clone()),

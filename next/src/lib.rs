@@ -41,6 +41,7 @@ pub mod grads;
 pub mod hooks;
 pub mod memory;
 pub mod nn;
+pub mod offload;
 pub mod optim8;
 /// Data parallelism on Burn 0.22: so far which samples each peer reads ([`parallel::Shard`],
 /// PyTorch's `DistributedSampler`), which the data sets take; the peers and the collective come

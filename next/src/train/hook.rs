@@ -73,6 +73,13 @@ pub trait Hook<M: TrainModel> {
         Ok(())
     }
 
+    /// The model a snapshot holds in place of [`TrainState::model`], where this hook keeps the
+    /// trained weights elsewhere during the run (the optimizer hook's masters on the host under
+    /// optimizer offload and mixed precision). `None`: the state's model.
+    fn snapshot_model(&self, _state: &TrainState<M>) -> Option<M> {
+        None
+    }
+
     /// Before a snapshot's header is written: what the hook records there beside its state
     /// (MMEngine's `before_save_checkpoint`; the optimizer hook writes the precision).
     fn before_save(&self, _meta: &mut SnapshotMeta) {}

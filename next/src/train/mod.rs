@@ -13,9 +13,8 @@
 //! runner.run()?;
 //! ```
 //!
-//! Not yet on Burn 0.22 (the port's later slices): optimizer offload,
-//! data-parallel peers and ZeRO, the memory check before the run
-//! and the reading of a device's out-of-memory panic.
+//! Not yet on Burn 0.22 (the port's later slices): data-parallel peers and ZeRO, activation
+//! offload, the memory check before the run and the reading of a device's out-of-memory panic.
 
 mod hook;
 mod optimizer;

@@ -271,8 +271,12 @@ impl<M: TrainModel, D: DataSource<M::Batch>> Runner<M, D> {
     /// whole or not at all.
     pub fn save_snapshot(&mut self, path: &Path) -> Result<()> {
         let completed = (self.state.iter + 1).min(self.state.max_iters);
+        let held = self
+            .hooks
+            .iter()
+            .find_map(|hook| hook.snapshot_model(&self.state));
         let mut snapshot = Snapshot::new(completed, completed / self.state.iters_per_epoch)
-            .with_model(&self.state.model)?
+            .with_model(held.as_ref().unwrap_or(&self.state.model))?
             .with_optimizer(&self.state.optimizer)?;
         for hook in self.hooks.iter() {
             if let Some(value) = hook.state_dict() {

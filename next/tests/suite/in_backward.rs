@@ -28,18 +28,18 @@ use memsave_next::weights16::{WeightRounding, Weights16};
 
 #[model]
 #[derive(Module, Debug)]
-struct Net {
+pub(crate) struct Net {
     #[with_cp]
-    blocks: Vec<Block>,
+    pub(crate) blocks: Vec<Block>,
     #[fp16(fp32)]
-    norm: BatchNorm,
-    head: Linear,
+    pub(crate) norm: BatchNorm,
+    pub(crate) head: Linear,
     /// Never used in the loss: it gets no gradient and never steps.
-    spare: Linear,
+    pub(crate) spare: Linear,
 }
 
 impl Net {
-    fn new(device: &Device, count: usize) -> Self {
+    pub(crate) fn new(device: &Device, count: usize) -> Self {
         initialized(Net {
             blocks: blocks(device, count),
             norm: BatchNormConfig::new(NARROW).init(device).into(),
@@ -68,10 +68,10 @@ impl TrainModel for Net {
 /// `count` batches of `rows` rows an epoch, each drawn from a seed of its own; batches listed
 /// in `loud` 1e6 times larger (past f16's range: their f16 gradients overflow).
 #[derive(Clone)]
-struct Data {
-    rows: usize,
-    count: usize,
-    loud: Vec<usize>,
+pub(crate) struct Data {
+    pub(crate) rows: usize,
+    pub(crate) count: usize,
+    pub(crate) loud: Vec<usize>,
 }
 
 impl DataSource<Tensor<2>> for Data {
@@ -119,32 +119,40 @@ impl Hook<Net> for Probe {
 
 /// What a run ends with: the weights, the running statistics (of `valid()`), every iteration's
 /// log and peak, the warnings.
-struct Ran {
-    weights: Vec<Vec<u32>>,
-    running: Vec<Vec<u32>>,
-    logs: Vec<IterLog>,
-    peaks: Vec<u64>,
-    warnings: Vec<String>,
+pub(crate) struct Ran {
+    pub(crate) weights: Vec<Vec<u32>>,
+    pub(crate) running: Vec<Vec<u32>>,
+    pub(crate) logs: Vec<IterLog>,
+    pub(crate) peaks: Vec<u64>,
+    pub(crate) warnings: Vec<String>,
 }
 
-struct Setup {
-    device: Device,
-    count: usize,
-    checkpointed: bool,
-    data: Data,
-    iters: usize,
-    optimizer: fn() -> ModuleOptimizer,
-    hook: fn() -> OptimizerHook,
+pub(crate) struct Setup {
+    pub(crate) device: Device,
+    pub(crate) count: usize,
+    pub(crate) checkpointed: bool,
+    pub(crate) data: Data,
+    pub(crate) iters: usize,
+    pub(crate) optimizer: fn() -> ModuleOptimizer,
+    pub(crate) hook: fn() -> OptimizerHook,
 }
 
 fn run(setup: &Setup, in_backward: bool) -> Ran {
+    let hook = (setup.hook)().with_step_in_backward(in_backward);
+    assert_eq!(hook.step_in_backward(), in_backward);
+    run_hooked(setup, hook, None)
+}
+
+/// A run of `setup` with `hook` (anomalous parameters reported) and another hook of the test's.
+pub(crate) fn run_hooked(
+    setup: &Setup,
+    hook: OptimizerHook,
+    extra: Option<Box<dyn Hook<Net>>>,
+) -> Ran {
     setup.device.seed(7);
     let net = Net::new(&setup.device, setup.count);
     let net = set_with_cp(net, setup.checkpointed);
-    let hook = (setup.hook)()
-        .with_step_in_backward(in_backward)
-        .with_detect_anomalous_params(true);
-    assert_eq!(hook.step_in_backward(), in_backward);
+    let hook = hook.with_detect_anomalous_params(true);
     let dir = std::env::temp_dir().join(format!("memsave-next-in-backward-{}", std::process::id()));
     let mut runner = Runner::new(
         net,
@@ -159,6 +167,9 @@ fn run(setup: &Setup, in_backward: bool) -> Ran {
     runner.set_lr(0.01).unwrap();
     let probe = Probe::default();
     runner.register_hook(Box::new(probe.clone()));
+    if let Some(extra) = extra {
+        runner.register_hook(extra);
+    }
     runner.run().unwrap();
     let warnings = runner.state().warnings().to_vec();
     let net = runner.into_model();
@@ -177,6 +188,13 @@ fn run(setup: &Setup, in_backward: bool) -> Ran {
 fn same_run(name: &str, setup: Setup) -> (Ran, Ran) {
     let after = run(&setup, false);
     let during = run(&setup, true);
+    assert_same_runs(name, &after, &during);
+    (after, during)
+}
+
+/// Two runs trained the same weights and running statistics, with the same loss scales,
+/// overflows, norms and warnings.
+pub(crate) fn assert_same_runs(name: &str, after: &Ran, during: &Ran) {
     assert!(
         after.weights == during.weights,
         "{name}: the step in backward trained other weights"
@@ -209,16 +227,15 @@ fn same_run(name: &str, setup: Setup) -> (Ran, Ran) {
     }
     assert_eq!(after.logs.len(), during.logs.len());
     assert_eq!(after.warnings, during.warnings, "{name}: the warnings");
-    (after, during)
 }
 
-fn momentum() -> ModuleOptimizer {
+pub(crate) fn momentum() -> ModuleOptimizer {
     SgdConfig::new()
         .with_momentum(Some(MomentumConfig::new().with_momentum(0.9)))
         .init()
 }
 
-fn adamw() -> ModuleOptimizer {
+pub(crate) fn adamw() -> ModuleOptimizer {
     AdamWConfig::new().init()
 }
 

@@ -29,6 +29,7 @@ mod in_backward;
 mod learner_dynamic;
 mod model;
 mod nn;
+mod offload;
 mod optim8;
 mod run;
 mod runner;

@@ -41,6 +41,9 @@ pub(super) enum Phase {
     Norm,
     /// Step its parameter with it, free it.
     Step,
+    /// Add it to the group's sum (on the host, under optimizer offload), free it: a
+    /// micro-batch that does not end its group.
+    Accumulate,
 }
 
 /// The settings of one pass.
@@ -56,6 +59,9 @@ pub(super) struct PassSettings {
     /// The dtype a gradient is cast to where it starts a sum (fp32 under 16-bit weights).
     pub(super) sum_dtype: Option<DType>,
     pub(super) lr: f64,
+    /// Under optimizer offload, the run's device: each gradient goes to the host as it is
+    /// final, is summed, unscaled, clipped and stepped there, and the new weight comes up here.
+    pub(super) offload: Option<Device>,
 }
 
 /// The sink of a pass: what its taps share.
@@ -73,9 +79,13 @@ struct Inner<M> {
     sums: GradientsParams,
     /// Each master's dtype, by parameter.
     dtypes: HashMap<ParamId, DType>,
-    /// The weights a step pass steps (the masters), and the optimizer.
+    /// The weights a step pass steps (the masters, on the host under optimizer offload), and
+    /// the optimizer.
     model: Option<M>,
     optimizer: Option<ModuleOptimizer>,
+    /// Under optimizer offload with the masters on the host: the device's weights, each
+    /// replaced by its master's new value as it steps.
+    device_model: Option<M>,
 }
 
 impl<M: Module + 'static> Sink for Table<M> {
@@ -84,10 +94,14 @@ impl<M: Module + 'static> Sink for Table<M> {
         let inner = &mut *inner;
         inner.reached.insert(id);
         let settings = &inner.settings;
+        let grad = match settings.offload {
+            Some(_) => crate::offload::down(grad),
+            None => grad,
+        };
         // As `grads::accumulate` adds it to the group's sum, in the sum's dtype or its master's.
         let earlier = match settings.phase {
             Phase::Norm => inner.sums.get::<D>(id),
-            Phase::Step => inner.sums.remove::<D>(id),
+            Phase::Step | Phase::Accumulate => inner.sums.remove::<D>(id),
         };
         let grad = match earlier {
             Some(sum) => {
@@ -102,6 +116,10 @@ impl<M: Module + 'static> Sink for Table<M> {
                 grad.cast(dtype)
             }
         };
+        if settings.phase == Phase::Accumulate {
+            inner.sums.register::<D>(id, grad);
+            return;
+        }
         let grad = match settings.unscale {
             Some(factor) => grad.mul_scalar(factor),
             None => grad,
@@ -122,7 +140,21 @@ impl<M: Module + 'static> Sink for Table<M> {
         let (Some(model), Some(optimizer)) = (inner.model.take(), inner.optimizer.as_mut()) else {
             return;
         };
-        inner.model = Some(optimizer.step(settings.lr, model, one));
+        let Some(device) = &settings.offload else {
+            inner.model = Some(optimizer.step(settings.lr, model, one));
+            return;
+        };
+        let stepped = crate::offload::on_host(1, || optimizer.step(settings.lr, model, one));
+        // The new weight up to the device, the old one dropped there.
+        let mut value = crate::offload::values_of(&stepped, Some(&[id]));
+        match inner.device_model.take() {
+            Some(on_device) => {
+                inner.device_model = Some(crate::offload::put_up(on_device, &mut value, device));
+                inner.model = Some(stepped);
+            }
+            // 16-bit weights: no master on the host; the stepped weight goes back in place.
+            None => inner.model = Some(crate::offload::put_up(stepped, &mut value, device)),
+        }
     }
 }
 
@@ -173,6 +205,7 @@ impl InBackward {
                 dtypes: HashMap::new(),
                 model: None,
                 optimizer: None,
+                device_model: None,
             }),
         });
         let mut tapper = Tapper::new(chain, TAP_GAP, table.clone());
@@ -235,13 +268,42 @@ impl InBackward {
         (PassEnd { norm, reached }, sums)
     }
 
+    /// An accumulating pass (optimizer offload): `backward()` runs the backward, each gradient
+    /// added to the group's sum in `sums` (on the host) as it is final; `masters` gives each
+    /// sum's dtype. The sums are handed back.
+    pub(super) fn accumulate_pass<M: TrainModel>(
+        &mut self,
+        masters: &M,
+        sums: GradientsParams,
+        backward: impl FnOnce(),
+    ) -> GradientsParams {
+        let pass = self.take_pass::<M>();
+        {
+            let mut inner = lock(&pass.table.inner);
+            inner.sums = sums;
+            inner.dtypes = dtypes(masters);
+        }
+        backward();
+        let sums = {
+            let mut inner = lock(&pass.table.inner);
+            inner.reached.clear();
+            std::mem::take(&mut inner.sums)
+        };
+        self.pass = Some(Box::new(pass));
+        sums
+    }
+
     /// A step pass: the masters and the optimizer go into the pass (the masters' tapped weights
     /// replaced in `masters` by one-element placeholders, so that each old weight is freed as
     /// its parameter steps), `backward()` runs the backward, each parameter steps as its tap
-    /// runs, and the stepped masters and the optimizer come back.
+    /// runs, and the stepped masters and the optimizer come back. Under optimizer offload,
+    /// `host` holds the masters where they are on the host (`masters` is then the device's
+    /// model, each weight put up as its master steps); without `host`, `masters` are stepped
+    /// where they are (16-bit weights: on the host, each put back on the device).
     pub(super) fn step_pass<M: TrainModel>(
         &mut self,
         masters: &mut M,
+        mut host: Option<&mut M>,
         optimizer: &mut ModuleOptimizer,
         sums: GradientsParams,
         backward: impl FnOnce(),
@@ -250,16 +312,35 @@ impl InBackward {
         {
             let mut inner = lock(&pass.table.inner);
             inner.sums = sums;
-            inner.dtypes = dtypes(masters);
             let plain = masters.clone().map(&mut Untap { ids: &pass.ids });
-            inner.model = Some(plain);
+            match host.as_deref() {
+                Some(host) => {
+                    inner.dtypes = dtypes(host);
+                    inner.model = Some(host.clone());
+                    inner.device_model = Some(plain);
+                }
+                None => {
+                    inner.dtypes = dtypes(masters);
+                    inner.model = Some(plain);
+                }
+            }
             *masters = masters.clone().map(&mut Placeholders { ids: &pass.ids });
             inner.optimizer = Some(std::mem::replace(optimizer, SgdConfig::new().init()));
         }
         backward();
         let mut guard = lock(&pass.table.inner);
         let inner = &mut *guard;
-        *masters = inner.model.take().expect("the masters are back");
+        let stepped = inner.model.take().expect("the masters are back");
+        match host.as_deref_mut() {
+            Some(host) => {
+                *host = stepped;
+                *masters = inner
+                    .device_model
+                    .take()
+                    .expect("the device's model is back");
+            }
+            None => *masters = stepped,
+        }
         *optimizer = inner.optimizer.take().expect("the optimizer is back");
         // The group's sums of parameters this micro-batch gave no gradient: stepped as the
         // ordinary step steps them.
@@ -274,7 +355,29 @@ impl InBackward {
             grads::scale(masters, &mut left, factor);
         }
         if left.len() > 0 {
-            *masters = optimizer.step(inner.settings.lr, masters.clone(), left);
+            let ids: Vec<ParamId> = crate::train::params::ids_with_grad(masters, &left)
+                .into_iter()
+                .collect();
+            let lr = inner.settings.lr;
+            match (host.as_deref_mut(), &inner.settings.offload) {
+                (Some(host), Some(device)) => {
+                    let steps = ids.len() as u64;
+                    *host =
+                        crate::offload::on_host(steps, || optimizer.step(lr, host.clone(), left));
+                    let mut values = crate::offload::values_of(host, Some(&ids));
+                    *masters = crate::offload::put_up(masters.clone(), &mut values, device);
+                }
+                (_, None) => *masters = optimizer.step(lr, masters.clone(), left),
+                // 16-bit weights: stepped on the host, each put back on the device.
+                (None, Some(device)) => {
+                    let steps = ids.len() as u64;
+                    *masters = crate::offload::on_host(steps, || {
+                        optimizer.step(lr, masters.clone(), left)
+                    });
+                    let mut values = crate::offload::values_of(masters, Some(&ids));
+                    *masters = crate::offload::put_up(masters.clone(), &mut values, device);
+                }
+            }
         }
         let norm = if inner.settings.log_norm {
             norm_of(masters, &mut inner.parts, inner.settings.norm_type)

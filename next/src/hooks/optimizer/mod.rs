@@ -12,12 +12,13 @@
 //! in fp32), its gradients added to the group's sums; at a group's end: unscale, overflow check
 //! (half precision), clip, step or skip, update the scaler (the engine burn-train's adapter
 //! steps with too). The step runs after backward, or in it ([`OptimizerHook::with_step_in_backward`],
-//! [`in_backward`]), on one device; optimizer offload and data-parallel reduction come with later
-//! slices of the port.
+//! [`in_backward`]), on the device or on the host ([`OptimizerHook::with_optimizer_offload`],
+//! [`offload`]); data-parallel reduction comes with a later slice of the port.
 
 mod frozen;
 mod in_backward;
 mod mmcv;
+mod offload;
 mod tapped;
 
 pub use mmcv::{
@@ -86,6 +87,8 @@ pub struct OptimizerHook {
     in_backward: Option<tapped::StepInBackward>,
     /// The type frozen weights are held in, where they are compressed.
     frozen: Option<crate::frozen::FrozenDtype>,
+    /// Optimizer offload, where it is on.
+    offload: Option<offload::OptimizerOffload>,
 }
 
 impl Default for OptimizerHook {
@@ -108,6 +111,7 @@ impl OptimizerHook {
             saved_state: None,
             in_backward: None,
             frozen: None,
+            offload: None,
         }
     }
 
@@ -216,6 +220,10 @@ impl OptimizerHook {
     /// The half copy the forward runs on, made afresh from the fp32 weights (the old copy goes
     /// before the new one is made).
     fn refresh_forward<M: TrainModel>(&self, state: &mut TrainState<M>) {
+        if self.offloaded() {
+            // The half copy is the model, stepped in place.
+            return;
+        }
         let Some(mixed) = self.mixed.as_ref().filter(|mixed| !mixed.on_weights) else {
             return;
         };
@@ -332,9 +340,15 @@ impl<M: TrainModel> Hook<M> for OptimizerHook {
     }
 
     fn before_run(&mut self, state: &mut TrainState<M>) -> Result<()> {
+        if self.offload.is_some() {
+            // Offload steps in backward (set with it; here too where the step in backward was
+            // switched off after it).
+            self.in_backward.get_or_insert_with(Default::default);
+        }
         self.check_step_in_backward(state)?;
         self.prepare(state)?;
         self.compress_frozen(state)?;
+        self.offload_before_run(state)?;
         // A scaler saved by a resumed run whose 16-bit weights implied it.
         if let Some(saved) = self.saved_state.take().filter(|_| self.mixed.is_some()) {
             if let Err(error) = Hook::<M>::load_state_dict(self, saved) {
@@ -382,7 +396,7 @@ impl<M: TrainModel> Hook<M> for OptimizerHook {
     }
 
     fn after_iter(&mut self, state: &mut TrainState<M>) -> Result<()> {
-        if self.step_pass(state) {
+        if self.accumulate_pass(state) || self.step_pass(state) {
             return Ok(());
         }
         let Some(sums) = self.backward(state) else {
@@ -395,6 +409,15 @@ impl<M: TrainModel> Hook<M> for OptimizerHook {
         self.summed = Some(sums);
         state.log.loss_scale = self.mixed.as_ref().and_then(Mixed::logged_scale);
         Ok(())
+    }
+
+    fn after_run(&mut self, state: &mut TrainState<M>) -> Result<()> {
+        self.offload_after_run(state);
+        Ok(())
+    }
+
+    fn snapshot_model(&self, _state: &TrainState<M>) -> Option<M> {
+        self.offloaded_fp32_model::<M>()
     }
 
     fn before_save(&self, meta: &mut SnapshotMeta) {

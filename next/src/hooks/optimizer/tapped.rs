@@ -82,9 +82,13 @@ impl OptimizerHook {
         }
     }
 
-    /// Before a forward that ends a group: the forward model tapped for its pass.
+    /// Before a forward that ends a group: the forward model tapped for its pass (under
+    /// optimizer offload, before every forward: a micro-batch that does not end its group adds
+    /// its gradients to the sums on the host).
     pub(super) fn tap_forward<M: TrainModel>(&mut self, state: &mut TrainState<M>) {
-        if self.in_backward.is_none() || !self.ends_group(state) {
+        let offload = self.offloaded().then(|| state.device.clone());
+        let ends_group = self.ends_group(state);
+        if self.in_backward.is_none() || (!ends_group && offload.is_none()) {
             return;
         }
         let norm_pass = state.forward_passes == 2 && state.pass == 0;
@@ -94,8 +98,13 @@ impl OptimizerHook {
             (Some(clip), Some(norm)) if !norm_pass => crate::grads::clip_coefficient(clip, norm),
             _ => None,
         };
+        let phase = match (ends_group, norm_pass) {
+            (false, _) => Phase::Accumulate,
+            (true, true) => Phase::Norm,
+            (true, false) => Phase::Step,
+        };
         let settings = PassSettings {
-            phase: if norm_pass { Phase::Norm } else { Phase::Step },
+            phase,
             norm_type,
             log_norm: state.forward_passes < 2,
             unscale: self
@@ -105,6 +114,7 @@ impl OptimizerHook {
             coefficient,
             sum_dtype: self.weights16.map(|_| DType::F32),
             lr: state.lr,
+            offload,
         };
         let device = state.device.clone();
         match state.forward_model.take() {
@@ -113,6 +123,33 @@ impl OptimizerHook {
             }
             None => state.model = ib.passes.tap(state.model.clone(), &device, settings),
         }
+    }
+
+    /// After the forward of a micro-batch that does not end its group, under optimizer
+    /// offload: its backward adds each gradient to the group's sum on the host. Returns whether
+    /// the iteration was one.
+    pub(super) fn accumulate_pass<M: TrainModel>(&mut self, state: &mut TrainState<M>) -> bool {
+        if !self.offloaded() || self.ends_group(state) {
+            return false;
+        }
+        let Some(loss) = self.scaled_loss(state) else {
+            self.untap(state);
+            return true;
+        };
+        let sums = self.summed.take().unwrap_or_default();
+        let masters = Self::host_masters::<M>(&self.offload).unwrap_or(&state.model);
+        let ib = self
+            .in_backward
+            .as_mut()
+            .expect("optimizer offload steps in backward");
+        let sums = ib.passes.accumulate_pass(masters, sums, || {
+            in_phase(phase::BACKWARD, || drop(crate::checkpoint::backward(loss)))
+        });
+        self.untap(state);
+        self.summed = Some(sums);
+        self.pending += 1;
+        state.log.loss_scale = self.mixed.as_ref().and_then(Mixed::logged_scale);
+        true
     }
 
     /// The model the forward ran on made plain again.
@@ -137,7 +174,8 @@ impl OptimizerHook {
             .in_backward
             .as_mut()
             .expect("two passes are the step in backward's");
-        let (end, sums) = ib.passes.norm_pass(&state.model, sums, || {
+        let masters = Self::host_masters::<M>(&self.offload).unwrap_or(&state.model);
+        let (end, sums) = ib.passes.norm_pass(masters, sums, || {
             in_phase(phase::BACKWARD, || drop(crate::checkpoint::backward(loss)))
         });
         ib.first_norm = end.norm;
@@ -190,9 +228,10 @@ impl OptimizerHook {
         let sums = self.summed.take().unwrap_or_default();
         let earlier = crate::train::params::ids_with_grad(&state.model, &sums);
         let ib = self.in_backward.as_mut().expect("checked above");
+        let host = Self::host_masters_mut::<M>(&mut self.offload);
         let (model, optimizer) = (&mut state.model, &mut state.optimizer);
         let end = scope(phase::STEP, || {
-            ib.passes.step_pass(model, optimizer, sums, || {
+            ib.passes.step_pass(model, host, optimizer, sums, || {
                 in_phase(phase::BACKWARD, || drop(crate::checkpoint::backward(loss)))
             })
         });
