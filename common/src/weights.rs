@@ -179,3 +179,49 @@ impl std::fmt::Display for FrozenDtype {
         })
     }
 }
+
+/// One step's count of the updates that left their weight where it was: `moved` values had a
+/// non-zero fp32 update, `unchanged` of them kept their 16-bit value (rounding to nearest:
+/// lost; stochastic: not drawn this time; Kahan: kept in the compensation).
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct StepRounding {
+    /// Values whose fp32 update was not zero.
+    pub moved: f64,
+    /// Of those, the values whose stored weight did not change.
+    pub unchanged: f64,
+}
+
+impl StepRounding {
+    /// `unchanged / moved` (0 without an update).
+    pub fn fraction(&self) -> f64 {
+        if self.moved > 0.0 {
+            self.unchanged / self.moved
+        } else {
+            0.0
+        }
+    }
+
+    /// The warning a run's first step of weights kept in `dtype` with `rounding` gives: f16
+    /// weights that leave more than 1% of the updates where they were.
+    pub fn first_step_warning(
+        &self,
+        dtype: WeightDtype,
+        rounding: WeightRounding,
+    ) -> Option<String> {
+        if dtype != WeightDtype::F16 || self.fraction() <= 0.01 {
+            return None;
+        }
+        let what = match rounding {
+            WeightRounding::Nearest => "were lost",
+            WeightRounding::Stochastic => {
+                "left their weight unchanged (kept only on average, by the random rounding)"
+            }
+            WeightRounding::Kahan => "left their weight unchanged (kept in the Kahan compensation)",
+        };
+        Some(format!(
+            "`optimizer.weight_dtype = \"f16\"`: {:.1}% of the first step's updates {what}, being \
+             smaller than half f16's spacing at their weight; \"bf16\" keeps fp32's range",
+            100.0 * self.fraction()
+        ))
+    }
+}

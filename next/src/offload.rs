@@ -124,16 +124,49 @@ pub(crate) fn down<const D: usize>(grad: Tensor<D>) -> Tensor<D> {
     grad.inner().to_device(&host())
 }
 
-/// `work` on the host, its time counted; `steps` parameters stepped in it.
-pub(crate) fn on_host<T>(steps: u64, work: impl FnOnce() -> T) -> T {
-    let started = Instant::now();
-    let out = work();
-    let counts = counts();
-    counts
-        .host_nanos
-        .fetch_add(started.elapsed().as_nanos() as u64, Ordering::Relaxed);
-    counts.host_steps.fetch_add(steps, Ordering::Relaxed);
-    out
+/// A stretch of the host's arithmetic, timed into [`OptimizerOffloadStats::host_seconds`]
+/// where it runs (optimizer offload on).
+pub(crate) struct HostTimer(Option<Instant>);
+
+impl HostTimer {
+    /// Starts timing where `on`.
+    pub(crate) fn start(on: bool) -> Self {
+        HostTimer(on.then(Instant::now))
+    }
+
+    /// Adds the time since the start.
+    pub(crate) fn stop(self) {
+        if let Some(started) = self.0 {
+            counts()
+                .host_nanos
+                .fetch_add(started.elapsed().as_nanos() as u64, Ordering::Relaxed);
+        }
+    }
+}
+
+/// Counts `steps` parameters stepped on the host.
+pub(crate) fn count_steps(steps: u64) {
+    counts().host_steps.fetch_add(steps, Ordering::Relaxed);
+}
+
+/// `module` with parameter `id` copied to the host (its autodiff context kept: Burn's module
+/// optimizer steps it there and gives it back in that context), counted: a 16-bit weight going
+/// down for its step.
+pub(crate) fn down_param<M: Module>(module: M, id: ParamId) -> M {
+    struct Down(ParamId);
+    impl ModuleMapper for Down {
+        fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
+            let (id, tensor, mapper) = param.consume();
+            if id != self.0 {
+                return Param::from_mapped_value(id, tensor, mapper);
+            }
+            counts()
+                .bytes_down
+                .fetch_add(bytes_of(&tensor), Ordering::Relaxed);
+            Param::from_mapped_value(id, tensor.to_device(&host()), mapper)
+        }
+    }
+    module.map(&mut Down(id))
 }
 
 /// `module`'s trainable float parameters copied to the host, ids kept (on autodiff, where
@@ -179,13 +212,15 @@ pub(crate) fn values_of<M: Module>(
     values.found
 }
 
-/// `module` with each parameter in `values` (host tensors, by id) copied up to `device` in
-/// place of its value: in the value's dtype there, with its autodiff context (strategy,
-/// `require_grad`) kept. The old value is dropped as it is replaced.
+/// `module` with each parameter in `values` (host tensors, by id) copied to `device` in place
+/// of its value: in the old value's dtype, with its autodiff context (strategy,
+/// `require_grad`) kept. The old value is dropped as it is replaced. `uploads`: the copies are
+/// stepped weights going up, counted in [`OptimizerOffloadStats::bytes_up`].
 pub(crate) fn put_up<M: Module>(
     module: M,
     values: &mut HashMap<ParamId, DispatchTensor>,
     device: &Device,
+    uploads: bool,
 ) -> M {
     struct PutUp<'a> {
         values: &'a mut HashMap<ParamId, DispatchTensor>,
@@ -224,7 +259,9 @@ pub(crate) fn put_up<M: Module>(
         up: 0,
     };
     let module = module.map(&mut put);
-    counts().bytes_up.fetch_add(put.up, Ordering::Relaxed);
+    if uploads {
+        counts().bytes_up.fetch_add(put.up, Ordering::Relaxed);
+    }
     module
 }
 

@@ -42,14 +42,14 @@
 //! ```
 
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use burn::optim::{join_path, LearningRate, ModuleOptimizer, Optimizer, RecordState};
 use burn::optim::{StateSink, StateSource};
-use burn::tensor::{Bool, DType, Device, Tensor, TensorData};
+use burn::tensor::{Bool, DType, Device, Int, Tensor, TensorData};
 use memsave_common::draws::{splitmix64, uniforms};
 
-pub use memsave_common::weights::WeightRounding;
+pub use memsave_common::weights::{StepRounding, WeightRounding};
 
 /// `inner`'s rule on 16-bit weights (see the [module docs](self)).
 #[derive(Clone, Debug)]
@@ -138,6 +138,8 @@ impl<O: Optimizer> Optimizer for Weights16<O> {
         let (new, inner) = self
             .inner
             .step(lr, old.clone(), grad.cast(DType::F32), inner);
+        // The values the rule moved (its counts: `take_step_rounding`).
+        let moved = new.clone().not_equal(old.clone());
         let (stored, carry) = match self.rounding {
             WeightRounding::Nearest => (nearest(new, dtype), None),
             WeightRounding::Stochastic => {
@@ -149,10 +151,11 @@ impl<O: Optimizer> Optimizer for Weights16<O> {
                     Some(carry) => carry.cast(DType::F32),
                     None => old.zeros_like(),
                 };
-                let (stored, carry) = kahan(old, new, carry, dtype);
+                let (stored, carry) = kahan(old.clone(), new, carry, dtype);
                 (stored, Some(carry.cast(dtype)))
             }
         };
+        count_rounding(moved, old, &stored, self.rounding);
         let state = Weights16State {
             inner,
             steps: steps + 1,
@@ -208,6 +211,92 @@ impl<S: RecordState, const D: usize> RecordState for Weights16State<S, D> {
             carry,
         })
     }
+}
+
+/// The counts of the steps since the last [`take_step_rounding`] in a run: values whose fp32
+/// update was not zero, and those of them whose stored weight did not change (on the device
+/// until read).
+#[derive(Default)]
+struct RoundingCounts(Mutex<Option<Counted>>);
+
+/// The counts so far and the rounding that made them.
+struct Counted {
+    moved: Tensor<1, Int>,
+    unchanged: Tensor<1, Int>,
+    rounding: WeightRounding,
+}
+
+/// Counts one parameter's step: `moved` where the wrapped rule changed its fp32 value, `old` its
+/// value before (fp32), `stored` what its 16-bit weight became (fp32).
+fn count_rounding<const D: usize>(
+    moved: Tensor<D, Bool>,
+    old: Tensor<D>,
+    stored: &Tensor<D>,
+    rounding: WeightRounding,
+) {
+    let kept = stored.clone().cast(DType::F32).equal(old);
+    let unchanged = moved.clone().bool_and(kept).int().sum();
+    let moved = moved.int().sum();
+    let part = crate::run::current().part::<RoundingCounts>();
+    let mut counts = part
+        .0
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner());
+    *counts = Some(match counts.take() {
+        Some(counted) => {
+            let device = counted.moved.device();
+            Counted {
+                moved: counted.moved + moved.to_device(&device),
+                unchanged: counted.unchanged + unchanged.to_device(&device),
+                rounding,
+            }
+        }
+        None => Counted {
+            moved,
+            unchanged,
+            rounding,
+        },
+    });
+}
+
+/// How the updates of the 16-bit weights stepped by [`Weights16`] in the current run since the
+/// last call were rounded: how many moved their value in fp32, and how many of those left the
+/// stored 16-bit weight where it was (rounding to nearest: lost; stochastic: not drawn this
+/// time; Kahan: kept in the compensation), and with which rounding. `None` where none was
+/// stepped. The optimizer hook and burn-train's adapter read it after each step (the log's
+/// `weights_unchanged`).
+pub fn take_step_rounding() -> Option<(StepRounding, WeightRounding)> {
+    let part = crate::run::current().part::<RoundingCounts>();
+    let taken = part
+        .0
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
+        .take();
+    let counted = taken?;
+    let read = |count: Tensor<1, Int>| count.into_scalar::<i64>() as f64;
+    let figures = StepRounding {
+        moved: read(counted.moved),
+        unchanged: read(counted.unchanged),
+    };
+    Some((figures, counted.rounding))
+}
+
+/// After a step of 16-bit weights kept in `precision`: [`take_step_rounding`]'s share of
+/// unchanged weights, and, at the run's `first` step, the warning f16 weights that lose updates
+/// give.
+pub(crate) fn step_figures(
+    precision: crate::fp16::Precision,
+    first: bool,
+) -> Option<(f64, Option<String>)> {
+    let (figures, rounding) = take_step_rounding()?;
+    let dtype = match precision {
+        crate::fp16::Precision::F16 => memsave_common::weights::WeightDtype::F16,
+        crate::fp16::Precision::Bf16 => memsave_common::weights::WeightDtype::Bf16,
+    };
+    let warning = figures
+        .first_step_warning(dtype, rounding)
+        .filter(|_| first);
+    Some((figures.fraction(), warning))
 }
 
 /// Values rounded at once: bounds the rounding's temporaries (the draws and about eight fp32

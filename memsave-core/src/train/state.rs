@@ -300,22 +300,11 @@ impl<B: AutodiffBackend, M: TrainModel<B>> TrainState<B, M> {
             return;
         };
         self.log.weights_unchanged = Some(figures.fraction());
-        if first && spec.dtype == super::weights::WeightDtype::F16 && figures.fraction() > 0.01 {
-            let what = match spec.rounding {
-                super::weights::WeightRounding::Nearest => "were lost",
-                super::weights::WeightRounding::Stochastic => {
-                    "left their weight unchanged (kept only on average, by the random rounding)"
-                }
-                super::weights::WeightRounding::Kahan => {
-                    "left their weight unchanged (kept in the Kahan compensation)"
-                }
-            };
-            self.warn(format!(
-                "`optimizer.weight_dtype = \"f16\"`: {:.1}% of the first step's updates {what}, \
-                 being smaller than half f16's spacing at their weight; \"bf16\" keeps fp32's \
-                 range",
-                100.0 * figures.fraction()
-            ));
+        if let Some(warning) = figures
+            .first_step_warning(spec.dtype, spec.rounding)
+            .filter(|_| first)
+        {
+            self.warn(warning);
         }
     }
 }

@@ -88,6 +88,10 @@ pub struct StepReport {
     pub micro_batch: usize,
     /// The size of its group: `cumulative_iters`, or the final partial group's own.
     pub group_size: usize,
+    /// With 16-bit weights, at a step: the share of the updates that left their weight
+    /// unchanged (rounding to nearest: lost; stochastic: not drawn this time; Kahan: kept in
+    /// the compensation).
+    pub weights_unchanged: Option<f64>,
 }
 
 /// The precision part: the scaler, and the half type of the forward copy.
@@ -125,6 +129,8 @@ pub(crate) struct Shared {
     pub(crate) history: metrics::History,
     /// Whether the first step's check of the `with_cp` switches ran.
     pub(crate) checked_segments: bool,
+    /// Whether a step of the 16-bit weights was counted (the first one warns).
+    pub(crate) rounding_counted: bool,
     pub(crate) unused_with_cp: UnusedWithCp,
     pub(crate) warnings: Vec<String>,
     /// The error that stopped the training, until [`Memsave::finish`] takes it.

@@ -363,6 +363,20 @@ where
             shared.last.grad_norm = end.grad_norm.filter(|_| end.stepped);
             shared.last.loss_scale = end.loss_scale;
             shared.last.skipped_steps = shared.skipped_steps;
+            let weights16 = shared
+                .mixed
+                .as_ref()
+                .filter(|mixed| mixed.weights16 && end.stepped)
+                .map(|mixed| mixed.precision);
+            if let Some(precision) = weights16 {
+                let first = !std::mem::replace(&mut shared.rounding_counted, true);
+                if let Some((share, warning)) = crate::weights16::step_figures(precision, first) {
+                    shared.last.weights_unchanged = Some(share);
+                    if let Some(warning) = warning {
+                        shared.warn(warning);
+                    }
+                }
+            }
             end.stepped && shared.mixed.is_some()
         };
         // The half copy is made again without the shared state held (it reads it).

@@ -47,6 +47,11 @@ pub trait Hook<M: TrainModel> {
         Ok(())
     }
 
+    /// Once, where the run ends with an error (a hook's, a step's): the hook puts back in
+    /// the state what it holds elsewhere during the run (the optimizer hook's fp32 weights
+    /// under optimizer offload), so that the model the runner gives back is whole.
+    fn after_failure(&mut self, _state: &mut TrainState<M>) {}
+
     /// At the end of each epoch.
     fn after_epoch(&mut self, _state: &mut TrainState<M>) -> Result<()> {
         Ok(())

@@ -132,7 +132,16 @@ impl<M: TrainModel, D: DataSource<M::Batch>> Runner<M, D> {
     pub fn run(&mut self) -> Result<()> {
         let context = self.context.clone();
         let _entered = context.enter()?;
-        self.run_here()
+        let outcome = self.run_here();
+        if outcome.is_err() {
+            self.hooks
+                .call(&mut self.state, |hook, state| {
+                    hook.after_failure(state);
+                    Ok(())
+                })
+                .expect("after_failure returns nothing to fail");
+        }
+        outcome
     }
 
     fn run_here(&mut self) -> Result<()> {

@@ -299,3 +299,132 @@ fn an_fp32_island_in_a_bf16_model_keeps_fp32_weights() {
         assert_ne!(param_bits(&model), before, "both moved");
     });
 }
+
+/// Each step counts the updates that left their 16-bit weight where it was: against the count
+/// read off the tensors themselves (the wrapped rule's fp32 result and the stored weight), for
+/// every rounding and both 16-bit types, on a weight whose updates are partly below half its
+/// spacing.
+#[test]
+fn a_step_counts_the_updates_that_left_their_weight_unchanged() {
+    use burn::optim::Optimizer;
+    use memsave_next::weights16::take_step_rounding;
+    watchdog(300, || {
+        let _ = take_step_rounding();
+        let device = Device::flex();
+        for dtype in [DType::BF16, DType::F16] {
+            for rounding in [
+                WeightRounding::Nearest,
+                WeightRounding::Stochastic,
+                WeightRounding::Kahan,
+            ] {
+                device.seed(11);
+                let weight =
+                    Tensor::<2>::random([48, 64], burn::tensor::Distribution::Default, &device)
+                        .sub_scalar(0.5)
+                        .cast(dtype);
+                let grad =
+                    Tensor::<2>::random([48, 64], burn::tensor::Distribution::Default, &device)
+                        .sub_scalar(0.5);
+                // AdamW's first step moves each value by about the rate: 2e-4 is below half the
+                // spacing of the larger weights (bf16 at 0.25: 2^-9) and above the smaller ones'.
+                let lr = 2e-4;
+                let wrapped = AdamWConfig::new().build();
+                let old = weight.clone().cast(DType::F32);
+                let (new, _) = wrapped.step(lr, old.clone(), grad.clone(), None);
+                let ours = Weights16::new(wrapped).with_rounding(rounding);
+                let (stored, _) = ours.step(lr, weight, grad.cast(dtype), None);
+                let stored = stored.cast(DType::F32);
+                let moved = new.not_equal(old.clone());
+                let unchanged = moved.clone().bool_and(stored.equal(old));
+                let count = |mask: Tensor<2, Bool>| mask.int().sum().into_scalar::<i64>() as f64;
+                let (moved, unchanged) = (count(moved), count(unchanged));
+                let (figures, kind) = take_step_rounding().expect("a step was counted");
+                assert_eq!(kind, rounding);
+                assert_eq!(figures.moved, moved, "{dtype:?}, {rounding}");
+                assert_eq!(figures.unchanged, unchanged, "{dtype:?}, {rounding}");
+                assert!(
+                    unchanged > 0.0 && unchanged < moved,
+                    "{dtype:?}, {rounding}: {unchanged} of {moved}"
+                );
+                println!(
+                    "{dtype:?}, {rounding}: {unchanged} of {moved} updates left their weight \
+                     unchanged ({:.3})",
+                    figures.fraction()
+                );
+                // Read once: the next step starts its own count.
+                assert!(take_step_rounding().is_none());
+            }
+        }
+    });
+}
+
+/// The runner logs each step's share of updates that left their 16-bit weight unchanged, the
+/// same whether the step runs after backward or in it, and f16 weights that lose more than 1%
+/// (SGD's small updates, rounded to nearest) warn once, at the first step; bf16 weights do not.
+#[test]
+fn the_runner_logs_the_updates_the_16_bit_weights_left_unchanged() {
+    use super::in_backward::{run_hooked, Data, Setup};
+    use memsave_next::hooks::OptimizerHook;
+    watchdog(300, || {
+        let setup = |precision| Setup {
+            device: device(),
+            count: 2,
+            checkpointed: false,
+            data: Data {
+                rows: 16,
+                count: 3,
+                loud: vec![],
+            },
+            iters: 3,
+            optimizer: match precision {
+                Precision::F16 => || {
+                    Weights16::new(burn::optim::SgdConfig::new().build())
+                        .with_rounding(WeightRounding::Nearest)
+                        .init()
+                },
+                Precision::Bf16 => || {
+                    // Kahan: deterministic, as nearest (stochastic rounding draws per
+                    // parameter in the order they first step, which backward reverses).
+                    Weights16::new(burn::optim::SgdConfig::new().build())
+                        .with_rounding(WeightRounding::Kahan)
+                        .init()
+                },
+            },
+            hook: OptimizerHook::new,
+        };
+        for precision in [Precision::F16, Precision::Bf16] {
+            let setup = setup(precision);
+            let mut shares = Vec::new();
+            for in_backward in [false, true] {
+                let hook = OptimizerHook::new()
+                    .with_weights16(precision)
+                    .with_step_in_backward(in_backward);
+                let ran = run_hooked(&setup, hook, None);
+                let share: Vec<Option<f64>> =
+                    ran.logs.iter().map(|log| log.weights_unchanged).collect();
+                println!("{precision}, in backward: {in_backward}: {share:?}");
+                // At each step (f16's implied scale from 2^16 overflows first and skips one).
+                assert!(ran.logs.iter().any(|log| log.stepped));
+                for log in &ran.logs {
+                    match log.weights_unchanged {
+                        Some(share) => assert!(log.stepped && share > 0.0 && share < 1.0),
+                        None => assert!(!log.stepped),
+                    }
+                }
+                let warned = ran
+                    .warnings
+                    .iter()
+                    .filter(|w| w.contains("of the first step's updates were lost"))
+                    .count();
+                assert_eq!(
+                    warned,
+                    usize::from(precision == Precision::F16),
+                    "{:?}",
+                    ran.warnings
+                );
+                shares.push(share);
+            }
+            assert_eq!(shares[0], shares[1], "{precision}: after and in backward");
+        }
+    });
+}

@@ -21,7 +21,7 @@ use burn::tensor::{DType, ElementConversion, Tensor, TensorData};
 
 use crate::train::snapshot::codec::CodecError;
 
-pub use memsave_common::weights::{WeightDtype, WeightRounding, WeightSpec};
+pub use memsave_common::weights::{StepRounding, WeightDtype, WeightRounding, WeightSpec};
 
 /// A [`WeightDtype`]'s Burn 0.21 dtype.
 pub trait WeightDtypeExt {
@@ -41,28 +41,6 @@ impl WeightDtypeExt for WeightDtype {
 
 /// Values rounded at once (1 MiB of fp32 per temporary).
 const SLICE: usize = 1 << 18;
-
-/// One step's count of the updates that left their weight where it was: `moved` values had a
-/// non-zero fp32 update, `unchanged` of them kept their 16-bit value (rounding to nearest:
-/// lost; stochastic: not drawn this time; Kahan: kept in the compensation).
-#[derive(Clone, Copy, Debug, Default, PartialEq)]
-pub struct StepRounding {
-    /// Values whose fp32 update was not zero.
-    pub moved: f64,
-    /// Of those, the values whose stored weight did not change.
-    pub unchanged: f64,
-}
-
-impl StepRounding {
-    /// `unchanged / moved` (0 without an update).
-    pub fn fraction(&self) -> f64 {
-        if self.moved > 0.0 {
-            self.unchanged / self.moved
-        } else {
-            0.0
-        }
-    }
-}
 
 /// The run's 16-bit weights: the rounding of each update, the Kahan compensations, the count
 /// of steps (the draws' stream), and this step's count of unchanged weights.

@@ -98,6 +98,8 @@ impl<M: Module + 'static> Sink for Table<M> {
             Some(_) => crate::offload::down(grad),
             None => grad,
         };
+        // The host's arithmetic from here, under optimizer offload (the copies excluded).
+        let timer = crate::offload::HostTimer::start(settings.offload.is_some());
         // As `grads::accumulate` adds it to the group's sum, in the sum's dtype or its master's.
         let earlier = match settings.phase {
             Phase::Norm => inner.sums.get::<D>(id),
@@ -118,6 +120,7 @@ impl<M: Module + 'static> Sink for Table<M> {
         };
         if settings.phase == Phase::Accumulate {
             inner.sums.register::<D>(id, grad);
+            timer.stop();
             return;
         }
         let grad = match settings.unscale {
@@ -129,6 +132,7 @@ impl<M: Module + 'static> Sink for Table<M> {
             inner.parts.insert(id, part);
         }
         if settings.phase == Phase::Norm {
+            timer.stop();
             return;
         }
         let grad = match settings.coefficient {
@@ -138,22 +142,33 @@ impl<M: Module + 'static> Sink for Table<M> {
         let mut one = GradientsParams::new();
         one.register::<D>(id, grad);
         let (Some(model), Some(optimizer)) = (inner.model.take(), inner.optimizer.as_mut()) else {
+            timer.stop();
             return;
         };
         let Some(device) = &settings.offload else {
             inner.model = Some(optimizer.step(settings.lr, model, one));
             return;
         };
-        let stepped = crate::offload::on_host(1, || optimizer.step(settings.lr, model, one));
+        timer.stop();
+        // 16-bit weights (the stepped model is the device's): the weight itself goes down.
+        let model = match inner.device_model {
+            Some(_) => model,
+            None => crate::offload::down_param(model, id),
+        };
+        let timer = crate::offload::HostTimer::start(true);
+        let stepped = optimizer.step(settings.lr, model, one);
+        timer.stop();
+        crate::offload::count_steps(1);
         // The new weight up to the device, the old one dropped there.
         let mut value = crate::offload::values_of(&stepped, Some(&[id]));
         match inner.device_model.take() {
             Some(on_device) => {
-                inner.device_model = Some(crate::offload::put_up(on_device, &mut value, device));
+                inner.device_model =
+                    Some(crate::offload::put_up(on_device, &mut value, device, true));
                 inner.model = Some(stepped);
             }
             // 16-bit weights: no master on the host; the stepped weight goes back in place.
-            None => inner.model = Some(crate::offload::put_up(stepped, &mut value, device)),
+            None => inner.model = Some(crate::offload::put_up(stepped, &mut value, device, true)),
         }
     }
 }
@@ -303,20 +318,22 @@ impl InBackward {
     pub(super) fn step_pass<M: TrainModel>(
         &mut self,
         masters: &mut M,
-        mut host: Option<&mut M>,
+        host: Option<&mut Option<M>>,
         optimizer: &mut ModuleOptimizer,
         sums: GradientsParams,
         backward: impl FnOnce(),
     ) -> PassEnd {
+        // The masters on the host move into the pass (no second copy of them while it runs).
+        let mut host = host.filter(|slot| slot.is_some());
         let pass = self.take_pass::<M>();
         {
             let mut inner = lock(&pass.table.inner);
             inner.sums = sums;
             let plain = masters.clone().map(&mut Untap { ids: &pass.ids });
-            match host.as_deref() {
-                Some(host) => {
-                    inner.dtypes = dtypes(host);
-                    inner.model = Some(host.clone());
+            match host.as_mut().and_then(|slot| slot.take()) {
+                Some(on_host) => {
+                    inner.dtypes = dtypes(&on_host);
+                    inner.model = Some(on_host);
                     inner.device_model = Some(plain);
                 }
                 None => {
@@ -331,9 +348,9 @@ impl InBackward {
         let mut guard = lock(&pass.table.inner);
         let inner = &mut *guard;
         let stepped = inner.model.take().expect("the masters are back");
-        match host.as_deref_mut() {
-            Some(host) => {
-                *host = stepped;
+        match host.as_mut() {
+            Some(slot) => {
+                **slot = Some(stepped);
                 *masters = inner
                     .device_model
                     .take()
@@ -354,28 +371,35 @@ impl InBackward {
         if let Some(factor) = inner.settings.coefficient {
             grads::scale(masters, &mut left, factor);
         }
-        if left.len() > 0 {
+        if !left.is_empty() {
             let ids: Vec<ParamId> = crate::train::params::ids_with_grad(masters, &left)
                 .into_iter()
                 .collect();
             let lr = inner.settings.lr;
-            match (host.as_deref_mut(), &inner.settings.offload) {
-                (Some(host), Some(device)) => {
-                    let steps = ids.len() as u64;
-                    *host =
-                        crate::offload::on_host(steps, || optimizer.step(lr, host.clone(), left));
-                    let mut values = crate::offload::values_of(host, Some(&ids));
-                    *masters = crate::offload::put_up(masters.clone(), &mut values, device);
+            match (host, &inner.settings.offload) {
+                (Some(slot), Some(device)) => {
+                    let on_host = slot.take().expect("the masters are on the host");
+                    let timer = crate::offload::HostTimer::start(true);
+                    let on_host = optimizer.step(lr, on_host, left);
+                    timer.stop();
+                    crate::offload::count_steps(ids.len() as u64);
+                    let mut values = crate::offload::values_of(&on_host, Some(&ids));
+                    *slot = Some(on_host);
+                    *masters = crate::offload::put_up(masters.clone(), &mut values, device, true);
                 }
                 (_, None) => *masters = optimizer.step(lr, masters.clone(), left),
-                // 16-bit weights: stepped on the host, each put back on the device.
+                // 16-bit weights: each goes down, steps on the host and goes back up.
                 (None, Some(device)) => {
-                    let steps = ids.len() as u64;
-                    *masters = crate::offload::on_host(steps, || {
-                        optimizer.step(lr, masters.clone(), left)
-                    });
-                    let mut values = crate::offload::values_of(masters, Some(&ids));
-                    *masters = crate::offload::put_up(masters.clone(), &mut values, device);
+                    let mut on_host = masters.clone();
+                    for id in &ids {
+                        on_host = crate::offload::down_param(on_host, *id);
+                    }
+                    let timer = crate::offload::HostTimer::start(true);
+                    let stepped = optimizer.step(lr, on_host, left);
+                    timer.stop();
+                    crate::offload::count_steps(ids.len() as u64);
+                    let mut values = crate::offload::values_of(&stepped, Some(&ids));
+                    *masters = crate::offload::put_up(stepped, &mut values, device, true);
                 }
             }
         }

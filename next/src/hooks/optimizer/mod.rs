@@ -89,6 +89,8 @@ pub struct OptimizerHook {
     frozen: Option<crate::frozen::FrozenDtype>,
     /// Optimizer offload, where it is on.
     offload: Option<offload::OptimizerOffload>,
+    /// Whether a step of the 16-bit weights was counted in this run (the first one warns).
+    rounding_counted: bool,
 }
 
 impl Default for OptimizerHook {
@@ -112,6 +114,7 @@ impl OptimizerHook {
             in_backward: None,
             frozen: None,
             offload: None,
+            rounding_counted: false,
         }
     }
 
@@ -294,9 +297,26 @@ impl OptimizerHook {
         state.log.grad_norm = end.grad_norm.filter(|_| end.stepped);
         state.log.loss_scale = self.mixed.as_ref().and_then(Mixed::logged_scale);
         if end.stepped {
+            self.log_rounding(state);
             self.refresh_forward(state);
         }
         Ok(())
+    }
+
+    /// After a step of 16-bit weights: the share of updates that left their weight unchanged,
+    /// logged; f16 weights losing updates warn at the run's first step.
+    fn log_rounding<M: TrainModel>(&mut self, state: &mut TrainState<M>) {
+        let Some(precision) = self.weights16 else {
+            return;
+        };
+        let first = !std::mem::replace(&mut self.rounding_counted, true);
+        let Some((share, warning)) = crate::weights16::step_figures(precision, first) else {
+            return;
+        };
+        state.log.weights_unchanged = Some(share);
+        if let Some(warning) = warning {
+            state.warn(warning);
+        }
     }
 }
 
@@ -340,15 +360,10 @@ impl<M: TrainModel> Hook<M> for OptimizerHook {
     }
 
     fn before_run(&mut self, state: &mut TrainState<M>) -> Result<()> {
-        if self.offload.is_some() {
-            // Offload steps in backward (set with it; here too where the step in backward was
-            // switched off after it).
-            self.in_backward.get_or_insert_with(Default::default);
-        }
+        self.offload_before_run(state);
         self.check_step_in_backward(state)?;
         self.prepare(state)?;
         self.compress_frozen(state)?;
-        self.offload_before_run(state)?;
         // A scaler saved by a resumed run whose 16-bit weights implied it.
         if let Some(saved) = self.saved_state.take().filter(|_| self.mixed.is_some()) {
             if let Err(error) = Hook::<M>::load_state_dict(self, saved) {
@@ -386,6 +401,7 @@ impl<M: TrainModel> Hook<M> for OptimizerHook {
     }
 
     fn before_forward(&mut self, state: &mut TrainState<M>) -> Result<()> {
+        self.offload_start(state);
         self.tap_forward(state);
         Ok(())
     }
@@ -414,6 +430,10 @@ impl<M: TrainModel> Hook<M> for OptimizerHook {
     fn after_run(&mut self, state: &mut TrainState<M>) -> Result<()> {
         self.offload_after_run(state);
         Ok(())
+    }
+
+    fn after_failure(&mut self, state: &mut TrainState<M>) {
+        self.offload_after_run(state);
     }
 
     fn snapshot_model(&self, _state: &TrainState<M>) -> Option<M> {

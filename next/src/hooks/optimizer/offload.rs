@@ -4,7 +4,8 @@
 //! host and is freed on the device, its parameter steps there with the user's optimizer, and the
 //! new value goes up. It taps as the step in backward does (one pass, or two under clipping or
 //! mixed precision: the same norm pass and the same overflow skip) and differs only in where
-//! each parameter steps, so it trains the ordinary step's weights bit for bit.
+//! each parameter steps: the ordinary step's arithmetic on the host's backend (on the CPU the
+//! same weights bit for bit).
 //!
 //! Under accumulation the group's sums are on the host too: each micro-batch that does not end
 //! its group is tapped, and each gradient, as soon as it is final, goes to the host and is added
@@ -15,14 +16,20 @@
 //! forward runs on, stepped in place (each new value goes up in half); snapshots save the
 //! masters (with the device's running statistics and frozen weights), evaluation during the run
 //! reads the half model (as MMCV's `Fp16OptimizerHook` evaluates its half model), and after the
-//! run the model is fp32 again, from the masters. 16-bit weights are their only copy, on the
-//! device: the host keeps their optimizer's state and no master.
+//! run the model is fp32 again, from the masters (and where the run ends with an error too).
+//! 16-bit weights are their only copy, on the device: each goes down for its step and back up,
+//! and the host keeps their optimizer's state and no master.
+//!
+//! The move to the host happens before the run's first forward, once every hook's `before_run`
+//! has set the model up (the `with_cp` switches of `"dynamic"` among them). A resumed
+//! optimizer's state waits on Burn's default device until its parameter first steps (Burn
+//! 0.22's `ModuleOptimizer::load_record` puts it there, and has no call that moves it): on a
+//! device with memory of its own that is the device, until the first step.
 
 use std::any::Any;
 
 use super::OptimizerHook;
 use crate::train::{TrainModel, TrainState};
-use crate::{Error, Result};
 
 /// What optimizer offload holds across a run.
 #[derive(Default)]
@@ -52,35 +59,49 @@ struct Held<M> {
 impl OptimizerHook {
     /// The same hook keeping the optimizer's state and the fp32 master weights in host memory,
     /// each parameter stepped there as soon as its gradient is final (DeepSpeed's
-    /// ZeRO-Offload): the step runs in backward ([`OptimizerHook::with_step_in_backward`]),
-    /// and the device holds the weights the forward reads, the activations and the gradients
-    /// in flight. The same weights as the ordinary step, bit for bit. On a device whose tensors
-    /// are host memory (the CPU) the run ends with an error saying it saves nothing.
+    /// ZeRO-Offload): the step runs in backward (as [`OptimizerHook::with_step_in_backward`]
+    /// says, in one pass or two), and the device holds the weights the forward reads, the
+    /// activations and the gradients in flight. Each step is the ordinary step's arithmetic on
+    /// the host's backend (Flex): on the CPU the same weights bit for bit. On a device whose
+    /// tensors are host memory (the CPU) there is nothing to offload to: the run says so once
+    /// and steps as without.
     pub fn with_optimizer_offload(mut self, on: bool) -> Self {
         self.offload = on.then(OptimizerOffload::default);
-        if on && self.in_backward.is_none() {
-            self = self.with_step_in_backward(true);
-        }
         self
     }
 
-    /// Whether the optimizer's state and the masters are kept on the host.
+    /// Whether the optimizer's state and the masters are to be kept on the host.
     pub fn optimizer_offload(&self) -> bool {
         self.offload.is_some()
     }
 
-    /// Before the run (after the model is cast and its half copy made): the masters to the
-    /// host; under mixed precision the device's fp32 weights go and the half copy becomes the
-    /// model.
-    pub(super) fn offload_before_run<M: TrainModel>(
-        &mut self,
-        state: &mut TrainState<M>,
-    ) -> Result<()> {
-        let Some(offload) = self.offload.as_mut() else {
-            return Ok(());
+    /// Before the run: on a device whose tensors are host memory, offload goes with a warning;
+    /// otherwise the step runs in backward.
+    pub(super) fn offload_before_run<M: TrainModel>(&mut self, state: &mut TrainState<M>) {
+        if self.offload.is_none() {
+            return;
+        }
+        if let Err(why) = crate::offload::can_offload(&state.device) {
+            state.warn(format!(
+                "`offload.optimizer`: {why}; the optimizer steps on the device, as without it"
+            ));
+            self.offload = None;
+            return;
+        }
+        self.in_backward.get_or_insert_with(Default::default);
+    }
+
+    /// Before the run's first forward (every hook's `before_run` done: the `with_cp` switches
+    /// they set are the model's): the masters to the host; under mixed precision the device's
+    /// fp32 weights go and the half copy becomes the model.
+    pub(super) fn offload_start<M: TrainModel>(&mut self, state: &mut TrainState<M>) {
+        let Some(offload) = self
+            .offload
+            .as_mut()
+            .filter(|offload| offload.held.is_none())
+        else {
+            return;
         };
-        crate::offload::can_offload(&state.device)
-            .map_err(|why| Error::invalid("offload.optimizer", why))?;
         let held = if self.weights16.is_some() {
             Held::<M> {
                 masters: None,
@@ -97,7 +118,6 @@ impl OptimizerHook {
             }
         };
         offload.held = Some(Box::new(held));
-        Ok(())
     }
 
     /// Whether the run's masters are on the host now.
@@ -124,15 +144,15 @@ impl OptimizerHook {
         )
     }
 
-    /// The step pass's access to the masters on the host.
+    /// The step pass's access to the masters on the host (their slot: the pass takes them).
     pub(super) fn host_masters_mut<M: TrainModel>(
         offload: &mut Option<OptimizerOffload>,
-    ) -> Option<&mut M> {
+    ) -> Option<&mut Option<M>> {
         let held = offload.as_mut()?.held.as_mut()?;
-        held.downcast_mut::<Held<M>>()
-            .expect("held for the model the hook trains")
-            .masters
-            .as_mut()
+        let held = held
+            .downcast_mut::<Held<M>>()
+            .expect("held for the model the hook trains");
+        Some(&mut held.masters)
     }
 
     /// The fp32 model the device would hold without offload under mixed precision: the
@@ -146,11 +166,12 @@ impl OptimizerHook {
             skeleton.clone(),
             &mut values,
             &crate::offload::host(),
+            false,
         ))
     }
 
-    /// After the run: the model fp32 on the device again, from the masters, the half copy
-    /// beside it as without offload; the host's state let go.
+    /// After the run (or where it ends with an error): the model fp32 on the device again,
+    /// from the masters, the half copy beside it as without offload; the host's state let go.
     pub(super) fn offload_after_run<M: TrainModel>(&mut self, state: &mut TrainState<M>) {
         let Some(held) = self
             .offload
@@ -166,7 +187,7 @@ impl OptimizerHook {
             let ids = crate::offload::trainable_ids(&skeleton);
             let mut values = crate::offload::values_of(&masters, Some(&ids));
             drop(masters);
-            let fp32 = crate::offload::put_up(skeleton, &mut values, &state.device);
+            let fp32 = crate::offload::put_up(skeleton, &mut values, &state.device, false);
             state.forward_model = Some(std::mem::replace(&mut state.model, fp32));
         }
     }

@@ -36,9 +36,9 @@ impl OptimizerHook {
         self
     }
 
-    /// Whether each parameter steps in backward.
+    /// Whether each parameter steps in backward (asked for, or by optimizer offload).
     pub fn step_in_backward(&self) -> bool {
-        self.in_backward.is_some()
+        self.in_backward.is_some() || self.offload.is_some()
     }
 
     /// Before the run: the step in backward joins Burn's autodiff graph, on a backend memsave
@@ -50,10 +50,15 @@ impl OptimizerHook {
         if self.in_backward.is_none() {
             return Ok(());
         }
+        // Optimizer offload steps in backward: its key is the one to name.
+        let field = match self.offload {
+            Some(_) => "offload.optimizer",
+            None => "step_in_backward",
+        };
         let probe = burn::tensor::Tensor::<1>::zeros([1], &state.device).into_dispatch();
         if !crate::backend::is_autodiff_float(&probe) {
             return Err(crate::Error::invalid(
-                "step_in_backward",
+                field,
                 format!(
                     "needs an autodiff device, whose graph the step joins; this run's device \
                      ({:?}) is not one: pass `device.autodiff()`",
@@ -62,7 +67,7 @@ impl OptimizerHook {
             ));
         }
         crate::backend::supported(&probe)
-            .map_err(|error| crate::Error::invalid("step_in_backward", error.to_string()))
+            .map_err(|error| crate::Error::invalid(field, error.to_string()))
     }
 
     /// Whether this iteration ends its group (steps).
@@ -251,6 +256,7 @@ impl OptimizerHook {
         state.log.step_groups = 1;
         state.log.grad_norm = norm;
         state.log.loss_scale = self.mixed.as_ref().and_then(Mixed::logged_scale);
+        self.log_rounding(state);
         self.refresh_forward(state);
         true
     }
