@@ -473,6 +473,11 @@ fn the_learner_with_mixed_precision_accumulation_and_clipping_trains_what_the_ru
                 true => assert_eq!(master, DType::BF16, "{name}: the weights stay bf16"),
                 false => assert_eq!(master, DType::F32, "{name}: the masters stay fp32"),
             }
+            // The last step's share of updates the 16-bit weights left unchanged, with them
+            // alone.
+            let share = memsave.last_step().weights_unchanged;
+            assert_eq!(share.is_some(), setup.weights16, "{name}: {share:?}");
+            assert!(share.is_none_or(|share| (0.0..1.0).contains(&share)), "{name}");
         }
     });
 }
