@@ -50,6 +50,7 @@ mod op;
 pub(crate) mod ours;
 mod segment;
 pub(crate) mod state;
+mod wrapped;
 
 use std::marker::PhantomData;
 
@@ -72,6 +73,7 @@ pub use memsave_common::checkpoint::{
     UnknownSegment,
 };
 pub use segment::{floats, Segment};
+pub use wrapped::Checkpointed;
 
 /// `loss.backward()`, leaving the device's random stream where a run without checkpointing
 /// leaves it. A recomputation replays its segment's draws by giving the device the segment's

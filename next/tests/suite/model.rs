@@ -135,3 +135,76 @@ fn an_unknown_path_is_an_error_naming_the_closest_segments() {
         );
     });
 }
+
+/// Burn's own encoder layers, each a segment through `Checkpointed` (no block of one's own, the
+/// layer's own forward called in a closure), in a model with no flag of its own.
+#[model]
+#[derive(Module, Debug)]
+struct Wrapped {
+    embed: Linear,
+    #[with_cp]
+    layers: Vec<memsave_next::checkpoint::Checkpointed<TransformerEncoderLayer>>,
+}
+
+impl Wrapped {
+    /// The same weights as `encoder`'s (its layers, unwrapped from its blocks).
+    fn from_blocks(encoder: Encoder) -> Self {
+        Wrapped {
+            embed: encoder.embed,
+            layers: encoder
+                .blocks
+                .into_iter()
+                .map(|block| memsave_next::checkpoint::Checkpointed::new(block.layer))
+                .collect(),
+        }
+    }
+
+    /// One step from the stream `seed`, as `Encoder::step`.
+    fn step(&self, device: &Device, seed: u64) -> (Vec<Option<Vec<u32>>>, usize) {
+        device.seed(seed);
+        RUNS.with(|runs| runs.set(0));
+        let x = Tensor::<3>::random([2, 6, 8], Distribution::Default, device);
+        let mut h = self.embed.forward(x);
+        for layer in &self.layers {
+            h = layer.forward_with(h, |layer, h| {
+                RUNS.with(|runs| runs.set(runs.get() + 1));
+                layer.forward(h, None, None)
+            });
+        }
+        let grads = h.powi_scalar(2).mean().backward();
+        (grad_bits(self, &grads), RUNS.with(Cell::get))
+    }
+}
+
+#[test]
+fn any_burn_module_is_a_segment_through_checkpointed_switched_and_named_as_a_block() {
+    watchdog(300, || {
+        for (strategy, device) in devices() {
+            device.seed(3);
+            let encoder = initialized(Encoder::new(&device));
+            // The blocks' run, plain: the gradients a wrapped layer must give.
+            let (plain, _) = encoder.step(&device, 7);
+            let wrapped = Wrapped::from_blocks(encoder);
+            assert_eq!(
+                segment_paths(&wrapped),
+                ["layers.0", "layers.1", "layers.2"]
+            );
+            let (off, off_runs) = wrapped.step(&device, 7);
+            assert_same_bits(&plain, &off, strategy);
+            assert_eq!(off_runs, 3, "{strategy}: the switches start off");
+            // Every layer: each recomputed once, Burn's dropout (0.25) replayed exactly.
+            let wrapped = set_with_cp(wrapped, true);
+            let (on, on_runs) = wrapped.step(&device, 7);
+            assert_same_bits(&plain, &on, strategy);
+            assert_eq!(on_runs, 6, "{strategy}");
+            // A plan's path: that layer alone.
+            let wrapped = set_with_cp(wrapped, false);
+            let wrapped = set_with_cp_paths(wrapped, &["layers.2".to_string()]).unwrap();
+            let flags: Vec<bool> = wrapped.layers.iter().map(|layer| layer.with_cp).collect();
+            assert_eq!(flags, [false, false, true]);
+            let (one, one_runs) = wrapped.step(&device, 7);
+            assert_same_bits(&plain, &one, strategy);
+            assert_eq!(one_runs, 4, "{strategy}");
+        }
+    });
+}
