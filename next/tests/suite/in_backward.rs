@@ -229,6 +229,28 @@ pub(crate) fn assert_same_runs(name: &str, after: &Ran, during: &Ran) {
     assert_eq!(after.warnings, during.warnings, "{name}: the warnings");
 }
 
+/// AdamW clipped at a norm of 0.05, in groups of 3 over 7 micro-batches, every block
+/// checkpointed: two passes at each group's end, sums between.
+pub(crate) fn clipped_groups(device: Device) -> Setup {
+    Setup {
+        device,
+        count: 3,
+        checkpointed: true,
+        data: Data {
+            rows: 16,
+            count: 7,
+            loud: vec![],
+        },
+        iters: 7,
+        optimizer: adamw,
+        hook: || {
+            OptimizerHook::new()
+                .with_grad_clip(Some(GradClip::new(0.05, 2.0).unwrap()))
+                .with_groups(Groups::new(3).unwrap())
+        },
+    }
+}
+
 pub(crate) fn momentum() -> ModuleOptimizer {
     SgdConfig::new()
         .with_momentum(Some(MomentumConfig::new().with_momentum(0.9)))
@@ -275,23 +297,7 @@ fn two_passes_clip_and_accumulate_as_the_step_after_backward() {
     watchdog(300, || {
         let (after, _) = same_run(
             "clipped, groups of 3 over 7",
-            Setup {
-                device: devices()[0].1.clone(),
-                count: 3,
-                checkpointed: true,
-                data: Data {
-                    rows: 16,
-                    count: 7,
-                    loud: vec![],
-                },
-                iters: 7,
-                optimizer: adamw,
-                hook: || {
-                    OptimizerHook::new()
-                        .with_grad_clip(Some(GradClip::new(0.05, 2.0).unwrap()))
-                        .with_groups(Groups::new(3).unwrap())
-                },
-            },
+            clipped_groups(devices()[0].1.clone()),
         );
         let stepped: Vec<bool> = after.logs.iter().map(|log| log.stepped).collect();
         assert_eq!(stepped, [false, false, true, false, false, true, true]);

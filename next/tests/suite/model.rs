@@ -64,16 +64,26 @@ impl Encoder {
     /// One step from the stream `seed`: the parameters' gradients and how many times the
     /// blocks' forward ran.
     fn step(&self, device: &Device, seed: u64) -> (Vec<Option<Vec<u32>>>, usize) {
-        device.seed(seed);
-        RUNS.with(|runs| runs.set(0));
-        let x = Tensor::<3>::random([2, 6, 8], Distribution::Default, device);
-        let mut h = self.embed.forward(x);
-        for block in &self.blocks {
-            h = block.forward(h);
-        }
-        let grads = h.powi_scalar(2).mean().backward();
-        (grad_bits(self, &grads), RUNS.with(Cell::get))
+        step(self, &self.embed, device, seed, |h| {
+            self.blocks.iter().fold(h, |h, block| block.forward(h))
+        })
     }
+}
+
+/// One step of `model` from the stream `seed`: `embed`, then `layers`; the parameters' gradients
+/// and how many times the layers' forward ran.
+fn step<M: Module>(
+    model: &M,
+    embed: &Linear,
+    device: &Device,
+    seed: u64,
+    layers: impl FnOnce(Tensor<3>) -> Tensor<3>,
+) -> (Vec<Option<Vec<u32>>>, usize) {
+    device.seed(seed);
+    RUNS.with(|runs| runs.set(0));
+    let x = Tensor::<3>::random([2, 6, 8], Distribution::Default, device);
+    let grads = layers(embed.forward(x)).powi_scalar(2).mean().backward();
+    (grad_bits(model, &grads), RUNS.with(Cell::get))
 }
 
 #[test]
@@ -161,18 +171,14 @@ impl Wrapped {
 
     /// One step from the stream `seed`, as `Encoder::step`.
     fn step(&self, device: &Device, seed: u64) -> (Vec<Option<Vec<u32>>>, usize) {
-        device.seed(seed);
-        RUNS.with(|runs| runs.set(0));
-        let x = Tensor::<3>::random([2, 6, 8], Distribution::Default, device);
-        let mut h = self.embed.forward(x);
-        for layer in &self.layers {
-            h = layer.forward_with(h, |layer, h| {
-                RUNS.with(|runs| runs.set(runs.get() + 1));
-                layer.forward(h, None, None)
-            });
-        }
-        let grads = h.powi_scalar(2).mean().backward();
-        (grad_bits(self, &grads), RUNS.with(Cell::get))
+        step(self, &self.embed, device, seed, |h| {
+            self.layers.iter().fold(h, |h, layer| {
+                layer.forward_with(h, |layer, h| {
+                    RUNS.with(|runs| runs.set(runs.get() + 1));
+                    layer.forward(h, None, None)
+                })
+            })
+        })
     }
 }
 

@@ -25,7 +25,9 @@ use memsave_next::weights16::{WeightRounding, Weights16};
 
 use common::blocks::NARROW;
 
-use super::in_backward::{adamw, assert_same_runs, momentum, run_hooked, Data, Net, Ran, Setup};
+use super::in_backward::{
+    adamw, assert_same_runs, clipped_groups, momentum, run_hooked, Data, Net, Ran, Setup,
+};
 
 /// What the device held at the end of each iteration: the trainable parameters of
 /// `TrainState::model` in fp32, and whether a forward copy was kept beside it.
@@ -149,23 +151,7 @@ fn offload_in_fp32_trains_the_ordinary_steps_weights_in_one_pass_and_in_two() {
         assert_eq!(off.stats.bytes_down, 4 * 4 * elements);
         assert_eq!(off.stats.bytes_up, 4 * 4 * elements);
         assert!(off.stats.host_seconds > 0.0);
-        let setup = Setup {
-            device: devices()[1].1.clone(),
-            count: 3,
-            checkpointed: true,
-            data: Data {
-                rows: 16,
-                count: 7,
-                loud: vec![],
-            },
-            iters: 7,
-            optimizer: adamw,
-            hook: || {
-                OptimizerHook::new()
-                    .with_grad_clip(Some(GradClip::new(0.05, 2.0).unwrap()))
-                    .with_groups(Groups::new(3).unwrap())
-            },
-        };
+        let setup = clipped_groups(devices()[1].1.clone());
         let (ordinary, off) = ordinary_and_offloaded(
             "fp32, AdamW clipped, groups of 3 over 7, checkpointed, Burn's Balanced strategy",
             &setup,
