@@ -41,7 +41,7 @@
 //! assert_eq!(model.weight.val().dtype(), DType::BF16);
 //! ```
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use burn::optim::{join_path, LearningRate, ModuleOptimizer, Optimizer, RecordState};
@@ -134,12 +134,14 @@ impl<O: Optimizer> Optimizer for Weights16<O> {
             };
             return (stepped, Some(state));
         }
+        let counting = counting();
+        let before = counting.then(|| tensor.clone());
         let old = tensor.cast(DType::F32);
         let (new, inner) = self
             .inner
             .step(lr, old.clone(), grad.cast(DType::F32), inner);
-        // The values the rule moved (its counts: `take_step_rounding`).
-        let moved = new.clone().not_equal(old.clone());
+        // The values the rule moved, where a reader asked for the counts (`take_step_rounding`).
+        let moved = before.map(|before| (new.clone().not_equal(old.clone()), before));
         let (stored, carry) = match self.rounding {
             WeightRounding::Nearest => (nearest(new, dtype), None),
             WeightRounding::Stochastic => {
@@ -155,7 +157,9 @@ impl<O: Optimizer> Optimizer for Weights16<O> {
                 (stored, Some(carry.cast(dtype)))
             }
         };
-        count_rounding(moved, old, &stored, self.rounding);
+        if let Some((moved, before)) = moved {
+            count_rounding(moved, before, &stored, self.rounding);
+        }
         let state = Weights16State {
             inner,
             steps: steps + 1,
@@ -217,7 +221,30 @@ impl<S: RecordState, const D: usize> RecordState for Weights16State<S, D> {
 /// update was not zero, and those of them whose stored weight did not change (on the device
 /// until read).
 #[derive(Default)]
-struct RoundingCounts(Mutex<Option<Counted>>);
+struct RoundingCounts {
+    /// Whether a reader asked for the counts ([`count_step_rounding`]).
+    asked: AtomicBool,
+    counted: Mutex<Option<Counted>>,
+}
+
+/// Whether the current run counts the rounding of the 16-bit weights.
+fn counting() -> bool {
+    crate::run::current()
+        .part::<RoundingCounts>()
+        .asked
+        .load(Ordering::Relaxed)
+}
+
+/// Has [`Weights16`] count, in the current run, the updates each step leaves unchanged (read
+/// with [`take_step_rounding`]): the optimizer hook and burn-train's adapter ask for it where
+/// the weights are kept in 16 bits. It costs two masks and two sums of each parameter's size a
+/// step. Returns the previous setting.
+pub fn count_step_rounding(on: bool) -> bool {
+    crate::run::current()
+        .part::<RoundingCounts>()
+        .asked
+        .swap(on, Ordering::Relaxed)
+}
 
 /// The counts so far and the rounding that made them.
 struct Counted {
@@ -226,20 +253,22 @@ struct Counted {
     rounding: WeightRounding,
 }
 
-/// Counts one parameter's step: `moved` where the wrapped rule changed its fp32 value, `old` its
-/// value before (fp32), `stored` what its 16-bit weight became (fp32).
+/// Counts one parameter's step: `moved` where the wrapped rule changed its fp32 value, `before`
+/// its 16-bit weight before the step, `stored` what it became (its values are the 16-bit
+/// type's). The counts are summed in i64 (a model past 2^31 values counts right).
 fn count_rounding<const D: usize>(
     moved: Tensor<D, Bool>,
-    old: Tensor<D>,
+    before: Tensor<D>,
     stored: &Tensor<D>,
     rounding: WeightRounding,
 ) {
-    let kept = stored.clone().cast(DType::F32).equal(old);
-    let unchanged = moved.clone().bool_and(kept).int().sum();
-    let moved = moved.int().sum();
+    let kept = stored.clone().cast(before.dtype()).equal(before);
+    let count = |mask: Tensor<D, Bool>| mask.int().cast(DType::I64).sum();
+    let unchanged = count(moved.clone().bool_and(kept));
+    let moved = count(moved);
     let part = crate::run::current().part::<RoundingCounts>();
     let mut counts = part
-        .0
+        .counted
         .lock()
         .unwrap_or_else(|poisoned| poisoned.into_inner());
     *counts = Some(match counts.take() {
@@ -268,27 +297,33 @@ fn count_rounding<const D: usize>(
 pub fn take_step_rounding() -> Option<(StepRounding, WeightRounding)> {
     let part = crate::run::current().part::<RoundingCounts>();
     let taken = part
-        .0
+        .counted
         .lock()
         .unwrap_or_else(|poisoned| poisoned.into_inner())
         .take();
     let counted = taken?;
-    let read = |count: Tensor<1, Int>| count.into_scalar::<i64>() as f64;
+    // One read of both counts.
+    let both = Tensor::cat(vec![counted.moved, counted.unchanged], 0).into_data();
+    let both = both
+        .convert::<i64>()
+        .try_to_vec::<i64>()
+        .unwrap_or_default();
     let figures = StepRounding {
-        moved: read(counted.moved),
-        unchanged: read(counted.unchanged),
+        moved: both.first().copied().unwrap_or(0) as f64,
+        unchanged: both.get(1).copied().unwrap_or(0) as f64,
     };
     Some((figures, counted.rounding))
 }
 
 /// After a step of 16-bit weights kept in `precision`: [`take_step_rounding`]'s share of
-/// unchanged weights, and, at the run's `first` step, the warning f16 weights that lose updates
-/// give.
+/// unchanged weights, and, at the run's first counted step (`counted`: whether one was, set
+/// here), the warning f16 weights that lose updates give.
 pub(crate) fn step_figures(
     precision: crate::fp16::Precision,
-    first: bool,
+    counted: &mut bool,
 ) -> Option<(f64, Option<String>)> {
     let (figures, rounding) = take_step_rounding()?;
+    let first = !std::mem::replace(counted, true);
     let dtype = match precision {
         crate::fp16::Precision::F16 => memsave_common::weights::WeightDtype::F16,
         crate::fp16::Precision::Bf16 => memsave_common::weights::WeightDtype::Bf16,

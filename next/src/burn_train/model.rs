@@ -335,6 +335,10 @@ where
         // it); otherwise the masters' dtype.
         let mut sums = shared.summed.take().unwrap_or_default();
         let weights16 = shared.mixed.as_ref().is_some_and(|mixed| mixed.weights16);
+        if weights16 {
+            // The step's rounding counted (its share logged below).
+            crate::weights16::count_step_rounding(true);
+        }
         grads::accumulate(
             &self.model,
             &mut sums,
@@ -369,8 +373,8 @@ where
                 .filter(|mixed| mixed.weights16 && end.stepped)
                 .map(|mixed| mixed.precision);
             if let Some(precision) = weights16 {
-                let first = !std::mem::replace(&mut shared.rounding_counted, true);
-                if let Some((share, warning)) = crate::weights16::step_figures(precision, first) {
+                let counted = &mut shared.rounding_counted;
+                if let Some((share, warning)) = crate::weights16::step_figures(precision, counted) {
                     shared.last.weights_unchanged = Some(share);
                     if let Some(warning) = warning {
                         shared.warn(warning);

@@ -1,6 +1,6 @@
 //! Any Burn module as a recompute segment, without a block of one's own around it:
-//! [`Checkpointed`] wraps a module of any type (Burn's `TransformerEncoderLayer`, a module of
-//! another crate) and gives it the `with_cp` switch a `#[memsave::model]` block has, so that a
+//! [`Checkpointed`] wraps a module (Burn's `TransformerEncoderLayer`, another crate's
+//! `#[memsave::model]` block) and gives it the `with_cp` switch a `#[memsave::model]` block has, so that a
 //! field of it (or a `Vec` of them) marked `#[with_cp]` is a segment the switches, the plans'
 //! paths and `"dynamic"` reach. Its forward is the wrapped module's own, called in a closure:
 //!
@@ -40,8 +40,6 @@
 //! let grads = encoder.forward(x).powi_scalar(2).mean().backward();
 //! ```
 
-use std::ops::Deref;
-
 use burn::module::Module;
 
 use super::{checkpoint_with, CheckpointModule, HasWithCp, Options, Segment, SegmentId};
@@ -49,7 +47,9 @@ use crate::fp16::{Fp16Module, Precision};
 
 /// A module of any type with a `with_cp` switch: its forward, called through
 /// [`Checkpointed::forward_with`], is a recompute segment while the switch is on (see the
-/// [module docs](self)). It reads as the module it wraps (`Deref`).
+/// [module docs](self)). The module is `inner` (no `Deref`: a forward called on it directly
+/// would not be a segment). In a model memsave trains the module must be an `Fp16Module`
+/// (Burn's layers are, and `#[memsave::model]` modules).
 #[derive(Module, Debug)]
 pub struct Checkpointed<M: Module> {
     /// The wrapped module.
@@ -65,12 +65,6 @@ impl<M: Module + 'static> Checkpointed<M> {
             inner,
             with_cp: false,
         }
-    }
-
-    /// With the switch `on`.
-    pub fn with_cp(mut self, on: bool) -> Self {
-        self.with_cp = on;
-        self
     }
 
     /// `forward(&inner, input)`: a recompute segment while the switch is on (its activations
@@ -92,14 +86,6 @@ impl<M: Module + 'static> Checkpointed<M> {
     /// The wrapped module.
     pub fn into_inner(self) -> M {
         self.inner
-    }
-}
-
-impl<M: Module> Deref for Checkpointed<M> {
-    type Target = M;
-
-    fn deref(&self) -> &M {
-        &self.inner
     }
 }
 

@@ -307,9 +307,19 @@ fn an_fp32_island_in_a_bf16_model_keeps_fp32_weights() {
 #[test]
 fn a_step_counts_the_updates_that_left_their_weight_unchanged() {
     use burn::optim::Optimizer;
-    use memsave_next::weights16::take_step_rounding;
+    use memsave_next::weights16::{count_step_rounding, take_step_rounding};
     watchdog(300, || {
+        // Counted where asked for (the optimizer hook and burn-train's adapter ask).
+        let before = count_step_rounding(false);
         let _ = take_step_rounding();
+        let weight = Tensor::<1>::ones([8], &Device::flex()).cast(DType::BF16);
+        let grad = Tensor::<1>::ones([8], &Device::flex()).cast(DType::BF16);
+        let _ = Weights16::new(AdamWConfig::new().build()).step(1e-3, weight, grad, None);
+        assert!(
+            take_step_rounding().is_none(),
+            "counted without being asked"
+        );
+        count_step_rounding(true);
         let device = Device::flex();
         for dtype in [DType::BF16, DType::F16] {
             for rounding in [
@@ -348,13 +358,14 @@ fn a_step_counts_the_updates_that_left_their_weight_unchanged() {
                 );
                 println!(
                     "{dtype:?}, {rounding}: {unchanged} of {moved} updates left their weight \
-                     unchanged ({:.3})",
+                     unchanged ({:.3}; printed, the counts asserted against the tensors)",
                     figures.fraction()
                 );
                 // Read once: the next step starts its own count.
                 assert!(take_step_rounding().is_none());
             }
         }
+        count_step_rounding(before);
     });
 }
 

@@ -309,8 +309,8 @@ impl OptimizerHook {
         let Some(precision) = self.weights16 else {
             return;
         };
-        let first = !std::mem::replace(&mut self.rounding_counted, true);
-        let Some((share, warning)) = crate::weights16::step_figures(precision, first) else {
+        let counted = &mut self.rounding_counted;
+        let Some((share, warning)) = crate::weights16::step_figures(precision, counted) else {
             return;
         };
         state.log.weights_unchanged = Some(share);
@@ -361,6 +361,9 @@ impl<M: TrainModel> Hook<M> for OptimizerHook {
 
     fn before_run(&mut self, state: &mut TrainState<M>) -> Result<()> {
         self.offload_before_run(state);
+        if self.weights16.is_some() {
+            crate::weights16::count_step_rounding(true);
+        }
         self.check_step_in_backward(state)?;
         self.prepare(state)?;
         self.compress_frozen(state)?;
