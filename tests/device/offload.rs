@@ -907,25 +907,50 @@ fn optimizer_offload_past_the_host_budget_stops_before_the_run_naming_what_it_ne
             env!("CARGO_MANIFEST_DIR"),
             "/configs/resnet18_synthetic.toml"
         );
-        let out = super::memsave_cmd()
-            .args(["train", config, "--device", device_name(), "--work-dir"])
-            .arg(&dir)
-            .args([
-                "--set",
-                "offload.optimizer=true",
-                "--set",
-                "memory.host_budget=\"64KiB\"",
-                "--set",
-                "runner.max_epochs=1",
-                "--set",
-                "data.num_samples=8",
-                "--set",
-                "data.samples_per_gpu=4",
-                "--set",
-                "model.backbone.base_channels=8",
-            ])
-            .output()
-            .unwrap();
+        let run = || {
+            super::memsave_cmd()
+                .args(["train", config, "--device", device_name(), "--work-dir"])
+                .arg(&dir)
+                .args([
+                    "--set",
+                    "offload.optimizer=true",
+                    "--set",
+                    "memory.host_budget=\"64KiB\"",
+                    "--set",
+                    "runner.max_epochs=1",
+                    "--set",
+                    "data.num_samples=8",
+                    "--set",
+                    "data.samples_per_gpu=4",
+                    "--set",
+                    "model.backbone.base_channels=8",
+                ])
+                .output()
+                .unwrap()
+        };
+        let mut out = run();
+        // Once in CI (a fresh clone of cb6b6a7, beside the rest of this suite) the process, having
+        // printed the whole error, died at its exit with glibc's "corrupted size vs. prev_size"
+        // (a signal, no exit code); not seen in 25 runs alone, its source not found (the
+        // teardown of the Vulkan driver's threads at exit is suspected, not shown). One such
+        // death after the complete error is run again, said in the log; a second, or one
+        // without the error, fails.
+        let teardown = |out: &std::process::Output| {
+            out.status.code().is_none()
+                && String::from_utf8_lossy(&out.stderr)
+                    .contains("memsave: error: invalid value for `offload.optimizer`")
+        };
+        if ON_A_DEVICE && teardown(&out) {
+            println!(
+                "device suite: the process died at exit after its error ({}); run again",
+                String::from_utf8_lossy(&out.stderr)
+                    .lines()
+                    .last()
+                    .unwrap_or("")
+            );
+            let _ = std::fs::remove_dir_all(&dir);
+            out = run();
+        }
         let stderr = String::from_utf8_lossy(&out.stderr);
         if !ON_A_DEVICE {
             assert!(out.status.success(), "{stderr}");
