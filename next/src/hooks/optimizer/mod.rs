@@ -19,7 +19,9 @@ mod frozen;
 mod in_backward;
 mod mmcv;
 mod offload;
+mod sink;
 mod tapped;
+mod weights16;
 
 pub use mmcv::{
     Fp16OptimizerHook, GradientCumulativeFp16OptimizerHook, GradientCumulativeOptimizerHook,
@@ -34,7 +36,7 @@ use burn::tensor::DType;
 use crate::fp16::{wrap_fp16_model, Precision};
 use crate::grads::{self, GradClip};
 use crate::memory::{in_phase, phase, scope};
-use crate::scaler::{LossScaler, ScaleMode, PYTORCH_INIT_SCALE};
+use crate::scaler::LossScaler;
 use crate::snapshot::SnapshotMeta;
 use crate::train::params::{first_half_param, has_batch_norm, params_without_grad};
 use crate::train::step::end_group;
@@ -213,7 +215,9 @@ impl OptimizerHook {
                 ));
             }
             state.model = wrap_fp16_model(state.model.clone(), precision);
-            let mixed = self.mixed.get_or_insert_with(|| implied(precision));
+            let mixed = self
+                .mixed
+                .get_or_insert_with(|| weights16::implied(precision));
             mixed.on_weights = true;
         }
         self.refresh_forward(state);
@@ -302,22 +306,6 @@ impl OptimizerHook {
         }
         Ok(())
     }
-
-    /// After a step of 16-bit weights: the share of updates that left their weight unchanged,
-    /// logged; f16 weights losing updates warn at the run's first step.
-    fn log_rounding<M: TrainModel>(&mut self, state: &mut TrainState<M>) {
-        let Some(precision) = self.weights16 else {
-            return;
-        };
-        let counted = &mut self.rounding_counted;
-        let Some((share, warning)) = crate::weights16::step_figures(precision, counted) else {
-            return;
-        };
-        state.log.weights_unchanged = Some(share);
-        if let Some(warning) = warning {
-            state.warn(warning);
-        }
-    }
 }
 
 /// MMCV's `detect_anomalous_params` warning: the trainable parameters (module paths) that got
@@ -329,22 +317,6 @@ fn warn_no_gradient<M: TrainModel>(state: &mut TrainState<M>, missing: Vec<Strin
             state.iter,
             missing.join(", ")
         ));
-    }
-}
-
-/// The forward of 16-bit weights of `precision` without mixed precision: bf16 without loss
-/// scaling (a static scale of 1), f16 with a dynamic scale from PyTorch's 2^16.
-fn implied(precision: Precision) -> Mixed {
-    let scaler = match precision {
-        Precision::Bf16 => LossScaler::new(1.0, ScaleMode::Static, 2.0, 1000),
-        Precision::F16 => LossScaler::new(PYTORCH_INIT_SCALE, ScaleMode::Dynamic, 2.0, 1000),
-    }
-    .expect("valid scaler settings");
-    Mixed {
-        scaler,
-        precision,
-        on_weights: true,
-        implied: true,
     }
 }
 

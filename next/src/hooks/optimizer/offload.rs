@@ -129,19 +129,11 @@ impl OptimizerHook {
 
     /// The masters on the host, where the run keeps them there.
     pub(super) fn host_masters<M: TrainModel>(offload: &Option<OptimizerOffload>) -> Option<&M> {
-        let held = offload.as_ref()?.held.as_ref()?;
-        held.downcast_ref::<Held<M>>()
-            .expect("held for the model the hook trains")
-            .masters
-            .as_ref()
+        held_in::<M>(offload)?.masters.as_ref()
     }
 
     fn held<M: TrainModel>(&self) -> Option<&Held<M>> {
-        let held = self.offload.as_ref()?.held.as_ref()?;
-        Some(
-            held.downcast_ref::<Held<M>>()
-                .expect("held for the model the hook trains"),
-        )
+        held_in(&self.offload)
     }
 
     /// The step pass's access to the masters on the host (their slot: the pass takes them).
@@ -191,4 +183,13 @@ impl OptimizerHook {
             state.forward_model = Some(std::mem::replace(&mut state.model, fp32));
         }
     }
+}
+
+/// The run's [`Held`], where offload holds one.
+fn held_in<M: TrainModel>(offload: &Option<OptimizerOffload>) -> Option<&Held<M>> {
+    let held = offload.as_ref()?.held.as_ref()?;
+    Some(
+        held.downcast_ref::<Held<M>>()
+            .expect("held for the model the hook trains"),
+    )
 }
